@@ -1,0 +1,179 @@
+"""Public cache classes: thin ``transformers.Cache`` subclasses that assemble per-layer storage from a config."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from . import quant
+from ._config import LayerSpec, layer_specs, resolve_config
+from .layers._codecs import Int8Codec, KiviCodec
+from .layers._storage import Workspace
+from .layers.quantized import QuantizedLayer, QuantizedSlidingWindowLayer
+
+__all__ = ["KVCacheReportMixin", "QuantizedKVCache"]
+
+_SCALE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_BACKENDS = ("torch", "bitsandbytes")
+_DEFAULT_RESIDUAL = {8: 0, 4: 128, 2: 128}
+
+
+class KVCacheReportMixin:
+    """Memory reporting shared by the hf_kvcache caches (layers expose ``nbytes`` / ``reserved_nbytes``)."""
+
+    layers: list
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V storage holding live tokens now: data, scales, zero points, residual, block tables."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def reserved_nbytes(self) -> int:
+        """Bytes allocated now, including growth headroom (``>= nbytes``)."""
+        return sum(layer.reserved_nbytes for layer in self.layers)
+
+    def memory_report(self) -> dict:
+        """Totals and a per-layer breakdown (``layer_idx``, ``type``, ``stored_tokens``, ``nbytes``, ...)."""
+        rows = [
+            {
+                "layer_idx": i,
+                "type": type(layer).__name__,
+                "seen_tokens": layer.get_seq_length(),
+                "stored_tokens": layer.stored_tokens,
+                "nbytes": layer.nbytes,
+                "reserved_nbytes": layer.reserved_nbytes,
+            }
+            for i, layer in enumerate(self.layers)
+        ]
+        return {
+            "nbytes": self.nbytes,
+            "reserved_nbytes": self.reserved_nbytes,
+            "workspace_nbytes": self.workspace_nbytes,
+            "layers": rows,
+        }
+
+    @property
+    def workspace_nbytes(self) -> int:
+        """Scratch shared by all layers for the K/V handed to attention (one layer's worth, not per layer)."""
+        workspace = getattr(self, "workspace", None)
+        return workspace.nbytes if workspace is not None else 0
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+class QuantizedKVCache(KVCacheReportMixin, Cache):
+    """A KV cache that stores keys and values in 8, 4 or 2 bits, for any ``generate()`` mode.
+
+    * ``bits=8`` (default): symmetric absmax int8 with one float32 scale per token, head and ``group_size``
+      channels (the whole head by default), about 0.52x of a bf16 cache at head_dim 128. Each token is encoded as it
+      arrives; greedy decoding keeps the tokens of the default cache in our tests.
+    * ``bits=4`` / ``bits=2``: KIVI (https://arxiv.org/abs/2402.02750): keys quantized per channel over groups of
+      ``group_size`` tokens, values per token over groups of ``group_size`` channels, asymmetric (scale + zero point),
+      packed 2 or 4 codes per byte, with the most recent ``residual_length`` tokens kept in full precision.
+
+    Every token is encoded exactly once (the prompt's tail stays in the residual; nothing is re-quantized), appends
+    are amortized, and the K/V handed to attention are decoded into one workspace shared by all layers. On hybrid
+    models the model's sliding-window layers are quantized too and keep only their window, as ``DynamicCache`` does.
+    Non-finite values never poison a group (see :mod:`hf_kvcache.quant`).
+
+    Args:
+        config: the model's ``PretrainedConfig``, or the model itself.
+        bits: 8, 4 or 2.
+        group_size: elements that share a scale. 8 bits: channels per scale group (default: ``head_dim``, one scale
+            per token and head). 4/2 bits: tokens per key group and channels per value group (default: the largest
+            of 64, 32, 16, 8, 4, 2, 1 that divides ``head_dim``). Must divide ``head_dim``.
+        residual_length: most recent tokens kept in full precision (default 0 at 8 bits, 128 at 4 and 2 bits, as in
+            KIVI). Tokens leave the residual ``group_size`` at a time at 4/2 bits, so it holds between
+            ``residual_length`` and ``residual_length + group_size - 1`` tokens once full.
+        backend: ``"torch"`` or, for 8 bits, ``"bitsandbytes"`` (codes from ``bitsandbytes.functional.
+            int8_vectorwise_quant``; needs the ``bnb`` extra).
+        scale_dtype: dtype of scales and zero points: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (or the torch
+            dtype). Default: float32 at 8 bits; at 4/2 bits the K/V dtype when it is 16-bit, else float32.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> from hf_kvcache import QuantizedKVCache
+        >>> config = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+        >>> cache = QuantizedKVCache(config, bits=4, residual_length=32)
+        >>> cache.bits, cache.group_size
+        (4, 16)
+    """
+
+    def __init__(
+        self,
+        config,
+        bits: int = 8,
+        group_size: int | None = None,
+        residual_length: int | None = None,
+        backend: str = "torch",
+        scale_dtype: str | torch.dtype | None = None,
+    ):
+        config = resolve_config(config)
+        if bits not in quant.SUPPORTED_BITS or isinstance(bits, bool):
+            raise ValueError(f"bits must be one of {quant.SUPPORTED_BITS}, got {bits!r}")
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        if backend == "bitsandbytes":
+            if bits != 8:
+                raise ValueError(f"backend='bitsandbytes' supports bits=8 only, got bits={bits}")
+            try:
+                import bitsandbytes  # noqa: F401
+            except ImportError as err:
+                raise ImportError("backend='bitsandbytes' needs bitsandbytes: pip install 'hf-kvcache[bnb]'") from err
+        specs = layer_specs(config, type(self).__name__)
+        head_dims = sorted({s.head_dim for s in specs})
+        if group_size is None:
+            group_size = (
+                head_dims[0] if bits == 8 else next(g for g in (64, 32, 16, 8, 4, 2, 1) if head_dims[0] % g == 0)
+            )
+        _check_int("group_size", group_size, 1)
+        if any(d % group_size for d in head_dims) or any(d % (8 // bits) for d in head_dims):
+            raise ValueError(f"group_size must divide head_dim ({head_dims[0]}), got {group_size}")
+        residual_length = _DEFAULT_RESIDUAL[bits] if residual_length is None else residual_length
+        _check_int("residual_length", residual_length, 0)
+        if isinstance(scale_dtype, str):
+            if scale_dtype not in _SCALE_DTYPES:
+                raise ValueError(f"scale_dtype must be one of {tuple(_SCALE_DTYPES)}, got {scale_dtype!r}")
+            scale_dtype = _SCALE_DTYPES[scale_dtype]
+        elif scale_dtype is not None and scale_dtype not in _SCALE_DTYPES.values():
+            raise ValueError(f"scale_dtype must be one of {tuple(_SCALE_DTYPES)}, got {scale_dtype!r}")
+
+        self.bits, self.group_size, self.residual_length = bits, group_size, residual_length
+        self.backend, self.scale_dtype = backend, scale_dtype
+        self.layer_specs = specs
+        self.workspace = Workspace()
+        super().__init__(layers=[self._make_layer(spec) for spec in specs])
+
+    def _codec(self):
+        if self.bits == 8:
+            return Int8Codec(self.group_size, self.scale_dtype or torch.float32, self.backend)
+        return KiviCodec(self.bits, self.group_size, self.scale_dtype)
+
+    def _make_layer(self, spec: LayerSpec) -> QuantizedLayer:
+        if spec.layer_type == "full_attention":
+            return QuantizedLayer(self._codec(), self.residual_length, self.workspace)
+        return QuantizedSlidingWindowLayer(self._codec(), self.residual_length, self.workspace, spec.sliding_window)
+
+    def bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> float:
+        """Analytic stored bytes per quantized token, summed over layers, for K/V of ``dtype``.
+
+        Excludes the constant-size residual; sliding layers stop growing once their window is full.
+        """
+        total = 0.0
+        for spec, layer in zip(self.layer_specs, self.layers):
+            codec = layer.codec
+            if codec.scale_dtype is None:  # KIVI "auto": follows the K/V dtype when it is 16-bit
+                codec = KiviCodec(self.bits, self.group_size, dtype if dtype.itemsize == 2 else torch.float32)
+            total += codec.bytes_per_token(spec.num_kv_heads, spec.head_dim)
+        return total
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(bits={self.bits}, group_size={self.group_size}, "
+            f"residual_length={self.residual_length}, backend={self.backend!r}, layers={len(self.layers)})"
+        )

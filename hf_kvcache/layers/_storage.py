@@ -1,0 +1,159 @@
+"""Token-axis storage shared by the cache layers: growable buffers, a full-precision residual, and a shared
+dequantization workspace.
+
+All tensors are laid out ``(B, H, T, ...)``: batch, KV heads, tokens, then per-token payload. Capacity grows along
+the token axis by a fraction of the current size, so an append costs amortized O(new tokens) and the slack is bounded
+(``GROWTH``); ``nbytes`` counts the slots that hold live tokens, ``reserved_nbytes`` the whole allocation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# Headroom added when a buffer grows: a fraction of the needed size, at least MIN_GROWTH_TOKENS tokens.
+GROWTH = 0.125
+MIN_GROWTH_TOKENS = 64
+
+
+def _grown_capacity(needed: int, unit: int) -> int:
+    cap = needed + max(MIN_GROWTH_TOKENS, int(needed * GROWTH))
+    return -(-cap // unit) * unit
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class TokenBuffers:
+    """Named tensors that share a token axis (dim 2), each with its own tokens-per-slot ``unit``.
+
+    A key scale stored once per group of G tokens has unit G; packed codes have unit 1. The buffer holds the
+    live tokens ``[start, start + length)`` of its allocation; appends, tail truncation and front drops move only
+    bookkeeping, except for the occasional grow / compaction copy.
+    """
+
+    def __init__(self, units: dict[str, int]):
+        self.units = units
+        self.align = max(units.values())
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.capacity = 0  # tokens
+        self.start = 0  # tokens dropped from the front, not yet compacted
+        self.length = 0  # live tokens
+
+    def _check_aligned(self, n: int, what: str) -> None:
+        if n % self.align:
+            raise RuntimeError(f"{what} of {n} tokens is not a multiple of the storage unit {self.align}")
+
+    def _slot(self, name: str, a: int, b: int) -> torch.Tensor:
+        u = self.units[name]
+        return self.tensors[name][:, :, a // u : b // u]
+
+    def view(self, name: str) -> torch.Tensor:
+        """Live part of tensor ``name``: ``(B, H, length / unit, ...)``."""
+        return self._slot(name, self.start, self.start + self.length)
+
+    def tail(self, name: str, n: int) -> torch.Tensor:
+        """Last ``n`` live tokens of tensor ``name``."""
+        end = self.start + self.length
+        return self._slot(name, end - n, end)
+
+    def _reallocate(self, capacity: int) -> None:
+        new = {}
+        for name, t in self.tensors.items():
+            u = self.units[name]
+            fresh = t.new_empty((t.shape[0], t.shape[1], capacity // u, *t.shape[3:]))
+            fresh[:, :, : self.length // u].copy_(self.view(name))
+            new[name] = fresh
+        self.tensors, self.capacity, self.start = new, capacity, 0
+
+    def append(self, chunk: dict[str, torch.Tensor]) -> None:
+        """Append tensors whose token axis holds ``n`` tokens (``n / unit`` slots each)."""
+        n = next(iter(chunk.values())).shape[2] * self.units[next(iter(chunk))]
+        self._check_aligned(n, "append")
+        if not self.tensors:
+            cap = _grown_capacity(n, self.align)
+            self.tensors = {
+                name: t.new_empty((t.shape[0], t.shape[1], cap // self.units[name], *t.shape[3:]))
+                for name, t in chunk.items()
+            }
+            self.capacity = cap
+        elif self.start + self.length + n > self.capacity:
+            needed = self.length + n
+            # Compact instead of growing when dropped front slots leave enough headroom (sliding layers); the
+            # headroom keeps compactions amortized.
+            grown = _grown_capacity(needed, self.align)
+            self._reallocate(self.capacity if grown <= self.capacity else grown)
+        end = self.start + self.length
+        for name, t in chunk.items():
+            self._slot(name, end, end + n).copy_(t)
+        self.length += n
+
+    def truncate(self, n: int) -> None:
+        """Forget the last ``n`` tokens."""
+        self._check_aligned(n, "truncate")
+        if n > self.length:
+            raise RuntimeError(f"cannot truncate {n} tokens from a buffer holding {self.length}")
+        self.length -= n
+
+    def drop_front(self, n: int) -> None:
+        """Forget the first ``n`` tokens (their slots are reused at the next compaction)."""
+        self._check_aligned(n, "drop_front")
+        if n > self.length:
+            raise RuntimeError(f"cannot drop {n} tokens from a buffer holding {self.length}")
+        self.start += n
+        self.length -= n
+
+    def clear(self) -> None:
+        self.start = self.length = 0
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace every tensor by ``fn`` of its live part (a batch-axis operation: reorder, repeat, select)."""
+        if not self.tensors:
+            return
+        self.tensors = {name: fn(self.view(name)).contiguous() for name in self.tensors}
+        self.capacity, self.start = self.length, 0
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> None:
+        self.tensors = {name: t.to(device, non_blocking=non_blocking) for name, t in self.tensors.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(self.view(name)) for name in self.tensors)
+
+    @property
+    def reserved_nbytes(self) -> int:
+        return sum(_nbytes(t) for t in self.tensors.values())
+
+
+class Workspace:
+    """Reused output buffers for the K/V a layer returns to attention.
+
+    One buffer pair per (device, dtype, batch, heads, head_dim), shared by all layers of a cache: a layer's K/V is
+    consumed by its attention before the next layer writes, so one layer's worth of full-precision memory serves the
+    whole model instead of a fresh allocation per layer per step. Not used when autograd records (a later layer would
+    overwrite tensors saved for backward).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def take(self, like: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two ``(B, H, length, D)`` tensors with ``like``'s dtype and device."""
+        b, h, _, d = like.shape
+        if torch.is_grad_enabled() and like.requires_grad:
+            return like.new_empty((b, h, length, d)), like.new_empty((b, h, length, d))
+        key = (like.device, like.dtype, b, h, d)
+        bufs = self._buffers.get(key)
+        if bufs is None or bufs[0].shape[2] < length:
+            cap = _grown_capacity(length, 1)
+            self._buffers[key] = bufs = (like.new_empty((b, h, cap, d)), like.new_empty((b, h, cap, d)))
+        return bufs[0][:, :, :length], bufs[1][:, :, :length]
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(k) + _nbytes(v) for k, v in self._buffers.values())

@@ -1,0 +1,252 @@
+"""Quantized cache layers: quantized history + full-precision residual of the most recent tokens.
+
+A layer's sequence is ``[quantized tokens ; residual tokens]``. New tokens enter the residual; whenever it holds more
+than ``residual_length`` tokens, its oldest tokens are encoded, ``unit`` at a time (one token for int8, one group of
+``group_size`` tokens for KIVI keys). So the most recent ``residual_length`` tokens are always exact, the residual
+never holds more than ``residual_length + unit - 1`` tokens, and every token is encoded exactly once.
+
+A forward attends to ``[decoded history ; residual ; new tokens]``, with the new tokens exact: the tokens a forward
+produces are never read back quantized by that same forward (so prefill logits equal ``DynamicCache``'s).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ._storage import TokenBuffers, Workspace
+
+
+class QuantizedLayer(CacheLayerMixin):
+    """Full-attention layer with quantized storage. See the module docstring for the layout."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, codec, residual_length: int, workspace: Workspace):
+        super().__init__()
+        self.codec = codec
+        self.residual_length = residual_length
+        self.workspace = workspace
+        self.cumulative_length = 0  # tokens processed, including any evicted ones
+        self.store: TokenBuffers | None = None
+        self.residual: TokenBuffers | None = None
+
+    # -- CacheLayerMixin ------------------------------------------------------------------------------------------
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.num_heads, self.head_dim = key_states.shape[1], key_states.shape[-1]
+        self.store = TokenBuffers(self.codec.units)
+        self.residual = TokenBuffers({"k": 1, "v": 1})
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        keys, values = self._attended(key_states, value_states, self._visible_past())
+        self._append(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        self._evict()
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.store.clear()
+            self.residual.clear()
+        self.cumulative_length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens (``tokens_to_remove <= 0``, as ``generate()`` calls it).
+
+        Tokens in the residual are removed exactly. If the crop reaches into quantized key groups (only when it
+        removes more than the residual holds, i.e. more than ``residual_length`` tokens), the surviving tokens of a
+        partly removed group go back to the residual as their decoded values and are encoded again with their next
+        group: their error is then at most one quantization step instead of half a step.
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop(tokens_to_remove={tokens_to_remove}) is not supported: pass a negative number of tokens to remove"
+            )
+        n = -tokens_to_remove
+        if n and self.is_initialized:
+            self._remove_tail(n)
+            self.cumulative_length -= n
+        self._evict()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
+
+    def offload(self) -> None:
+        if self.is_initialized:
+            self.store.to("cpu", non_blocking=True)
+            self.residual.to("cpu", non_blocking=True)
+
+    def prefetch(self) -> None:
+        if self.is_initialized:
+            self.store.to(self.device, non_blocking=True)
+            self.residual.to(self.device, non_blocking=True)
+
+    # -- reporting -----------------------------------------------------------------------------------------------
+
+    @property
+    def stored_tokens(self) -> int:
+        return (self.store.length + self.residual.length) if self.is_initialized else 0
+
+    @property
+    def quantized_tokens(self) -> int:
+        return self.store.length if self.is_initialized else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of live storage: codes, scales, zero points and the residual."""
+        return (self.store.nbytes + self.residual.nbytes) if self.is_initialized else 0
+
+    @property
+    def reserved_nbytes(self) -> int:
+        """Bytes allocated, including growth headroom."""
+        return (self.store.reserved_nbytes + self.residual.reserved_nbytes) if self.is_initialized else 0
+
+    # -- internals -----------------------------------------------------------------------------------------------
+
+    def _visible_past(self) -> int:
+        """How many stored tokens the next forward attends to (all of them on a full-attention layer)."""
+        return self.stored_tokens
+
+    def _attended(self, k_new: torch.Tensor, v_new: torch.Tensor, visible: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[last `visible` stored tokens ; new tokens]``, built in the shared workspace."""
+        nq, nr, n = self.store.length, self.residual.length, k_new.shape[-2]
+        if nq + nr == 0:
+            return k_new, v_new
+        # Decode the whole stored sequence (at most unit - 1 tokens more than needed on a sliding layer).
+        keys, values = self.workspace.take(k_new, nq + nr + n)
+        if nq:
+            self.codec.decode(self.store, keys[:, :, :nq], values[:, :, :nq])
+        if nr:
+            keys[:, :, nq : nq + nr].copy_(self.residual.view("k"))
+            values[:, :, nq : nq + nr].copy_(self.residual.view("v"))
+        keys[:, :, nq + nr :].copy_(k_new)
+        values[:, :, nq + nr :].copy_(v_new)
+        skip = nq + nr - visible
+        return keys[:, :, skip:], values[:, :, skip:]
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Add new tokens; encode the oldest residual tokens, ``unit`` at a time, while it exceeds its length."""
+        unit = self.codec.unit
+        overflow = self.residual.length + k.shape[-2] - self.residual_length
+        n_encode = max(overflow, 0) // unit * unit
+        if n_encode:
+            from_res = min(n_encode, self.residual.length)
+            from_new = n_encode - from_res
+            ke, ve = k[:, :, :from_new], v[:, :, :from_new]
+            if from_res:
+                kr, vr = self.residual.view("k")[:, :, :from_res], self.residual.view("v")[:, :, :from_res]
+                ke, ve = torch.cat([kr, ke], dim=2), torch.cat([vr, ve], dim=2)
+            self.store.append(self.codec.encode(ke, ve))
+            self.residual.drop_front(from_res)
+            k, v = k[:, :, from_new:], v[:, :, from_new:]
+        if k.shape[-2]:
+            self.residual.append({"k": k, "v": v})
+
+    def _remove_tail(self, n: int) -> None:
+        if n > self.stored_tokens:
+            raise ValueError(
+                f"cannot crop {n} tokens: this layer holds only the last {self.stored_tokens} of "
+                f"{self.cumulative_length} tokens (older ones were evicted)"
+            )
+        from_res = min(n, self.residual.length)
+        self.residual.truncate(from_res)
+        rest = n - from_res
+        if not rest:
+            return
+        unit = self.codec.unit
+        popped = -(-rest // unit) * unit
+        keep = popped - rest
+        if keep:
+            # Decode the partly removed group; its survivors rejoin the (now empty) residual.
+            full_k, full_v = self._decode_all()
+            start = self.store.length - popped
+            survivors = {
+                "k": full_k[:, :, start : start + keep].clone(),
+                "v": full_v[:, :, start : start + keep].clone(),
+            }
+            self.store.truncate(popped)
+            self.residual.append(survivors)
+        else:
+            self.store.truncate(popped)
+
+    def _decode_all(self) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (self.store.view("ks").shape[0], self.num_heads, self.store.length, self.head_dim)
+        k = torch.empty(shape, dtype=self.dtype, device=self.device)
+        v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.codec.decode(self.store, k, v)
+        return k, v
+
+    def _evict(self) -> None:
+        """Full-attention layers keep every token."""
+
+    def _map_batch(self, fn) -> None:
+        if self.is_initialized:
+            self.store.map_batch(fn)
+            self.residual.map_batch(fn)
+
+
+class QuantizedSlidingWindowLayer(QuantizedLayer):
+    """Quantized layer of a model's own sliding-window attention (hybrid models such as Gemma 2/3, Mistral).
+
+    Follows transformers' ``DynamicSlidingWindowLayer`` contract: a forward attends to the last
+    ``sliding_window - 1`` tokens plus the new ones, ``get_seq_length`` counts every token seen, and older tokens are
+    evicted after the forward (at most ``unit - 1`` extra tokens stay stored, never returned, until their key group
+    is evicted whole). While ``generate()`` records the past (assisted decoding), eviction waits for ``crop``.
+    """
+
+    is_sliding = True
+
+    def __init__(self, codec, residual_length: int, workspace: Workspace, sliding_window: int):
+        super().__init__(codec, residual_length, workspace)
+        self.sliding_window = sliding_window
+        self.record_past = False
+
+    def activate_past_recording(self) -> None:
+        self.record_past = True
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        kv_offset = max(self.cumulative_length - self.sliding_window + 1, 0)
+        return min(self.cumulative_length, self.sliding_window - 1) + query_length, kv_offset
+
+    def get_max_length(self) -> int:
+        return self.sliding_window
+
+    def _visible_past(self) -> int:
+        return min(self.cumulative_length, self.sliding_window - 1)
+
+    def _evict(self) -> None:
+        if self.record_past or not self.is_initialized:
+            return
+        excess = self.stored_tokens - (self.sliding_window - 1)
+        if excess <= 0:
+            return
+        unit = self.codec.unit
+        if excess >= self.store.length:
+            from_res = excess - self.store.length
+            self.store.clear()
+            self.residual.drop_front(from_res)
+        else:
+            self.store.drop_front(excess // unit * unit)

@@ -1,0 +1,168 @@
+"""Pure tensor math for KV quantization: symmetric int8, asymmetric 4/2-bit with packing.
+
+No transformers imports here: this module is the reference the cache layers (and any future kernel) are tested
+against.
+
+Conventions
+-----------
+* A *group* is the set of elements that share one scale (and zero point). Callers reshape so that the group is one
+  dimension and pass it as ``dim``; the functions reduce over that dimension with ``keepdim=True``.
+* Round-trip error: for every finite input ``x`` inside a group, ``|dequantize(quantize(x)) - x| <= scale / 2``
+  (up to float rounding of the arithmetic), where ``scale`` is the *stored* scale. For scales stored in a 16-bit
+  dtype this still holds: the minimum is rounded down and the scale rounded up to the storage dtype before the codes
+  are computed, so the stored parameters always cover the group's range.
+* Non-finite inputs never poison a group: scales and zero points are computed from the finite elements only; ``+inf``
+  and ``-inf`` are stored as the group's largest and smallest representable values and ``NaN`` as the representable
+  value nearest zero. A group with no finite element stores scale 0 and reads back as zeros.
+* Scales are computed in float32, so magnitudes up to about ``1e36`` round-trip within the bound (beyond that the
+  range of a group overflows float32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "SUPPORTED_BITS",
+    "quantize_symmetric",
+    "dequantize_symmetric",
+    "quantize_asymmetric",
+    "dequantize_asymmetric",
+    "pack",
+    "unpack",
+    "levels",
+]
+
+SUPPORTED_BITS = (2, 4, 8)
+
+
+def levels(bits: int) -> int:
+    """Largest code of an unsigned ``bits``-bit quantizer (``2**bits - 1``)."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+    return (1 << bits) - 1
+
+
+def _round_to_dtype(x: torch.Tensor, dtype: torch.dtype, direction: float) -> torch.Tensor:
+    """Cast float32 ``x`` to ``dtype``, rounding toward ``direction`` (+inf or -inf) instead of to nearest."""
+    y = x.to(dtype)
+    if dtype == torch.float32:
+        return y
+    overshoot = y.float() < x if direction > 0 else y.float() > x
+    target = torch.full_like(y, direction)
+    return torch.where(overshoot, torch.nextafter(y, target), y)
+
+
+def _finite_extrema(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Min and max over ``dim`` of the finite elements (0 where a group has none), and the finite mask."""
+    finite = torch.isfinite(x)
+    mn = torch.where(finite, x, float("inf")).amin(dim=dim, keepdim=True)
+    mx = torch.where(finite, x, float("-inf")).amax(dim=dim, keepdim=True)
+    empty = mn > mx
+    mn = torch.where(empty, 0.0, mn)
+    mx = torch.where(empty, 0.0, mx)
+    return mn, mx, finite
+
+
+def quantize_symmetric(
+    x: torch.Tensor, dim: int = -1, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric absmax int8 quantization with one scale per group along ``dim``.
+
+    Args:
+        x: floating tensor.
+        dim: the group dimension (reduced with ``keepdim=True``).
+        scale_dtype: dtype the scales are stored in.
+
+    Returns:
+        ``(codes, scale)``: ``codes`` int8 in ``[-127, 127]`` with the shape of ``x``, ``scale`` with ``dim`` of size 1.
+    """
+    xf = x.float()
+    mn, mx, finite = _finite_extrema(xf, dim)
+    absmax = torch.maximum(mx.abs(), mn.abs())
+    scale = _round_to_dtype(absmax / 127.0, scale_dtype, direction=float("inf"))
+    safe = torch.where(scale > 0, scale.float(), 1.0)
+    # NaN -> 0; +-inf -> +-absmax (saturates to +-127 below).
+    xf = torch.where(finite, xf, torch.where(torch.isnan(xf), 0.0, torch.sign(xf) * absmax))
+    codes = torch.round(xf / safe).clamp_(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+def dequantize_symmetric(
+    codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_symmetric`; writes into ``out`` when given (no new full-size tensor)."""
+    if out is None:
+        out = torch.empty(codes.shape, dtype=dtype or scale.dtype, device=codes.device)
+    return torch.mul(codes, scale, out=out)
+
+
+def quantize_asymmetric(
+    x: torch.Tensor, bits: int, dim: int, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric (min/max) quantization to ``bits`` with one scale and zero point per group along ``dim``.
+
+    ``x ~= codes * scale + zero`` where ``zero`` is the group minimum (KIVI's scheme, zero point in float).
+
+    Returns:
+        ``(codes, scale, zero)``: ``codes`` uint8 in ``[0, 2**bits - 1]`` (unpacked, shape of ``x``); ``scale`` and
+        ``zero`` in ``scale_dtype`` with ``dim`` of size 1.
+    """
+    top = levels(bits)
+    xf = x.float()
+    mn, mx, finite = _finite_extrema(xf, dim)
+    zero = _round_to_dtype(mn, scale_dtype, direction=float("-inf"))
+    # Divide before subtracting so that huge ranges do not overflow float32.
+    scale = _round_to_dtype(mx / top - zero.float() / top, scale_dtype, direction=float("inf"))
+    scale_f, zero_f = scale.float(), zero.float()
+    safe = torch.where(scale_f > 0, scale_f, 1.0)
+    # +inf -> max, -inf -> min, NaN -> the value nearest 0 inside the group's range.
+    nan_value = torch.clamp(torch.zeros_like(mn), mn, mx)
+    xf = torch.where(finite, xf, torch.where(torch.isnan(xf), nan_value, torch.where(xf > 0, mx, mn)))
+    codes = torch.round(xf / safe - zero_f / safe).clamp_(0, top).to(torch.uint8)
+    return codes, scale, zero
+
+
+def dequantize_asymmetric(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    out: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_asymmetric`; writes into ``out`` when given."""
+    if out is None:
+        out = torch.empty(codes.shape, dtype=dtype or scale.dtype, device=codes.device)
+    torch.mul(codes, scale, out=out)
+    return out.add_(zero)
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned ``bits``-bit codes along the last dimension, ``8 // bits`` codes per byte (low bits first)."""
+    per_byte = 8 // bits
+    if codes.shape[-1] % per_byte:
+        raise ValueError(
+            f"last dimension ({codes.shape[-1]}) must be a multiple of {per_byte} to pack {bits}-bit codes"
+        )
+    if bits == 8:
+        return codes
+    grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)  # (..., D/k, k)
+    packed = grouped[..., 0].clone()
+    for j in range(1, per_byte):
+        packed |= grouped[..., j] << (bits * j)
+    return packed
+
+
+def unpack(packed: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of :func:`pack`. With ``out`` (any dtype, last dim ``8 // bits`` times larger) the codes are written
+    there directly, so a float workspace can receive them without an intermediate full-size uint8 tensor."""
+    per_byte = 8 // bits
+    mask = (1 << bits) - 1
+    if out is None:
+        out = torch.empty(*packed.shape[:-1], packed.shape[-1] * per_byte, dtype=torch.uint8, device=packed.device)
+    if bits == 8:
+        return out.copy_(packed)
+    view = out.view(*out.shape[:-1], packed.shape[-1], per_byte)  # (..., D/k, k)
+    for j in range(per_byte):
+        view[..., j].copy_((packed >> (bits * j)) & mask)
+    return out

@@ -1,0 +1,119 @@
+"""Cache kinds by name: a dict, a decorator and one lookup function.
+
+A spec string names a kind and its options: ``"int4:group_size=32:residual_length=64"``. Values are parsed as
+int, float, ``true`` / ``false`` / ``none`` or left as strings. The CLI's ``--caches`` takes the same strings.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from transformers import DynamicCache
+from transformers.cache_utils import Cache
+
+from ._config import resolve_config
+from .caches import QuantizedKVCache
+
+__all__ = ["CacheKind", "register_cache", "make_cache", "parse_spec", "available_caches"]
+
+
+@dataclass(frozen=True)
+class CacheKind:
+    name: str
+    factory: Callable[..., Cache]  # factory(config, **options) -> Cache
+    options: tuple[str, ...]  # option names the spec may set
+    summary: str  # one line for listings
+
+
+_KINDS: dict[str, CacheKind] = {}
+
+
+def register_cache(name: str, summary: str, options: tuple[str, ...] | None = None):
+    """Register ``factory(config, **options)`` under ``name``; options default to the factory's keyword parameters."""
+
+    def decorator(factory: Callable[..., Cache]) -> Callable[..., Cache]:
+        if name in _KINDS:
+            raise ValueError(f"cache kind {name!r} is already registered")
+        opts = options
+        if opts is None:
+            params = list(inspect.signature(factory).parameters.values())[1:]
+            opts = tuple(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+        _KINDS[name] = CacheKind(name, factory, opts, summary)
+        return factory
+
+    return decorator
+
+
+def available_caches() -> dict[str, CacheKind]:
+    """Registered kinds by name, in registration order."""
+    return dict(_KINDS)
+
+
+def _parse_value(text: str):
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """``"int4:group_size=32"`` -> ``("int4", {"group_size": 32})``."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"cache spec must be a non-empty string like 'int4:group_size=32', got {spec!r}")
+    name, *parts = spec.strip().split(":")
+    options = {}
+    for part in parts:
+        key, sep, value = part.partition("=")
+        if not sep or not key:
+            raise ValueError(f"cache spec {spec!r}: option {part!r} must look like name=value")
+        options[key.strip()] = _parse_value(value.strip())
+    return name.strip(), options
+
+
+def make_cache(spec: str, config, **overrides) -> Cache:
+    """Build a cache from a spec string for a model ``config`` (or model); ``overrides`` win over spec options.
+
+    >>> from transformers import LlamaConfig
+    >>> make_cache("int4:residual_length=16", LlamaConfig(num_hidden_layers=1, hidden_size=64,
+    ...     num_attention_heads=4)).residual_length
+    16
+    """
+    name, options = parse_spec(spec)
+    kind = _KINDS.get(name)
+    if kind is None:
+        raise ValueError(f"unknown cache kind {name!r} in spec {spec!r}; known kinds: {', '.join(_KINDS)}")
+    options.update(overrides)
+    unknown = sorted(set(options) - set(kind.options))
+    if unknown:
+        allowed = ", ".join(kind.options) or "none"
+        raise ValueError(f"cache kind {name!r} has no option {', '.join(unknown)}; its options: {allowed}")
+    return kind.factory(resolve_config(config), **options)
+
+
+@register_cache("dynamic", "transformers' DynamicCache: full precision, the reference", options=())
+def _dynamic(config) -> Cache:
+    return DynamicCache(config=config)
+
+
+def _register_quantized(bits: int, summary: str) -> None:
+    def factory(config, **options) -> Cache:
+        return QuantizedKVCache(config, bits=bits, **options)
+
+    options = tuple(
+        p for p in inspect.signature(QuantizedKVCache.__init__).parameters if p not in ("self", "config", "bits")
+    )
+    register_cache(f"int{bits}", summary, options)(factory)
+
+
+_register_quantized(8, "QuantizedKVCache bits=8: int8 per token and head, ~0.52x of bf16")
+_register_quantized(4, "QuantizedKVCache bits=4: KIVI 4-bit with a 128-token fp residual, ~0.29x")
+_register_quantized(2, "QuantizedKVCache bits=2: KIVI 2-bit with a 128-token fp residual, ~0.16x")

@@ -1,0 +1,47 @@
+"""The shared test matrix: cache kinds x model families x attention x batch x decoding modes.
+
+A new cache kind joins by adding one ``CacheCase``; the paged and sliding-window caches add theirs here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models import ATTENTION, FAMILIES
+
+
+@dataclass(frozen=True)
+class CacheCase:
+    id: str
+    spec: str  # make_cache spec
+    lossless: bool  # must reproduce DynamicCache exactly
+    # Lossy kinds: bound on max |logit error| / std(reference logits) under teacher forcing (test_logit_bounds), and
+    # whether greedy tokens must match DynamicCache (a flip is allowed only where the reference was nearly tied).
+    logit_bound: float = 0.0
+    greedy_exact: bool = False
+
+
+# 4/2-bit cases use a small residual and groups so that tokens really are quantized within short test sequences.
+CACHE_CASES = [
+    CacheCase("int8", "int8", lossless=False, logit_bound=0.06, greedy_exact=True),
+    CacheCase("int8-g8", "int8:group_size=8", lossless=False, logit_bound=0.06, greedy_exact=True),
+    CacheCase("int4", "int4:residual_length=4:group_size=8", lossless=False, logit_bound=0.25),
+    CacheCase("int2", "int2:residual_length=4:group_size=8", lossless=False, logit_bound=1.0),
+    # A residual longer than the whole text: nothing is ever quantized, so the cache must be exact.
+    CacheCase("int4-resid", "int4:group_size=8:residual_length=1000", lossless=True),
+]
+
+MODES = {
+    "greedy": dict(do_sample=False),
+    "sample": dict(do_sample=True, top_k=0, temperature=1.0),
+    "beam": dict(do_sample=False, num_beams=3),
+    "beam-nrs": dict(do_sample=False, num_beams=3, num_return_sequences=2),
+    "sample-nrs": dict(do_sample=True, num_return_sequences=3),
+    "prompt-lookup": dict(do_sample=False, prompt_lookup_num_tokens=3),
+    "assisted": dict(do_sample=False),  # with the same-family assistant model, added by the test
+}
+DETERMINISTIC_GREEDY = ("greedy", "prompt-lookup", "assisted")
+
+FAMILY_IDS = list(FAMILIES)
+BATCHES = ("single", "padded")
+__all__ = ["ATTENTION", "BATCHES", "CACHE_CASES", "DETERMINISTIC_GREEDY", "FAMILY_IDS", "MODES", "CacheCase"]
