@@ -53,6 +53,13 @@ def _round_to_dtype(x: torch.Tensor, dtype: torch.dtype, direction: float) -> to
     return torch.where(overshoot, torch.nextafter(y, target), y)
 
 
+def _nonzero_scale(scale: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
+    """Where a group has a non-zero spread but its scale underflowed to 0 (subnormal inputs), use the smallest
+    positive value of the scale dtype, so the group still reads back within half a step instead of as zeros."""
+    smallest = torch.nextafter(torch.zeros((), dtype=scale.dtype), torch.ones((), dtype=scale.dtype))
+    return torch.where((spread > 0) & (scale == 0), smallest.to(scale.device), scale)
+
+
 def _finite_extrema(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Min and max over ``dim`` of the finite elements (0 where a group has none), and the finite mask."""
     finite = torch.isfinite(x)
@@ -80,7 +87,7 @@ def quantize_symmetric(
     xf = x.float()
     mn, mx, finite = _finite_extrema(xf, dim)
     absmax = torch.maximum(mx.abs(), mn.abs())
-    scale = _round_to_dtype(absmax / 127.0, scale_dtype, direction=float("inf"))
+    scale = _nonzero_scale(_round_to_dtype(absmax / 127.0, scale_dtype, direction=float("inf")), absmax)
     safe = torch.where(scale > 0, scale.float(), 1.0)
     # NaN -> 0; +-inf -> +-absmax (saturates to +-127 below).
     xf = torch.where(finite, xf, torch.where(torch.isnan(xf), 0.0, torch.sign(xf) * absmax))
@@ -114,6 +121,7 @@ def quantize_asymmetric(
     zero = _round_to_dtype(mn, scale_dtype, direction=float("-inf"))
     # Divide before subtracting so that huge ranges do not overflow float32.
     scale = _round_to_dtype(mx / top - zero.float() / top, scale_dtype, direction=float("inf"))
+    scale = _nonzero_scale(scale, mx - zero.float())
     scale_f, zero_f = scale.float(), zero.float()
     safe = torch.where(scale_f > 0, scale_f, 1.0)
     # +inf -> max, -inf -> min, NaN -> the value nearest 0 inside the group's range.

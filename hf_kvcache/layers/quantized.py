@@ -77,7 +77,8 @@ class QuantizedLayer(CacheLayerMixin):
         """
         if tokens_to_remove > 0:
             raise ValueError(
-                f"crop(tokens_to_remove={tokens_to_remove}) is not supported: pass a negative number of tokens to remove"
+                f"crop(tokens_to_remove={tokens_to_remove}) is not supported: "
+                "pass a negative number of tokens to remove"
             )
         n = -tokens_to_remove
         if n and self.is_initialized:

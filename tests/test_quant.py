@@ -1,0 +1,93 @@
+"""Property tests of the quantizer math (no model, no transformers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from hf_kvcache import quant
+
+finite = st.floats(min_value=-(2.0**100), max_value=2.0**100, allow_nan=False, width=32)
+groups = arrays("float32", st.tuples(st.integers(1, 4), st.sampled_from([8, 16, 32])), elements=finite)
+SCALE_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _slack(x: torch.Tensor) -> torch.Tensor:
+    """Float rounding of the arithmetic itself (a few ulps of the group's magnitude)."""
+    return 8 * torch.finfo(torch.float32).eps * x.abs().amax(-1, keepdim=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(groups)
+def test_symmetric_round_trip_within_half_step(array):
+    x = torch.from_numpy(array)
+    codes, scale = quant.quantize_symmetric(x, dim=-1)
+    assert codes.dtype == torch.int8 and codes.abs().max() <= 127
+    back = quant.dequantize_symmetric(codes, scale, dtype=torch.float32)
+    assert ((back - x).abs() <= scale / 2 + _slack(x)).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(groups, st.sampled_from([2, 4]), st.sampled_from(SCALE_DTYPES))
+def test_asymmetric_round_trip_within_half_step(array, bits, scale_dtype):
+    x = torch.from_numpy(array)
+    if scale_dtype == torch.float16:
+        x = x.clamp(-6e4, 6e4)  # float16 scales cannot describe larger ranges
+    codes, scale, zero = quant.quantize_asymmetric(x, bits, dim=-1, scale_dtype=scale_dtype)
+    assert scale.dtype == scale_dtype and codes.max() <= quant.levels(bits)
+    back = quant.dequantize_asymmetric(codes, scale.float(), zero.float())
+    assert ((back - x).abs() <= scale.float() / 2 + _slack(x)).all()
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_zeros_and_constant_rows_are_exact(bits):
+    x = torch.tensor([[0.0] * 8, [3.5] * 8, [-2.25] * 8])
+    codes, scale, zero = quant.quantize_asymmetric(x, bits, dim=-1)
+    assert torch.equal(quant.dequantize_asymmetric(codes, scale, zero), x)
+    codes, scale = quant.quantize_symmetric(x, dim=-1)
+    torch.testing.assert_close(quant.dequantize_symmetric(codes, scale, dtype=torch.float32), x)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_non_finite_values_do_not_poison_their_group(bits):
+    x = torch.tensor([[1.0, -2.0, float("inf"), 0.5, float("nan"), -float("inf"), 0.25, 1.5]])
+    finite = torch.isfinite(x)
+    if bits == 8:
+        codes, scale = quant.quantize_symmetric(x, dim=-1)
+        back = quant.dequantize_symmetric(codes, scale, dtype=torch.float32)
+    else:
+        codes, scale, zero = quant.quantize_asymmetric(x, bits, dim=-1)
+        back = quant.dequantize_asymmetric(codes, scale, zero)
+        assert torch.isfinite(zero).all()
+    assert torch.isfinite(scale).all() and torch.isfinite(back).all()
+    assert ((back - x)[finite].abs() <= scale / 2 + 1e-6).all()
+    # +inf reads back as the group's largest value, -inf as its smallest, NaN as the value nearest 0.
+    assert back[0, 2] == back.max() and back[0, 5] == back.min()
+    assert back[0, 4].abs() <= scale.max() / 2 + 1e-6
+
+
+def test_all_non_finite_group_reads_back_as_zeros():
+    x = torch.tensor([[float("nan"), float("inf"), -float("inf"), float("nan")]])
+    codes, scale = quant.quantize_symmetric(x, dim=-1)
+    assert torch.equal(quant.dequantize_symmetric(codes, scale, dtype=torch.float32), torch.zeros_like(x))
+
+
+@given(st.sampled_from([2, 4, 8]), st.integers(1, 5), st.integers(0, 2**31))
+def test_pack_unpack_round_trip(bits, rows, seed):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 1 << bits, (rows, 3, 16), generator=g, dtype=torch.uint8)
+    packed = quant.pack(codes, bits)
+    assert packed.shape[-1] == 16 * bits // 8
+    assert torch.equal(quant.unpack(packed, bits), codes)
+    out = torch.empty(rows, 3, 16)
+    assert torch.equal(quant.unpack(packed, bits, out=out), codes.float())
+
+
+def test_bad_bits_and_pack_shape_are_value_errors():
+    with pytest.raises(ValueError, match="bits must be one of"):
+        quant.levels(3)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        quant.pack(torch.zeros(2, 6, dtype=torch.uint8), 2)
