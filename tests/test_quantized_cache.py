@@ -172,7 +172,7 @@ def test_bitsandbytes_backend_agrees_with_torch_within_rounding():
     torch.testing.assert_close(a.view("ks"), b.view("ks"), rtol=1e-6, atol=0)
     got = bnb_cache.update(k[:, :, :1], v[:, :, :1], 0)[0]
     want = torch_cache.update(k[:, :, :1], v[:, :, :1], 0)[0]
-    assert ((got - want).abs() <= a.view("ks").unsqueeze(-1).repeat_interleave(1, 2).max() + 1e-6).all()
+    assert ((got - want).abs() <= a.view("ks").max() + 1e-6).all()  # within one int8 step
 
 
 def test_hybrid_sliding_layers_keep_only_their_window():
