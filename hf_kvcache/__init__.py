@@ -1,6 +1,6 @@
 """hf_kvcache: KV caches for Hugging Face transformers' ``generate()``, and the evidence to choose between them."""
 
-from .caches import QuantizedKVCache
+from .caches import QuantizedKVCache, SlidingWindowKVCache
 from .memory import cache_nbytes, dynamic_bytes_per_token
 from .registry import available_caches, make_cache, parse_spec, register_cache
 
@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "QuantizedKVCache",
+    "SlidingWindowKVCache",
     "available_caches",
     "cache_nbytes",
     "dynamic_bytes_per_token",

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from . import quant
 from ._config import LayerSpec, layer_specs, resolve_config
 from .layers._codecs import Int8Codec, KiviCodec
 from .layers._storage import Workspace
 from .layers.quantized import QuantizedLayer, QuantizedSlidingWindowLayer
+from .layers.sliding import PaddingTracker, QuantizedCodecAdapter, SinkWindowLayer
+from .rope import rotary_spec
 
-__all__ = ["KVCacheReportMixin", "QuantizedKVCache"]
+__all__ = ["KVCacheReportMixin", "QuantizedKVCache", "SlidingWindowKVCache"]
 
 _SCALE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _BACKENDS = ("torch", "bitsandbytes")
@@ -177,3 +179,120 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
             f"{type(self).__name__}(bits={self.bits}, group_size={self.group_size}, "
             f"residual_length={self.residual_length}, backend={self.backend!r}, layers={len(self.layers)})"
         )
+
+
+class SlidingWindowKVCache(KVCacheReportMixin, Cache):
+    """Bounded memory for any decoder: attention sinks plus a sliding window (StreamingLLM,
+    https://arxiv.org/abs/2309.17453).
+
+    On the model's full-attention layers, a decoding token attends to the first ``sinks`` tokens of its row, the last
+    ``window`` tokens before it, and itself; each layer stores at most ``sinks + window`` tokens, so memory stays flat
+    however long generation runs. A multi-token forward (prefill) attends to what is stored plus its own tokens under
+    the model's causal mask, and eviction happens after it. The model's own sliding-window layers (Gemma 2/3,
+    Mistral) keep their own window, exactly as ``DynamicCache`` does.
+
+    Positions: cached keys keep the RoPE rotation of their original position. With ``rerotate=True`` the sink keys
+    handed to attention are rotated to sit right before the window (StreamingLLM's position shift), so every
+    query-key distance stays within ``sinks + window``. The rotation is read from the model's rotary embedding
+    (standard, partial, interleaved, scaled frequencies, attention scaling); length-dependent RoPE (``dynamic``,
+    ``longrope``) is refused at construction. Models without RoPE (learned absolute positions, ALiBi) get
+    ``rerotate=False`` semantics: their cached keys carry no rotation to change, and positions past a learned
+    position table still fail in the model, as without a cache.
+
+    Left padding: a row's sinks are its first real tokens. The cache learns each row's padding from the attention
+    mask: built from a model, it hooks the model's forward (only forwards passed this cache); built from a config,
+    call ``cache.padding.observe(attention_mask)`` before generating a left-padded batch, or rows count as unpadded.
+
+    Assisted and prompt-lookup decoding work after eviction has begun: while ``generate()`` records the past,
+    eviction waits for its ``crop``; a crop that needs evicted tokens raises ``ValueError``.
+
+    Args:
+        config: the model's ``PretrainedConfig``, or the model itself (recommended: padding is then tracked).
+        window: recent tokens kept per layer, >= 1.
+        sinks: first tokens kept per row, >= 0 (0 gives a plain window).
+        rerotate: re-rotate the sinks to sit right before the window.
+        bits: None (full precision) or 8: int8 storage through the quantized cache's int8 codec (one scale per token
+            and head), about half the bytes, still flat.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> from hf_kvcache import SlidingWindowKVCache
+        >>> config = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+        >>> cache = SlidingWindowKVCache(config, window=256, sinks=4)
+        >>> cache.window, cache.sinks, cache.max_stored_tokens
+        (256, 4, 260)
+    """
+
+    def __init__(self, config, window: int = 1024, sinks: int = 4, rerotate: bool = True, bits: int | None = None):
+        model = config if isinstance(config, torch.nn.Module) else None
+        config = resolve_config(config)
+        _check_int("window", window, 1)
+        _check_int("sinks", sinks, 0)
+        if not isinstance(rerotate, bool):
+            raise ValueError(f"rerotate must be True or False, got {rerotate!r}")
+        if bits is not None and (isinstance(bits, bool) or bits != 8):
+            raise ValueError(
+                f"bits must be None (full precision) or 8, got {bits!r}: 4- and 2-bit keys are quantized in groups "
+                "of tokens, which a window that evicts one token at a time cannot keep"
+            )
+        specs = layer_specs(config, type(self).__name__)
+        self.window, self.sinks, self.rerotate, self.bits = window, sinks, rerotate, bits
+        self.layer_specs = specs
+        self.padding = PaddingTracker()
+        self.workspace = Workspace()
+        self.rotary = None
+        if rerotate and sinks and any(s.layer_type == "full_attention" for s in specs):
+            self.rotary = rotary_spec(model if model is not None else config, config, "full_attention")
+        super().__init__(layers=[self._make_layer(spec) for spec in specs])
+        if model is not None:
+            self.padding.attach(model, self)
+
+    @property
+    def max_stored_tokens(self) -> int:
+        """Most tokens a full-attention layer stores: ``sinks + window``."""
+        return self.sinks + self.window
+
+    def _make_layer(self, spec: LayerSpec):
+        int8 = Int8Codec(spec.head_dim, torch.float32) if self.bits == 8 else None
+        if spec.layer_type == "full_attention":
+            codec = QuantizedCodecAdapter(int8) if int8 is not None else None
+            return SinkWindowLayer(self.window, self.sinks, self.rotary, self.padding, codec, self.workspace)
+        if int8 is not None:
+            return QuantizedSlidingWindowLayer(int8, 0, self.workspace, spec.sliding_window)
+        return _SlidingWindowLayer(spec.sliding_window)
+
+    def bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> float:
+        """Stored bytes per token, summed over layers, while the window is filling (it stops at the cap)."""
+        total = 0.0
+        for spec in self.layer_specs:
+            if self.bits == 8:
+                total += Int8Codec(spec.head_dim, torch.float32).bytes_per_token(spec.num_kv_heads, spec.head_dim)
+            else:
+                total += 2 * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+        return total
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(window={self.window}, sinks={self.sinks}, rerotate={self.rerotate}, "
+            f"bits={self.bits}, layers={len(self.layers)})"
+        )
+
+
+class _SlidingWindowLayer(DynamicSlidingWindowLayer):
+    """transformers' sliding layer with the reporting our caches expose."""
+
+    @property
+    def stored_tokens(self) -> int:
+        return self.keys.shape[-2] if self.is_initialized else 0
+
+    @property
+    def nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    @property
+    def reserved_nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return self.keys.untyped_storage().nbytes() + self.values.untyped_storage().nbytes()

@@ -14,7 +14,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from ._config import resolve_config
-from .caches import QuantizedKVCache
+from .caches import QuantizedKVCache, SlidingWindowKVCache
 
 __all__ = ["CacheKind", "register_cache", "make_cache", "parse_spec", "available_caches"]
 
@@ -96,12 +96,12 @@ def make_cache(spec: str, config, **overrides) -> Cache:
     if unknown:
         allowed = ", ".join(kind.options) or "none"
         raise ValueError(f"cache kind {name!r} has no option {', '.join(unknown)}; its options: {allowed}")
-    return kind.factory(resolve_config(config), **options)
+    return kind.factory(config, **options)  # a model stays a model: some caches hook it (sink padding)
 
 
 @register_cache("dynamic", "transformers' DynamicCache: full precision, the reference", options=())
 def _dynamic(config) -> Cache:
-    return DynamicCache(config=config)
+    return DynamicCache(config=resolve_config(config))
 
 
 def _register_quantized(bits: int, summary: str) -> None:
@@ -117,3 +117,9 @@ def _register_quantized(bits: int, summary: str) -> None:
 _register_quantized(8, "QuantizedKVCache bits=8: int8 per token and head, ~0.52x of bf16")
 _register_quantized(4, "QuantizedKVCache bits=4: KIVI 4-bit with a 128-token fp residual, ~0.29x")
 _register_quantized(2, "QuantizedKVCache bits=2: KIVI 2-bit with a 128-token fp residual, ~0.16x")
+
+
+register_cache(
+    "sink",
+    "SlidingWindowKVCache: attention sinks + a sliding window, flat memory (bits=8 for an int8 window)",
+)(SlidingWindowKVCache)

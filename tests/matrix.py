@@ -29,6 +29,10 @@ CACHE_CASES = [
     CacheCase("int2", "int2:residual_length=4:group_size=8", lossless=False, logit_bound=1.0),
     # A residual longer than the whole text: nothing is ever quantized, so the cache must be exact.
     CacheCase("int4-resid", "int4:group_size=8:residual_length=1000", lossless=True),
+    # sinks + window larger than the text: nothing is evicted, so the sink cache must be exact (eviction is tested
+    # against explicit attention masks in test_sliding_cache.py).
+    CacheCase("sink", "sink:window=256:sinks=4", lossless=True),
+    CacheCase("sink-int8", "sink:window=256:sinks=4:bits=8", lossless=False, logit_bound=0.06, greedy_exact=True),
 ]
 
 MODES = {

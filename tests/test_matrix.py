@@ -63,7 +63,7 @@ def test_generate_matches_dynamic_cache(case, family, attn, batch, mode):
     may change a token only where the error can explain it (reference top-2 gap <= 2x the logit error there)."""
     _skip_unsupported(batch, mode)
     ref = _reference(family, attn, batch, mode)
-    cache = make_cache(case.spec, tiny_model(family).config)
+    cache = make_cache(case.spec, tiny_model(family, attn))
     out = _generate(family, attn, batch, mode, cache)
 
     assert out.sequences.shape == ref.sequences.shape
@@ -97,9 +97,9 @@ def test_generate_matches_dynamic_cache(case, family, attn, batch, mode):
 @pytest.mark.parametrize("family", FAMILY_IDS)
 @pytest.mark.parametrize("case", CACHE_CASES, ids=lambda c: c.id)
 def test_continuation_reproduces_single_call(case, family, attn, batch):
-    config = tiny_model(family).config
-    whole = _generate(family, attn, batch, "greedy", make_cache(case.spec, config), max_new_tokens=18)
-    cache = make_cache(case.spec, config)
+    model = tiny_model(family, attn)
+    whole = _generate(family, attn, batch, "greedy", make_cache(case.spec, model), max_new_tokens=18)
+    cache = make_cache(case.spec, model)
     first = _generate(family, attn, batch, "greedy", cache, max_new_tokens=10)
     assert cache.get_seq_length() == first.sequences.shape[1] - 1
     mask = torch.cat([prompt(batch)["attention_mask"], torch.ones(first.sequences.shape[0], 10, dtype=torch.long)], 1)
@@ -125,7 +125,7 @@ def test_logit_error_within_stated_bound(case, family, attn):
     model = tiny_model(family, attn)
     ids = torch.randint(3, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(3))
     ref = _teacher_forced_logits(model, ids, DynamicCache(config=model.config))
-    cache = make_cache(case.spec, model.config)
+    cache = make_cache(case.spec, model)
     got = _teacher_forced_logits(model, ids, cache)
     error = float((got - ref).abs().max() / ref.std())
     if case.lossless:

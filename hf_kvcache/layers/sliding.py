@@ -1,0 +1,339 @@
+"""Attention-sink + sliding-window cache layer (StreamingLLM, https://arxiv.org/abs/2309.17453).
+
+A layer stores, per batch row, its first ``sinks`` real tokens and its last ``window`` tokens: at most
+``sinks + window`` slots. A forward attends to ``[sinks ; window ; new tokens]``; eviction happens after the forward,
+so the tokens of a multi-token forward (prefill) attend to each other under the model's own causal mask.
+
+Slots and mask columns. transformers builds the mask from ``get_mask_sizes``: returned slot ``j`` is read as absolute
+column ``seen - stored + j`` of the 2-D attention mask. Each row's layout is chosen so that this is right:
+
+* a row with at most ``stored`` real tokens keeps exactly the last ``stored`` tokens of its sequence (left padding
+  included, and masked as padding, as in ``DynamicCache``);
+* a row with more real tokens keeps its first ``sinks`` real tokens, then its last ``stored - sinks`` tokens; every
+  slot is a real token and every column it is read at is unmasked.
+
+So rows with different left padding share one slot count; a row only starts evicting once it has more real tokens
+than the cache holds. Which tokens are padding comes from the attention mask (see :class:`PaddingTracker`).
+
+Positions. Cached keys keep their RoPE rotation. With re-rotation on, the sink keys handed to attention are rotated
+by ``delta = real tokens - stored`` so that they sit right before the window (the stored sinks keep their original
+rotation; each forward rotates a fresh copy, so nothing drifts over a long stream).
+
+Storage goes through a codec: identity (full precision) or the int8 codec of the quantized cache; a token is encoded
+once, when it arrives.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ..rope import RotarySpec, rerotate
+from ._storage import Workspace
+
+Parts = dict[str, torch.Tensor]  # named stored tensors, token axis 2
+
+
+class IdentityCodec:
+    """Stores keys and values as they are."""
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
+        return {"k": k, "v": v}
+
+    def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        k_out.copy_(parts["k"])
+        v_out.copy_(parts["v"])
+
+
+class _PartsView:
+    """Adapter that gives a dict of tensors the ``view(name)`` access the quantized codecs decode from."""
+
+    def __init__(self, parts: Parts):
+        self._parts = parts
+
+    def view(self, name: str) -> torch.Tensor:
+        return self._parts[name]
+
+
+class QuantizedCodecAdapter:
+    """Wraps a per-token codec of the quantized cache (``unit == 1``) for dict storage."""
+
+    def __init__(self, codec):
+        if codec.unit != 1:
+            raise ValueError("a sliding window evicts single tokens, so it needs a per-token codec (int8)")
+        self.codec = codec
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
+        return self.codec.encode(k, v)
+
+    def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        self.codec.decode(_PartsView(parts), k_out, v_out)
+
+
+def _cat(a: Parts | None, b: Parts) -> Parts:
+    return b if a is None else {name: torch.cat([a[name], b[name]], dim=2) for name in b}
+
+
+def _slice(parts: Parts, start: int, stop: int | None = None) -> Parts:
+    return {name: t[:, :, start:stop] for name, t in parts.items()}
+
+
+def _length(parts: Parts | None) -> int:
+    return 0 if parts is None else next(iter(parts.values())).shape[2]
+
+
+def _gather_rows(parts: Parts, starts: torch.Tensor, n: int) -> Parts:
+    """Per row ``r``, slots ``starts[r] .. starts[r] + n`` (a ``(B,)`` tensor of starts)."""
+    out = {}
+    for name, t in parts.items():
+        idx = (starts.to(t.device).view(-1, 1) + torch.arange(n, device=t.device)).view(
+            -1, 1, n, *([1] * (t.dim() - 3))
+        )
+        out[name] = t.gather(2, idx.expand(t.shape[0], t.shape[1], n, *t.shape[3:]))
+    return out
+
+
+def _nbytes(parts: Parts | None) -> int:
+    return 0 if parts is None else sum(t.numel() * t.element_size() for t in parts.values())
+
+
+class PaddingTracker:
+    """Leading padding of each batch row, read from the 2-D attention mask of the forwards that use a cache.
+
+    transformers gives a cache layer its keys and values only, never the attention mask. When the cache is built
+    from a model, a forward pre-hook on that model records the mask of every forward that is passed this cache (and
+    of no other). A cache built from a config can be told with :meth:`observe`; otherwise rows count as unpadded.
+    """
+
+    def __init__(self) -> None:
+        self.pad: torch.Tensor | None = None  # (B,) leading zero columns of the last mask seen
+        self._handle = None
+
+    def observe(self, attention_mask: torch.Tensor | None) -> None:
+        """Record the padding of a 2-D ``(batch, tokens)`` attention mask (1 = real token, 0 = padding)."""
+        if attention_mask is None or attention_mask.dim() != 2:
+            return
+        real = attention_mask != 0
+        self.pad = (real.cumsum(-1) == 0).sum(-1).cpu()
+
+    def attach(self, model: torch.nn.Module, cache) -> None:
+        """Hook ``model`` so that forwards passed ``cache`` report their attention mask here."""
+        cache_ref = weakref.ref(cache)
+        tracker_ref = weakref.ref(self)
+
+        def hook(module, args, kwargs):
+            tracker, owner = tracker_ref(), cache_ref()
+            if tracker is not None and owner is not None and kwargs.get("past_key_values") is owner:
+                tracker.observe(kwargs.get("attention_mask"))
+
+        self._handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+        weakref.finalize(cache, self._handle.remove)
+
+    def real_tokens(self, seen: int, batch: int) -> torch.Tensor:
+        """``(B,)`` real tokens per row among the ``seen`` processed, on CPU."""
+        pad = self.pad
+        if pad is None or pad.shape[0] != batch:  # nothing observed for this batch: rows count as unpadded
+            return torch.full((batch,), seen, dtype=torch.long)
+        return torch.clamp(seen - pad, min=0)
+
+
+class SinkWindowLayer(CacheLayerMixin):
+    """Full-attention layer that keeps ``sinks`` first tokens and a ``window`` of recent ones.
+
+    See the module docstring for the layout. While ``generate()`` records the past (assisted and prompt-lookup
+    decoding), eviction waits for ``crop``, so a rejected draft can be undone exactly.
+    """
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(
+        self,
+        window: int,
+        sinks: int,
+        rotary: RotarySpec | None,
+        padding: PaddingTracker,
+        codec=None,
+        workspace: Workspace | None = None,
+    ):
+        super().__init__()
+        self.window, self.sinks = window, sinks
+        self.capacity = window + sinks
+        self.rotary = rotary
+        self.padding = padding
+        self.codec = codec or IdentityCodec()
+        self.workspace = workspace or Workspace()
+        self.cumulative_length = 0  # tokens processed, evicted ones included
+        self.head: Parts | None = None  # the sink slots once eviction has begun (original rotation)
+        self.body: Parts | None = None  # the slots after them, oldest first
+        self.record_past = False
+
+    # -- CacheLayerMixin ------------------------------------------------------------------------------------------
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def activate_past_recording(self) -> None:
+        self.record_past = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        head, body = self._visible()
+        keys, values = self._attended(head, body, key_states, value_states)
+        self.body = _cat(self.body, self.codec.encode(key_states, value_states))
+        self.cumulative_length += key_states.shape[-2]
+        if not self.record_past:
+            self._evict()
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        visible = min(self.stored_tokens, self.capacity)
+        return visible + query_length, self.cumulative_length - visible
+
+    def get_max_length(self) -> int:
+        return -1  # the position can grow without bound; the storage cannot
+
+    def reset(self) -> None:
+        self.head = self.body = None
+        self.cumulative_length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens, then evict down to ``sinks + window``.
+
+        Undoing tokens after eviction has begun needs the tokens they pushed out of the window: they are kept while
+        the past is recorded (``generate()`` turns that on for assisted and prompt-lookup decoding), and a crop that
+        would need more raises ``ValueError``.
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop(tokens_to_remove={tokens_to_remove}) is not supported: "
+                "pass a negative number of tokens to remove"
+            )
+        n = -tokens_to_remove
+        if n:
+            stored = self.stored_tokens
+            evicted = self.cumulative_length - stored
+            needed = min(self.cumulative_length - n, self.capacity)
+            if n > _length(self.body) or (evicted and stored - n < needed):
+                raise ValueError(
+                    f"cannot crop {n} tokens: this layer holds {stored} of {self.cumulative_length} tokens, and "
+                    f"undoing {n} would need tokens already evicted from the window. Call "
+                    "cache.activate_past_recording() before forwards you may undo (generate() does this for "
+                    "assisted decoding), or crop fewer tokens."
+                )
+            self.body = _slice(self.body, 0, _length(self.body) - n)
+            self.cumulative_length -= n
+        self._evict()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
+
+    def offload(self) -> None:
+        self._map_batch(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        if self.is_initialized:
+            self._map_batch(lambda t: t.to(self.device, non_blocking=True))
+
+    # -- reporting ------------------------------------------------------------------------------------------------
+
+    @property
+    def stored_tokens(self) -> int:
+        return _length(self.head) + _length(self.body)
+
+    @property
+    def quantized_tokens(self) -> int:
+        return 0 if isinstance(self.codec, IdentityCodec) else self.stored_tokens
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored slots (codes and scales when quantized)."""
+        return _nbytes(self.head) + _nbytes(self.body)
+
+    @property
+    def reserved_nbytes(self) -> int:
+        """Bytes of the allocations behind the stored slots (a window is a view of its last forward's tensor)."""
+        seen, total = set(), 0
+        for parts in (self.head, self.body):
+            for t in (parts or {}).values():
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+        return total
+
+    # -- internals ------------------------------------------------------------------------------------------------
+
+    def _real_tokens(self, batch: int) -> torch.Tensor:
+        return self.padding.real_tokens(self.cumulative_length, batch)
+
+    def _visible(self) -> tuple[Parts | None, Parts | None]:
+        """``(sink slots, window slots)`` the next forward attends to, without changing the stored state."""
+        if self.stored_tokens <= self.capacity:
+            return self.head, self.body
+        return self._select(self.capacity)
+
+    def _select(self, keep: int) -> tuple[Parts, Parts]:
+        """Per-row layout of ``keep`` slots (see the module docstring): sink slots, then the last window slots."""
+        stored = self.stored_tokens
+        body = _slice(self.body, _length(self.body) - (keep - self.sinks))
+        if self.sinks == 0:
+            return None, body
+        batch = next(iter(self.body.values())).shape[0]
+        real = self._real_tokens(batch)
+        # Where a row's sinks start among the stored slots: 0 once it has more real tokens than slots (its sinks are
+        # already in front), else its first kept slot of a contiguous tail.
+        starts = torch.clamp(stored - real, min=0).clamp(max=stored - keep)
+        if self.head is not None and not bool(starts.any()):
+            return self.head, body
+        everything = _cat(self.head, self.body)
+        head = _gather_rows(everything, starts, self.sinks)
+        if self.head is not None:
+            keep_old = (starts == 0).to(self.device)
+            head = {
+                name: torch.where(keep_old.view(-1, *([1] * (t.dim() - 1))), self.head[name], t)
+                for name, t in head.items()
+            }
+        return head, body
+
+    def _evict(self) -> None:
+        if self.stored_tokens > self.capacity:
+            self.head, self.body = self._select(self.capacity)
+
+    def _attended(self, head, body, k_new, v_new) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[sinks (re-rotated) ; window ; new]`` in full precision, built in the shared workspace."""
+        nh, nb, n = _length(head), _length(body), k_new.shape[-2]
+        if nh + nb == 0:
+            return k_new, v_new
+        keys, values = self.workspace.take(k_new, nh + nb + n)
+        if nh:
+            self.codec.decode(head, keys[:, :, :nh], values[:, :, :nh])
+            if self.rotary is not None:
+                real = self._real_tokens(keys.shape[0])
+                delta = torch.clamp(real - (nh + nb), min=0)
+                if bool(delta.any()):
+                    keys[:, :, :nh] = rerotate(keys[:, :, :nh], delta, self.rotary)
+        if nb:
+            self.codec.decode(body, keys[:, :, nh : nh + nb], values[:, :, nh : nh + nb])
+        keys[:, :, nh + nb :].copy_(k_new)
+        values[:, :, nh + nb :].copy_(v_new)
+        return keys, values
+
+    def _map_batch(self, fn) -> None:
+        self.head = None if self.head is None else {name: fn(t) for name, t in self.head.items()}
+        self.body = None if self.body is None else {name: fn(t) for name, t in self.body.items()}

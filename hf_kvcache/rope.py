@@ -1,0 +1,146 @@
+"""Rotary position embeddings (RoPE) as a cache sees them: which rotation a model applied to its keys, and how to
+move a cached key to another position.
+
+RoPE rotates each channel pair of a key by ``position * inv_freq``; rotations compose, so a key cached at position
+``p`` becomes the key of position ``p + delta`` by one more rotation by ``delta * inv_freq``
+(``R(delta) R(p) = R(p + delta)``). A constant ``attention_scaling`` (YaRN) is already inside the cached key and is
+not applied again. That is how :class:`~hf_kvcache.SlidingWindowKVCache` re-rotates its attention sinks
+(StreamingLLM, https://arxiv.org/abs/2309.17453).
+
+The rotation is read from the model's own rotary embedding module (the ``*RotaryEmbedding`` class of its modeling
+file), not re-derived from the config, so scaled frequencies (linear, llama3, YaRN, proportional), partial rotary
+(only the first ``rotary_dim`` channels rotate) and the two channel layouts (``rotate_half``: channel ``i`` pairs with
+``i + rotary_dim / 2``; interleaved: ``2i`` pairs with ``2i + 1``) come out as the model computes them. Frequencies
+that change with the sequence length (``dynamic``, ``longrope``) and multimodal RoPE cannot be re-rotated exactly and
+are refused.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["RotarySpec", "rerotate", "rotary_spec"]
+
+_LENGTH_DEPENDENT = ("dynamic", "longrope")
+
+
+@dataclass(frozen=True)
+class RotarySpec:
+    """The rotation a model applies to its keys on one layer type."""
+
+    inv_freq: torch.Tensor  # (rotary_dim / 2,) float32 angular frequency per channel pair
+    rotary_dim: int  # leading channels that rotate; the rest pass through (partial rotary)
+    interleaved: bool  # channel pairs (2i, 2i + 1) instead of (i, i + rotary_dim / 2)
+
+
+def rerotate(x: torch.Tensor, delta: torch.Tensor | int, spec: RotarySpec) -> torch.Tensor:
+    """Rotate keys ``x`` ``(B, H, T, D)`` by ``delta`` positions (an int or one per batch row, ``(B,)``).
+
+    Angles are computed in float32, as transformers computes them, and the result has ``x``'s dtype.
+    """
+    b = x.shape[0]
+    delta = torch.as_tensor(delta, device=x.device).reshape(-1).expand(b) if not isinstance(delta, int) else delta
+    inv_freq = spec.inv_freq.to(x.device)
+    if isinstance(delta, int):
+        angles = (delta * inv_freq).view(1, 1, 1, -1)
+    else:
+        angles = delta.float().view(b, 1, 1, 1) * inv_freq.view(1, 1, 1, -1)  # (B, 1, 1, R/2)
+    if spec.interleaved:
+        angles = angles.repeat_interleave(2, dim=-1)
+    else:
+        angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos(), angles.sin()  # (B or 1, 1, 1, R)
+    r = spec.rotary_dim
+    rot, rest = x[..., :r].float(), x[..., r:]
+    if spec.interleaved:
+        x1, x2 = rot[..., ::2], rot[..., 1::2]
+        turned = torch.stack([-x2, x1], dim=-1).flatten(-2)
+    else:
+        x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
+        turned = torch.cat([-x2, x1], dim=-1)
+    out = (rot * cos + turned * sin).to(x.dtype)
+    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+def _rotary_module(model_or_config, config):
+    """The model's rotary embedding module: found in the model, or built from its modeling file. None if absent."""
+    if isinstance(model_or_config, torch.nn.Module):
+        for module in model_or_config.modules():
+            if type(module).__name__.endswith("RotaryEmbedding"):
+                return module
+        return None
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type) or MODEL_MAPPING_NAMES.get(config.model_type)
+    if name is None:
+        raise ValueError(
+            f"cannot find the modeling code of model_type {config.model_type!r} to read its rotary embedding; "
+            "pass the model instead of its config, or use rerotate=False"
+        )
+    modeling = sys.modules[getattr(transformers, name).__module__]
+    classes = [
+        obj
+        for obj in vars(modeling).values()
+        if isinstance(obj, type)
+        and issubclass(obj, torch.nn.Module)
+        and obj.__name__.endswith("RotaryEmbedding")
+        and "vision" not in obj.__name__.lower()
+    ]
+    if not classes:
+        return None
+    return classes[0](config=config)
+
+
+def _scaled(value, layer_type: str):
+    return value[layer_type] if isinstance(value, dict) else value
+
+
+def rotary_spec(model_or_config, config, layer_type: str = "full_attention") -> RotarySpec | None:
+    """:class:`RotarySpec` of ``layer_type`` layers, or None when the model has no rotary embedding.
+
+    Raises:
+        ValueError: the rotation depends on the sequence length (``dynamic``, ``longrope``), is multimodal, or has a
+            layout this function cannot verify.
+    """
+    rope_parameters = getattr(config, "rope_parameters", None) or {}
+    if isinstance(rope_parameters, dict) and layer_type in rope_parameters:
+        rope_parameters = rope_parameters[layer_type]
+    if isinstance(rope_parameters, dict) and "mrope_section" in rope_parameters:
+        raise ValueError("multimodal RoPE (mrope_section) cannot be re-rotated; use rerotate=False")
+    module = _rotary_module(model_or_config, config)
+    if module is None:
+        return None
+    rope_type = _scaled(getattr(module, "rope_type", "default"), layer_type)
+    if rope_type in _LENGTH_DEPENDENT:
+        raise ValueError(
+            f"rope_type {rope_type!r} changes its frequencies with the sequence length, so cached keys cannot be "
+            "re-rotated exactly; use rerotate=False"
+        )
+    inv_freq = getattr(module, f"{layer_type}_inv_freq", None)
+    if inv_freq is None:
+        inv_freq = module.inv_freq
+    device = inv_freq.device
+    inv_freq = inv_freq.detach().float().cpu()
+    scaling = float(_scaled(getattr(module, "attention_scaling", 1.0), layer_type))
+
+    # Read the layout off the module's own cos table at one position.
+    position = 3
+    head_dim = 2 * inv_freq.numel()
+    kwargs = {"layer_type": layer_type} if "layer_type" in inspect.signature(module.forward).parameters else {}
+    probe = torch.zeros(1, 1, head_dim, device=device)
+    with torch.no_grad():
+        cos, _ = module.forward(probe, torch.tensor([[position]], device=device), **kwargs)
+    cos = cos.float().reshape(-1).cpu()
+    base = torch.cos(position * inv_freq) * scaling
+    for interleaved, expected in ((False, torch.cat([base, base])), (True, base.repeat_interleave(2))):
+        if cos.numel() == expected.numel() and torch.allclose(cos, expected, atol=1e-5, rtol=1e-5):
+            return RotarySpec(inv_freq=inv_freq, rotary_dim=cos.numel(), interleaved=interleaved)
+    raise ValueError(
+        f"{type(module).__name__} produces a cos table that matches neither the rotate_half nor the interleaved "
+        "layout, so its keys cannot be re-rotated safely; use rerotate=False"
+    )
