@@ -1,12 +1,13 @@
 """hf_kvcache: KV caches for Hugging Face transformers' ``generate()``, and the evidence to choose between them."""
 
-from .caches import QuantizedKVCache, SlidingWindowKVCache
+from .caches import PagedKVCache, QuantizedKVCache, SlidingWindowKVCache
 from .memory import cache_nbytes, dynamic_bytes_per_token
 from .registry import available_caches, make_cache, parse_spec, register_cache
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "PagedKVCache",
     "QuantizedKVCache",
     "SlidingWindowKVCache",
     "available_caches",

@@ -9,11 +9,12 @@ from . import quant
 from ._config import LayerSpec, layer_specs, resolve_config
 from .layers._codecs import Int8Codec, KiviCodec
 from .layers._storage import Workspace
+from .layers.paged import PagedLayer, PagedState
 from .layers.quantized import QuantizedLayer, QuantizedSlidingWindowLayer
 from .layers.sliding import PaddingTracker, QuantizedCodecAdapter, SinkWindowLayer
 from .rope import rotary_spec
 
-__all__ = ["KVCacheReportMixin", "QuantizedKVCache", "SlidingWindowKVCache"]
+__all__ = ["KVCacheReportMixin", "PagedKVCache", "QuantizedKVCache", "SlidingWindowKVCache"]
 
 _SCALE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _BACKENDS = ("torch", "bitsandbytes")
@@ -296,3 +297,72 @@ class _SlidingWindowLayer(DynamicSlidingWindowLayer):
         if not self.is_initialized:
             return 0
         return self.keys.untyped_storage().nbytes() + self.values.untyped_storage().nbytes()
+
+
+class PagedKVCache(KVCacheReportMixin, Cache):
+    """K/V in fixed-size blocks of a pool with per-row block tables, inside ``generate()`` (PagedAttention,
+    https://arxiv.org/abs/2309.06180).
+
+    Rows that ``num_return_sequences`` or ``num_beams`` create from one prompt store that prompt once (shared blocks
+    with reference counts); a row that writes into a shared, partly filled block copies it first (copy-on-write).
+    Beam search reorders block tables instead of copying K/V, and finished rows release their blocks. Lossless:
+    outputs equal ``DynamicCache``'s. The model's own sliding-window layers (hybrid models) keep a plain window, as
+    ``DynamicCache`` does.
+
+    Attention: with any attention implementation (eager, sdpa, ...) each forward gathers the rows' blocks into
+    contiguous K/V. After :func:`hf_kvcache.attention.use_paged_attention` (``model.set_attn_implementation(
+    "hf_kvcache_paged")``) attention reads the blocks through the block tables instead, without that copy.
+
+    Args:
+        config: the model's ``PretrainedConfig``, or the model itself.
+        block_size: token slots per block, >= 1.
+        num_blocks: None grows the pool on demand (in chunks; existing blocks never move); an integer preallocates a
+            fixed pool of that many blocks (one block holds ``block_size`` tokens of every full-attention layer).
+            Running out raises ``PoolExhaustedError`` (a ``RuntimeError``) that says how many blocks to allow,
+            and leaves the cache as it was.
+        grow_blocks: smallest growth step of an on-demand pool.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> from hf_kvcache import PagedKVCache
+        >>> config = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+        >>> cache = PagedKVCache(config, block_size=16, num_blocks=128)
+        >>> cache.block_report()["num_blocks"]
+        128
+    """
+
+    def __init__(self, config, block_size: int = 16, num_blocks: int | None = None, grow_blocks: int = 64):
+        config = resolve_config(config)
+        _check_int("block_size", block_size, 1)
+        if num_blocks is not None:
+            _check_int("num_blocks", num_blocks, 1)
+        _check_int("grow_blocks", grow_blocks, 1)
+        specs = layer_specs(config, type(self).__name__)
+        self.block_size, self.num_blocks, self.grow_blocks = block_size, num_blocks, grow_blocks
+        self.layer_specs = specs
+        self.state = PagedState(block_size, num_blocks, grow_blocks, config)
+        layers, rank = [], 0
+        for spec in specs:
+            if spec.layer_type == "full_attention":
+                layers.append(PagedLayer(self.state, rank))
+                rank += 1
+            else:
+                layers.append(_SlidingWindowLayer(spec.sliding_window))
+        super().__init__(layers=layers)
+
+    def block_report(self) -> dict:
+        """Pool size, blocks used / free / shared, allocated slots and waste (allocated slots holding no token)."""
+        return self.state.report()
+
+    def memory_report(self) -> dict:
+        return super().memory_report() | {"blocks": self.block_report()}
+
+    def check_invariants(self) -> None:
+        """Raise ``RuntimeError`` with the broken state if the pool and the block tables disagree."""
+        self.state.allocator.check_invariants(self.state.tables.tables)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(block_size={self.block_size}, num_blocks={self.num_blocks}, "
+            f"layers={len(self.layers)})"
+        )

@@ -14,7 +14,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from ._config import resolve_config
-from .caches import QuantizedKVCache, SlidingWindowKVCache
+from .caches import PagedKVCache, QuantizedKVCache, SlidingWindowKVCache
 
 __all__ = ["CacheKind", "register_cache", "make_cache", "parse_spec", "available_caches"]
 
@@ -123,3 +123,7 @@ register_cache(
     "sink",
     "SlidingWindowKVCache: attention sinks + a sliding window, flat memory (bits=8 for an int8 window)",
 )(SlidingWindowKVCache)
+
+register_cache("paged", "PagedKVCache: block pool + block tables, shared prompt blocks, copy-on-write (lossless)")(
+    PagedKVCache
+)

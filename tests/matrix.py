@@ -19,6 +19,9 @@ class CacheCase:
     # whether greedy tokens must match DynamicCache (a flip is allowed only where the reference was nearly tied).
     logit_bound: float = 0.0
     greedy_exact: bool = False
+    # Attention implementation the cache runs under instead of the matrix's eager / sdpa (compared with the sdpa
+    # reference, once).
+    attn: str | None = None
 
 
 # 4/2-bit cases use a small residual and groups so that tokens really are quantized within short test sequences.
@@ -32,6 +35,10 @@ CACHE_CASES = [
     # sinks + window larger than the text: nothing is evicted, so the sink cache must be exact (eviction is tested
     # against explicit attention masks in test_sliding_cache.py).
     CacheCase("sink", "sink:window=256:sinks=4", lossless=True),
+    # Paged: blocks of 4 tokens so that short tests cross blocks, share prompt blocks and copy on write.
+    CacheCase("paged", "paged:block_size=4", lossless=True),
+    CacheCase("paged-fixed", "paged:block_size=5:num_blocks=64", lossless=True),
+    CacheCase("paged-attn", "paged:block_size=4", lossless=True, attn="hf_kvcache_paged"),
     CacheCase("sink-int8", "sink:window=256:sinks=4:bits=8", lossless=False, logit_bound=0.06, greedy_exact=True),
 ]
 

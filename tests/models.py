@@ -15,6 +15,10 @@ from transformers import (
     Qwen2Config,
 )
 
+from hf_kvcache.attention import register_paged_attention
+
+register_paged_attention()  # tiny_model(family, "hf_kvcache_paged")
+
 VOCAB = 128
 PAD = 0
 COMMON = dict(vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=1, eos_token_id=2)

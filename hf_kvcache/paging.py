@@ -1,0 +1,227 @@
+"""Block bookkeeping for paged KV caches (PagedAttention, https://arxiv.org/abs/2309.06180): a pool of fixed-size
+blocks with a free list and reference counts, and per-row block tables with fork, copy-on-write and release.
+
+Pure Python (no torch, no transformers): the cache layer owns the K/V storage and asks this module which block to
+read or write. Names follow vLLM: ``block_size``, ``num_blocks``, ``ref_cnt``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+__all__ = ["BlockAllocator", "BlockTables", "PoolExhaustedError"]
+
+
+class PoolExhaustedError(RuntimeError):
+    """A fixed block pool cannot serve a request. The message says how many blocks were needed."""
+
+
+class BlockAllocator:
+    """A pool of ``num_blocks`` blocks of ``block_size`` token slots, with a free list and reference counts.
+
+    ``num_blocks=None`` grows the pool on demand by at least ``grow_blocks`` and half the pool at a time; the
+    ``on_grow(new_num_blocks)`` callback lets the storage add a chunk without moving existing blocks. A fixed pool
+    raises :class:`PoolExhaustedError` and leaves every count unchanged.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int | None = None,
+        grow_blocks: int = 64,
+        on_grow: Callable[[int], None] | None = None,
+    ):
+        self.block_size = block_size
+        self.fixed = num_blocks is not None
+        self.grow_blocks = grow_blocks
+        self.on_grow = on_grow
+        self.num_blocks = 0
+        self.ref_cnt: list[int] = []
+        self._free: list[int] = []  # a stack: the most recently freed block is reused first
+        if num_blocks:
+            self._grow(num_blocks)
+
+    # -- queries --------------------------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_shared_blocks(self) -> int:
+        return sum(1 for c in self.ref_cnt if c > 1)
+
+    # -- allocation -----------------------------------------------------------------------------------------------
+
+    def _grow(self, n: int) -> None:
+        start = self.num_blocks
+        self.num_blocks += n
+        self.ref_cnt.extend([0] * n)
+        self._free.extend(range(self.num_blocks - 1, start - 1, -1))  # lowest id on top of the stack
+        if self.on_grow is not None:
+            self.on_grow(self.num_blocks)
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` fresh blocks with ``ref_cnt`` 1."""
+        if n > len(self._free):
+            missing = n - len(self._free)
+            if self.fixed:
+                raise PoolExhaustedError(
+                    f"the block pool is exhausted: {n} blocks needed, {len(self._free)} free of num_blocks="
+                    f"{self.num_blocks} (block_size={self.block_size}); raise num_blocks to at least "
+                    f"{self.num_blocks + missing}, or pass num_blocks=None to grow the pool on demand"
+                )
+            # Geometric growth keeps the number of storage chunks logarithmic in the pool size.
+            self._grow(max(missing, self.grow_blocks, self.num_blocks // 2))
+        blocks = [self._free.pop() for _ in range(n)]
+        for b in blocks:
+            self.ref_cnt[b] = 1
+        return blocks
+
+    def incref(self, blocks: Sequence[int]) -> None:
+        for b in blocks:
+            if self.ref_cnt[b] <= 0:
+                raise RuntimeError(f"incref of block {b}, which is free (ref_cnt {self.ref_cnt[b]})")
+            self.ref_cnt[b] += 1
+
+    def decref(self, blocks: Sequence[int]) -> list[int]:
+        """Drop one reference to each block; returns the blocks that became free."""
+        freed = []
+        for b in blocks:
+            if self.ref_cnt[b] <= 0:
+                raise RuntimeError(f"decref of block {b}, which is already free (ref_cnt {self.ref_cnt[b]})")
+            self.ref_cnt[b] -= 1
+            if self.ref_cnt[b] == 0:
+                self._free.append(b)
+                freed.append(b)
+        return freed
+
+    def check_invariants(self, tables: Sequence[Sequence[int]] | None = None) -> None:
+        """Raise ``RuntimeError`` with the broken state if the counts, the free list or ``tables`` disagree."""
+        if len(self.ref_cnt) != self.num_blocks:
+            raise RuntimeError(f"ref_cnt has {len(self.ref_cnt)} entries for num_blocks={self.num_blocks}")
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise RuntimeError(f"the free list holds duplicates: {sorted(self._free)}")
+        zero = {b for b, c in enumerate(self.ref_cnt) if c == 0}
+        if free != zero:
+            raise RuntimeError(
+                f"num_free_blocks ({len(free)}) is out of sync with the zero ref counts ({len(zero)}): "
+                f"free but referenced {sorted(free - zero)}, unreferenced but not free {sorted(zero - free)}"
+            )
+        if any(c < 0 for c in self.ref_cnt):
+            raise RuntimeError(f"negative ref_cnt: {[(b, c) for b, c in enumerate(self.ref_cnt) if c < 0]}")
+        if tables is not None:
+            counts = [0] * self.num_blocks
+            for table in tables:
+                for b in table:
+                    counts[b] += 1
+            if counts != self.ref_cnt:
+                diff = [(b, counts[b], self.ref_cnt[b]) for b in range(self.num_blocks) if counts[b] != self.ref_cnt[b]]
+                raise RuntimeError(f"block tables disagree with ref_cnt (block, in tables, ref_cnt): {diff}")
+
+
+class BlockTables:
+    """Per-row block tables of one cache layer over a shared :class:`BlockAllocator`.
+
+    Every row holds the same number of tokens (``generate()`` batches are left-padded to one length), so one
+    ``num_tokens`` serves all rows. Rows may share blocks (forks, identical prompts); a row that is about to write
+    into a shared block gets its own copy first (copy-on-write), through the ``copy_block(src, dst)`` callback.
+    """
+
+    def __init__(self, allocator: BlockAllocator, copy_block: Callable[[int, int], None]):
+        self.allocator = allocator
+        self.copy_block = copy_block
+        self.tables: list[list[int]] = []
+        self.num_tokens = 0
+
+    @property
+    def block_size(self) -> int:
+        return self.allocator.block_size
+
+    def blocks_needed(self, n_new: int, rows: int | None = None) -> int:
+        """Blocks that appending ``n_new`` tokens to ``rows`` rows (default: all) allocates at most (fresh blocks
+        plus copies of shared partial tails)."""
+        bs = self.block_size
+        fresh = -(-(self.num_tokens + n_new) // bs) - -(-self.num_tokens // bs)
+        partial = self.num_tokens % bs != 0 and n_new > 0
+        shared_tails = sum(1 for t in self.tables if partial and self.allocator.ref_cnt[t[-1]] > 1)
+        return (len(self.tables) if rows is None else rows) * fresh + shared_tails
+
+    def append_slots(
+        self, n_new: int, batch: int, mirror: dict[int, int] | None = None
+    ) -> list[list[tuple[int, int, int]]]:
+        """Make room for ``n_new`` tokens in each of ``batch`` rows; returns, per row, ``(block, start, stop)``
+        slot runs to write, in token order. Copies shared partial tail blocks first. All or nothing: a fixed pool
+        that cannot serve the whole request raises before anything changes.
+
+        ``mirror`` (only on empty tables, i.e. at prefill) maps a row to an earlier row with identical contents:
+        it shares that row's blocks instead of allocating its own."""
+        mirror = mirror or {}
+        if not self.tables:
+            self.tables = [[] for _ in range(batch)]
+        elif batch != len(self.tables):
+            raise RuntimeError(f"append of a batch of {batch} rows to block tables of {len(self.tables)} rows")
+        elif mirror:
+            raise RuntimeError("rows can mirror each other only when the block tables are empty")
+        needed = self.blocks_needed(n_new, batch - len(mirror))
+        if needed > self.allocator.num_free_blocks and self.allocator.fixed:
+            self.allocator.allocate(needed)  # raises PoolExhaustedError with the sizing advice, changing nothing
+        bs = self.block_size
+        runs: list[list[tuple[int, int, int]]] = []
+        for row, table in enumerate(self.tables):
+            if row in mirror:
+                table.extend(self.tables[mirror[row]])
+                self.allocator.incref(table)
+                runs.append(list(runs[mirror[row]]))
+                continue
+            row_runs = []
+            pos, end = self.num_tokens, self.num_tokens + n_new
+            while pos < end:
+                index, offset = divmod(pos, bs)
+                if index == len(table):
+                    table.extend(self.allocator.allocate(1))
+                elif offset and self.allocator.ref_cnt[table[index]] > 1:
+                    (copy,) = self.allocator.allocate(1)
+                    self.copy_block(table[index], copy)
+                    self.allocator.decref([table[index]])
+                    table[index] = copy
+                stop = min(end - index * bs, bs)
+                row_runs.append((table[index], offset, stop))
+                pos = index * bs + stop
+            runs.append(row_runs)
+        self.num_tokens += n_new
+        return runs
+
+    def truncate(self, n: int) -> None:
+        """Forget the last ``n`` tokens of every row, freeing blocks that become empty."""
+        if n > self.num_tokens:
+            raise ValueError(f"cannot remove {n} tokens from block tables holding {self.num_tokens}")
+        self.num_tokens -= n
+        keep = -(-self.num_tokens // self.block_size)
+        for table in self.tables:
+            self.allocator.decref(table[keep:])
+            del table[keep:]
+
+    def select_rows(self, rows: Sequence[int]) -> None:
+        """New row ``i`` is old row ``rows[i]`` (reorder, repeat, select): blocks are shared, not copied."""
+        new = [list(self.tables[r]) for r in rows]
+        for table in new:
+            self.allocator.incref(table)
+        for table in self.tables:
+            self.allocator.decref(table)
+        self.tables = new
+
+    def release(self) -> None:
+        for table in self.tables:
+            self.allocator.decref(table)
+        self.tables = []
+        self.num_tokens = 0
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        return len({b for table in self.tables for b in table})

@@ -1,0 +1,195 @@
+"""PagedKVCache beyond the shared matrix: shared prompt blocks, waste, a fixed pool, forks, unsharing, reporting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import VOCAB, prompt, tiny_model
+from transformers import DynamicCache
+
+from hf_kvcache import PagedKVCache, cache_nbytes, make_cache
+from hf_kvcache.layers.paged import PagedLayer, PagedState
+from hf_kvcache.paging import PoolExhaustedError
+
+
+def _ids(batch, length, seed=0):
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_parallel_samples_share_the_prompt():
+    """8 samples of a 1,024-token prompt with 128 new tokens: <= 0.25x of DynamicCache's bytes."""
+    model = tiny_model("llama", "sdpa")
+    ids = _ids(1, 1024)
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=128, min_new_tokens=128, do_sample=True)
+    kwargs["num_return_sequences"] = 8
+    dynamic = DynamicCache(config=model.config)
+    torch.manual_seed(0)
+    ref = model.generate(ids, past_key_values=dynamic, **kwargs)
+    paged = PagedKVCache(model, block_size=16)
+    torch.manual_seed(0)
+    out = model.generate(ids, past_key_values=paged, **kwargs)
+    assert torch.equal(out, ref)
+    ratio = paged.nbytes / cache_nbytes(dynamic)
+    assert ratio <= 0.25, f"paged holds {ratio:.3f}x of DynamicCache"
+    report = paged.block_report()
+    assert report["blocks_shared"] == 1024 // 16
+    paged.check_invariants()
+
+
+def test_waste_of_a_varied_length_batch_is_under_4_percent():
+    model = tiny_model("qwen2", "sdpa")
+    lengths = [37, 150, 301, 499, 512]
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, -n:] = _ids(1, n, seed=row)
+        mask[row, -n:] = 1
+    cache = PagedKVCache(model, block_size=16)
+    model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=21, do_sample=False)
+    report = cache.block_report()
+    assert report["waste"] <= 0.04, report
+    assert report["allocated_slots"] == report["blocks_used"] * 16
+    cache.check_invariants()
+
+
+def test_fixed_pool_exhaustion_is_clear_and_leaves_the_cache_consistent():
+    model = tiny_model("llama", "eager")
+    ids = _ids(1, 20)
+    cache = PagedKVCache(model, block_size=8, num_blocks=4)  # 32 slots
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        before = (cache.get_seq_length(), cache.block_report())
+        with pytest.raises(PoolExhaustedError, match=r"raise num_blocks to at least 5") as err:
+            model(_ids(1, 13, seed=1), past_key_values=cache, use_cache=True)
+    assert "num_blocks=None" in str(err.value)
+    assert (cache.get_seq_length(), cache.block_report()) == before
+    cache.check_invariants()
+    with torch.no_grad():  # still usable: a forward that fits goes through
+        model(_ids(1, 12, seed=2), past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 32
+
+
+def test_growing_pool_never_moves_blocks():
+    model = tiny_model("llama", "eager")
+    cache = PagedKVCache(model, block_size=4, grow_blocks=2)
+    with torch.no_grad():
+        model(_ids(1, 8), past_key_values=cache, use_cache=True)
+        layer = cache.layers[0]
+        first_chunk = layer.k_chunks[0]
+        snapshot = first_chunk.clone()
+        model(_ids(1, 40, seed=1), past_key_values=cache, use_cache=True)
+    assert len(layer.k_chunks) > 1 and layer.k_chunks[0] is first_chunk
+    assert torch.equal(first_chunk[:8], snapshot[:8])
+
+
+def test_reorder_permutes_tables_without_copying():
+    model = tiny_model("llama", "eager")
+    cache = PagedKVCache(model, block_size=4)
+    with torch.no_grad():
+        model(_ids(3, 10), past_key_values=cache, use_cache=True)
+    layer = cache.layers[0]
+    storage = [c.clone() for c in layer.k_chunks]
+    tables = [list(t) for t in cache.state.tables.tables]
+    cache.reorder_cache(torch.tensor([2, 2, 0]))
+    assert cache.state.tables.tables == [tables[2], tables[2], tables[0]]
+    assert all(torch.equal(a, b) for a, b in zip(storage, layer.k_chunks))
+    assert cache.block_report()["blocks_shared"] == 3
+    cache.check_invariants()
+
+
+def test_forked_prefill_matches_dynamic_cache():
+    """Prefill one row, fork it with batch_repeat_interleave, decode different tokens per row."""
+    model = tiny_model("phi3", "eager")
+    ids, nxt = _ids(1, 11), _ids(3, 1, seed=4)
+    results = []
+    for cache in (DynamicCache(config=model.config), PagedKVCache(model, block_size=4)):
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+            cache.batch_repeat_interleave(3)
+            results.append(model(nxt, past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
+    cache.check_invariants()
+    cache.batch_select_indices(torch.tensor([1]))
+    report = cache.block_report()  # 12 tokens of one row: 3 blocks, no longer shared; the other rows' were freed
+    assert (report["blocks_used"], report["blocks_shared"]) == (3, 0)
+    cache.check_invariants()
+
+
+def test_rows_identical_on_one_layer_only_are_unshared():
+    """Sharing is decided at the first layer and checked on every layer: a row that differs later gets its own
+    blocks, and each row reads back exactly what it wrote."""
+    state = PagedState(block_size=4, num_blocks=None, grow_blocks=4)
+    first, second = PagedLayer(state, 0), PagedLayer(state, 1)
+    k = torch.randn(1, 2, 6, 8).repeat(2, 1, 1, 1)
+    v = torch.randn(1, 2, 6, 8).repeat(2, 1, 1, 1)
+    first.update(k, v)
+    assert state.allocator.num_shared_blocks == 2
+    k2, v2 = torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    got_k, got_v = second.update(k2, v2)
+    torch.testing.assert_close(got_k, k2, rtol=0, atol=0)
+    torch.testing.assert_close(got_v, v2, rtol=0, atol=0)
+    again_k, _ = first._gather(state.read_slots)
+    torch.testing.assert_close(again_k, k, rtol=0, atol=0)
+    state.allocator.check_invariants(state.tables.tables)
+
+
+def test_nbytes_counts_blocks_in_use_and_report_adds_up():
+    model = tiny_model("llama", "sdpa")
+    cache = make_cache("paged:block_size=8:num_blocks=100", model)
+    model.generate(**prompt("padded"), past_key_values=cache, max_new_tokens=5, do_sample=False)
+    report = cache.memory_report()
+    per_block = 2 * 8 * model.config.num_key_value_heads * model.config.head_dim * 4
+    # 12 prompt + 4 generated tokens cached (the last one never is): 2 blocks of 8 in each of 2 rows
+    assert report["blocks"]["blocks_used"] == 2 * 2 and report["blocks"]["waste"] == 0
+    assert cache.nbytes == model.config.num_hidden_layers * report["blocks"]["blocks_used"] * per_block
+    assert cache.reserved_nbytes == model.config.num_hidden_layers * 100 * per_block
+
+
+def test_hybrid_model_sliding_layers_keep_their_window():
+    model = tiny_model("gemma3", "eager")
+    cache = PagedKVCache(model, block_size=4)
+    model.generate(**prompt("single"), past_key_values=cache, max_new_tokens=16, do_sample=False)
+    for layer, layer_type in zip(cache.layers, model.config.layer_types):
+        if layer_type == "sliding_attention":
+            assert layer.is_sliding and layer.stored_tokens == model.config.sliding_window - 1
+        else:
+            assert isinstance(layer, PagedLayer) and layer.stored_tokens == 12 + 15
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [(dict(block_size=0), "block_size"), (dict(num_blocks=0), "num_blocks"), (dict(grow_blocks=-1), "grow_blocks")],
+)
+def test_bad_arguments_raise_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PagedKVCache(tiny_model("llama").config, **kwargs)
+
+
+def test_paged_attention_reads_pages_without_a_full_gather(monkeypatch):
+    from hf_kvcache import attention
+
+    monkeypatch.setattr(attention, "PAGE_GROUP_TOKENS", 8)
+    reads, groups = [], []
+    real_read, real_attend = PagedLayer.read, attention.attend_page_group
+    monkeypatch.setattr(PagedLayer, "read", lambda self, slots: reads.append(slots.shape[1]) or real_read(self, slots))
+    monkeypatch.setattr(attention, "attend_page_group", lambda *a: groups.append(1) or real_attend(*a))
+    inputs = {"input_ids": _ids(2, 40), "attention_mask": torch.ones(2, 40, dtype=torch.long)}
+    inputs["attention_mask"][1, :7] = 0
+    outs = []
+    for attn in ("sdpa", attention.PAGED_ATTENTION):
+        model = tiny_model("llama", attn)
+        cache = PagedKVCache(model, block_size=4)
+        outs.append(
+            model.generate(
+                **inputs,
+                past_key_values=cache,
+                max_new_tokens=6,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        )
+    assert groups and reads and max(reads) <= 8
+    torch.testing.assert_close(outs[1].sequences, outs[0].sequences, rtol=0, atol=0)
+    for got, want in zip(outs[1].logits, outs[0].logits):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
