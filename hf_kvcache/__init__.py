@@ -2,6 +2,7 @@
 
 from .caches import PagedKVCache, QuantizedKVCache, SlidingWindowKVCache
 from .memory import cache_nbytes, dynamic_bytes_per_token
+from .reference import load_reference_model, reference_model_path, reference_text
 from .registry import available_caches, make_cache, parse_spec, register_cache
 
 __version__ = "0.1.0"
@@ -13,8 +14,11 @@ __all__ = [
     "available_caches",
     "cache_nbytes",
     "dynamic_bytes_per_token",
+    "load_reference_model",
     "make_cache",
     "parse_spec",
+    "reference_model_path",
+    "reference_text",
     "register_cache",
     "__version__",
 ]
