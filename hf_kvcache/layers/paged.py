@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..paging import BlockAllocator, BlockTables
+from ._common import tokens_to_crop
 
 
 class PagedState:
@@ -247,13 +248,9 @@ class PagedLayer(CacheLayerMixin):
             self.state.tables.release()
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError(
-                f"crop(tokens_to_remove={tokens_to_remove}) is not supported: "
-                "pass a negative number of tokens to remove"
-            )
-        if self.rank == 0 and tokens_to_remove:
-            self.state.tables.truncate(-tokens_to_remove)
+        n = tokens_to_crop(tokens_to_remove)
+        if self.rank == 0 and n:
+            self.state.tables.truncate(n)
 
     def _select_rows(self, pick) -> None:
         """Row bookkeeping happens once, on the first layer: ``pick(rows)`` maps old row ids to the new rows."""

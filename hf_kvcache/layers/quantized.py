@@ -14,10 +14,11 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from ._common import BatchOpsMixin, tokens_to_crop
 from ._storage import TokenBuffers, Workspace
 
 
-class QuantizedLayer(CacheLayerMixin):
+class QuantizedLayer(BatchOpsMixin, CacheLayerMixin):
     """Full-attention layer with quantized storage. See the module docstring for the layout."""
 
     is_sliding = False
@@ -75,25 +76,11 @@ class QuantizedLayer(CacheLayerMixin):
         partly removed group go back to the residual as their decoded values and are encoded again with their next
         group: their error is then at most one quantization step instead of half a step.
         """
-        if tokens_to_remove > 0:
-            raise ValueError(
-                f"crop(tokens_to_remove={tokens_to_remove}) is not supported: "
-                "pass a negative number of tokens to remove"
-            )
-        n = -tokens_to_remove
+        n = tokens_to_crop(tokens_to_remove)
         if n and self.is_initialized:
             self._remove_tail(n)
             self.cumulative_length -= n
         self._evict()
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
 
     def offload(self) -> None:
         if self.is_initialized:

@@ -31,6 +31,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..rope import RotarySpec, rerotate
+from ._common import BatchOpsMixin, tokens_to_crop
 from ._storage import Workspace
 
 Parts = dict[str, torch.Tensor]  # named stored tensors, token axis 2
@@ -139,7 +140,7 @@ class PaddingTracker:
         return torch.clamp(seen - pad, min=0)
 
 
-class SinkWindowLayer(CacheLayerMixin):
+class SinkWindowLayer(BatchOpsMixin, CacheLayerMixin):
     """Full-attention layer that keeps ``sinks`` first tokens and a ``window`` of recent ones.
 
     See the module docstring for the layout. While ``generate()`` records the past (assisted and prompt-lookup
@@ -213,12 +214,7 @@ class SinkWindowLayer(CacheLayerMixin):
         the past is recorded (``generate()`` turns that on for assisted and prompt-lookup decoding), and a crop that
         would need more raises ``ValueError``.
         """
-        if tokens_to_remove > 0:
-            raise ValueError(
-                f"crop(tokens_to_remove={tokens_to_remove}) is not supported: "
-                "pass a negative number of tokens to remove"
-            )
-        n = -tokens_to_remove
+        n = tokens_to_crop(tokens_to_remove)
         if n:
             stored = self.stored_tokens
             evicted = self.cumulative_length - stored
@@ -233,15 +229,6 @@ class SinkWindowLayer(CacheLayerMixin):
             self.body = _slice(self.body, 0, _length(self.body) - n)
             self.cumulative_length -= n
         self._evict()
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
 
     def offload(self) -> None:
         self._map_batch(lambda t: t.to("cpu", non_blocking=True))
@@ -316,11 +303,15 @@ class SinkWindowLayer(CacheLayerMixin):
             self.head, self.body = self._select(self.capacity)
 
     def _attended(self, head, body, k_new, v_new) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[sinks (re-rotated) ; window ; new]`` in full precision, built in the shared workspace."""
+        """``[sinks (re-rotated) ; window ; new]`` in full precision."""
         nh, nb, n = _length(head), _length(body), k_new.shape[-2]
         if nh + nb == 0:
             return k_new, v_new
-        keys, values = self.workspace.take(k_new, nh + nb + n)
+        if n == 1:  # decode: the shared workspace, sized sinks + window + 1 for good
+            keys, values = self.workspace.take(k_new, nh + nb + n)
+        else:  # a prefill may be far longer than the window: a one-off buffer, so the workspace stays flat
+            shape = (*k_new.shape[:2], nh + nb + n, k_new.shape[-1])  # (B, H, T, D)
+            keys, values = k_new.new_empty(shape), v_new.new_empty(shape)
         if nh:
             self.codec.decode(head, keys[:, :, :nh], values[:, :, :nh])
             if self.rotary is not None:
