@@ -82,7 +82,7 @@ def compare_caches(
     then ``repeats`` runs of 1 and of ``max_new_tokens`` tokens; decode rate = extra tokens / extra time (medians).
     """
     if isinstance(caches, list):
-        caches = {spec: (lambda spec=spec: make_cache(spec, model.config)) for spec in caches}
+        caches = {spec: (lambda spec=spec: make_cache(spec, model)) for spec in caches}
     if reference not in caches:
         reference = next(iter(caches))
     batch = inputs["input_ids"].shape[0]
@@ -137,5 +137,7 @@ def format_table(rows: list[CompareRow]) -> str:
 def analytic_ratio(model, spec: str, dtype: torch.dtype) -> float:
     """Stored bytes per token of ``spec`` over the full-precision cache's, from the config alone."""
     cache = make_cache(spec, model.config)
+    if getattr(cache, "max_stored_tokens", None):
+        return float("nan")  # bounded: bytes stop growing once the window is full
     per_token = cache.bytes_per_token(dtype) if hasattr(cache, "bytes_per_token") else None
     return per_token / dynamic_bytes_per_token(model.config, dtype) if per_token else 1.0

@@ -16,7 +16,7 @@ from transformers.cache_utils import Cache
 from ._config import resolve_config
 from .caches import PagedKVCache, QuantizedKVCache, SlidingWindowKVCache
 
-__all__ = ["CacheKind", "register_cache", "make_cache", "parse_spec", "available_caches"]
+__all__ = ["CacheKind", "available_caches", "check_spec", "make_cache", "parse_spec", "register_cache"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,19 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     return name.strip(), options
 
 
+def check_spec(spec: str, **overrides) -> CacheKind:
+    """The kind a spec names, after checking its name and option names (no config needed)."""
+    name, options = parse_spec(spec)
+    kind = _KINDS.get(name)
+    if kind is None:
+        raise ValueError(f"unknown cache kind {name!r} in spec {spec!r}; known kinds: {', '.join(_KINDS)}")
+    unknown = sorted((set(options) | set(overrides)) - set(kind.options))
+    if unknown:
+        allowed = ", ".join(kind.options) or "none"
+        raise ValueError(f"cache kind {name!r} has no option {', '.join(unknown)}; its options: {allowed}")
+    return kind
+
+
 def make_cache(spec: str, config, **overrides) -> Cache:
     """Build a cache from a spec string for a model ``config`` (or model); ``overrides`` win over spec options.
 
@@ -87,15 +100,8 @@ def make_cache(spec: str, config, **overrides) -> Cache:
     ...     num_attention_heads=4)).residual_length
     16
     """
-    name, options = parse_spec(spec)
-    kind = _KINDS.get(name)
-    if kind is None:
-        raise ValueError(f"unknown cache kind {name!r} in spec {spec!r}; known kinds: {', '.join(_KINDS)}")
-    options.update(overrides)
-    unknown = sorted(set(options) - set(kind.options))
-    if unknown:
-        allowed = ", ".join(kind.options) or "none"
-        raise ValueError(f"cache kind {name!r} has no option {', '.join(unknown)}; its options: {allowed}")
+    kind = check_spec(spec, **overrides)
+    options = parse_spec(spec)[1] | overrides
     return kind.factory(config, **options)  # a model stays a model: some caches hook it (sink padding)
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install hf-kvcache with its dev extras. Idempotent: a second run only re-checks.
+# Create .venv and install hf-kvcache with its dev, bench and eval extras. Idempotent: a second run only re-checks.
 # torch is installed first and pinned (torch==2.13.0): on a machine whose pip finds a local CPU wheel of it
 # (our dev and CI machines) that wheel is used instead of the multi-GB CUDA build; elsewhere pip installs the
 # normal torch 2.13.0 build for the platform. An existing torch in the venv is kept.
@@ -13,6 +13,6 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 stamp=.venv/.hf_kvcache-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  "${PIP[@]}" -e ".[dev,bench]"
+  "${PIP[@]}" -e ".[dev,bench,eval]"
   touch "$stamp"
 fi

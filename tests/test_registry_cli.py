@@ -50,10 +50,10 @@ def test_cli_list(capsys):
 
 
 def test_cli_demo_runs_offline(capsys):
-    args = ["demo", "--prompt-tokens", "16", "--new-tokens", "4", "--layers", "1", "--head-dim", "16", "--repeats", "1"]
-    assert main([*args, "--caches", "dynamic,int8,int4:group_size=8:residual_length=4"]) == 0
+    args = ["demo", "--prompt-tokens", "32", "--new-tokens", "4", "--repeats", "1"]
+    assert main([*args, "--caches", "dynamic,int8,int4:group_size=8:residual_length=4,sink:window=8:sinks=2"]) == 0
     out = capsys.readouterr().out
-    assert "| int8 |" in out and "| dynamic | 4 |" in out
+    assert "| int8 |" in out and "| dynamic | 4 |" in out and "| sink:window=8:sinks=2 |" in out
 
 
 def test_cli_reports_bad_spec(capsys):

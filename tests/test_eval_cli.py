@@ -1,0 +1,177 @@
+"""hf-kvcache eval / bench: offline defaults on the reference model, results.json schema, data parallelism, flags."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from models import tiny_model
+
+from hf_kvcache.cli import main
+from hf_kvcache.eval import EvalConfig, load_text, merge_results, metric_path, run_bench, run_eval
+from hf_kvcache.reference import load_reference_model
+
+SMALL = ["--max-tokens", "1024", "--context", "256", "--prefill", "128", "--quiet", "--threads", "1"]
+RESULT_KEYS = {
+    "cache",
+    "perplexity",
+    "tokens_scored",
+    "nll",
+    "cache_bytes",
+    "bytes_per_token",
+    "decode_tokens_per_s",
+    "peak_memory_bytes",
+    "perplexity_change",
+    "bytes_ratio",
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return load_reference_model()
+
+
+def test_eval_writes_results_report_and_plots(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["eval", *SMALL, "--caches", "dynamic,int8,sink:window=64:sinks=4", "--output", str(out)]) == 0
+    assert "| int8 |" in capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert {"config", "versions", "results", "device"} <= set(results)
+    assert results["config"]["model"] == "reference" and results["config"]["dataset"] == "reference"
+    assert {"transformers", "torch", "hf_kvcache"} <= set(results["versions"])
+    for entry in results["results"]:
+        assert RESULT_KEYS <= set(entry), RESULT_KEYS - set(entry)
+        assert entry["peak_memory_bytes"] is None  # CPU: not measured, not invented
+    assert (out / "report.md").read_text().count("| sink:window=64:sinks=4 |") == 1
+    assert (out / "perplexity_bytes.png").stat().st_size > 1000
+
+
+def test_the_cache_matters_on_the_reference_model(reference):
+    model, tokenizer = reference
+    config = EvalConfig(
+        caches=("dynamic", "paged:block_size=16", "int8", "int2:residual_length=0"),
+        max_tokens=2048,
+        context=512,
+        prefill=256,
+        quiet=True,
+    )
+    ppl = {r["cache"]: r["perplexity"] for r in run_eval(config, model, tokenizer)["results"]}
+    assert ppl["paged:block_size=16"] == pytest.approx(ppl["dynamic"], rel=1e-6)
+    assert ppl["int2:residual_length=0"] > ppl["int8"] >= ppl["dynamic"] * (1 - 1e-4)
+    assert ppl["int8"] < ppl["dynamic"] * 1.005
+
+
+def test_long_stream_mode_reports_buckets(reference, tmp_path):
+    model, tokenizer = reference
+    config = EvalConfig(
+        caches=("dynamic", "sink:window=128:sinks=4"),
+        max_tokens=600,
+        context=300,
+        prefill=100,
+        stream_tokens=700,
+        bucket=200,
+        quiet=True,
+    )
+    results = run_eval(config, model, tokenizer)
+    for entry in results["results"]:
+        assert len(entry["stream"]["perplexity"]) == 4 and sum(entry["stream"]["tokens"]) == 700 - 16
+    sink = results["results"][1]["stream"]["cache_bytes"]
+    assert sink[-1] == sink[-2]  # flat once the window is full
+
+
+def test_sharded_windows_merge_to_the_single_process_result(reference):
+    model, tokenizer = reference
+    config = EvalConfig(caches=("dynamic", "int4"), max_tokens=1500, context=256, prefill=128, batch_size=3, quiet=True)
+    whole = run_eval(config, model, tokenizer)
+    parts = [run_eval(config, model, tokenizer, shard=(i, 2)) for i in range(2)]
+    merged = merge_results(parts)
+    for a, b in zip(merged["results"], whole["results"]):
+        assert a["tokens_scored"] == b["tokens_scored"] and a["windows"] == b["windows"]
+        assert a["nll"] == pytest.approx(b["nll"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_accelerate_two_cpu_processes_equal_one(tmp_path):
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    args = [*SMALL, "--caches", "dynamic,int8"]
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "hf_kvcache",
+        "eval",
+    ]
+    subprocess.run([*launch, *args, "--output", str(tmp_path / "dp")], check=True, env=env, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "hf_kvcache", "eval", *args, "--output", str(tmp_path / "one")],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
+    dp = json.loads((tmp_path / "dp" / "results.json").read_text())
+    one = json.loads((tmp_path / "one" / "results.json").read_text())
+    assert dp["processes"] == 2
+    for a, b in zip(dp["results"], one["results"]):
+        assert a["tokens_scored"] == b["tokens_scored"]
+        assert a["perplexity"] == pytest.approx(b["perplexity"], rel=1e-6)
+
+
+def test_evaluate_metric_loads_by_path(reference):
+    import evaluate
+
+    metric = evaluate.load(metric_path())
+    text = load_text()[:3000]
+    got = metric.compute(predictions=[text], cache="int8", context=256, prefill=64, device="cpu")
+    assert got["tokens_scored"] > 0 and 1 < got["perplexity"] < 1000
+
+
+def test_bench_rows_side_by_side():
+    model = tiny_model("llama")
+    bench = run_bench(model, ["dynamic", "int8"], [16, 32], new_tokens=4, repeats=1)
+    assert [(r["context"], r["cache"]) for r in bench["rows"]] == [
+        (16, "dynamic"),
+        (16, "int8"),
+        (32, "dynamic"),
+        (32, "int8"),
+    ]
+    assert all(r["decode_tokens_per_s"] > 0 and r["peak_memory_bytes"] is None for r in bench["rows"])
+
+
+def test_load_text_sources(tmp_path):
+    (tmp_path / "a.txt").write_text("plain text")
+    (tmp_path / "b.jsonl").write_text('{"text": "one", "body": "x"}\n{"body": "y", "text": "two"}\n')
+    assert load_text(str(tmp_path / "a.txt")) == "plain text"
+    assert load_text(str(tmp_path / "b.jsonl")) == "one\n\ntwo"
+    assert load_text(str(tmp_path / "b.jsonl") + ":body") == "x\n\ny"
+    with pytest.raises(ValueError, match="neither a known name nor an existing file"):
+        load_text(str(tmp_path / "missing.txt"))
+    assert load_text().startswith("Persuasion")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--caches", "nope"], "unknown cache kind 'nope'"),
+        (["--prefill", "600", "--context", "512"], "--prefill (600) must be smaller than --context (512)"),
+        (["--chunk", "0"], "--chunk must be an integer >= 1"),
+        (["--device", "tpu"], "--device must be cpu, cuda or auto"),
+        (["--load-in-8bit", "--load-in-4bit"], "exclusive"),
+        (["--caches", "int8:bogus=1"], "has no option bogus"),
+    ],
+)
+def test_bad_flags_give_clear_errors(args, message, capsys):
+    assert main(["eval", "--quiet", *args]) == 2
+    assert message in capsys.readouterr().err
