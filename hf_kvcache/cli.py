@@ -51,7 +51,8 @@ def _demo(args) -> int:
     print(format_table(rows))
     print("\nAnalytic bytes per stored token vs a bf16 cache (residual excluded; bounded caches stop growing):")
     for spec in specs:
-        print(f"  {spec:<24} {analytic_ratio(model, spec, torch.bfloat16):.3f}")
+        ratio = analytic_ratio(model, spec, torch.bfloat16)
+        print(f"  {spec:<24} " + ("bounded: stops at sinks + window tokens" if ratio != ratio else f"{ratio:.3f}"))
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=args.new_tokens, do_sample=False)
     continuation = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
