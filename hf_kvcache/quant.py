@@ -60,6 +60,14 @@ def _nonzero_scale(scale: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
     return torch.where((spread > 0) & (scale == 0), smallest.to(scale.device), scale)
 
 
+def _cover(scale: torch.Tensor, span_over_scale: torch.Tensor, top: int) -> torch.Tensor:
+    """Where ``span / scale`` exceeds ``top`` (a scale rounded down: float32 division loses relative precision in
+    the subnormal range), step the scale up by one unit in its dtype, so the top code is never saturated by more
+    than rounding. One step suffices after a round-to-nearest division."""
+    up = torch.nextafter(scale, torch.full_like(scale, float("inf")))
+    return torch.where(span_over_scale > top, up, scale)
+
+
 def _finite_extrema(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Min and max over ``dim`` of the finite elements (0 where a group has none), and the finite mask."""
     finite = torch.isfinite(x)
@@ -88,6 +96,7 @@ def quantize_symmetric(
     mn, mx, finite = _finite_extrema(xf, dim)
     absmax = torch.maximum(mx.abs(), mn.abs())
     scale = _nonzero_scale(_round_to_dtype(absmax / 127.0, scale_dtype, direction=float("inf")), absmax)
+    scale = _cover(scale, absmax / torch.where(scale > 0, scale.float(), 1.0), 127)
     safe = torch.where(scale > 0, scale.float(), 1.0)
     # NaN -> 0; +-inf -> +-absmax (saturates to +-127 below).
     xf = torch.where(finite, xf, torch.where(torch.isnan(xf), 0.0, torch.sign(xf) * absmax))
@@ -122,6 +131,8 @@ def quantize_asymmetric(
     # Divide before subtracting so that huge ranges do not overflow float32.
     scale = _round_to_dtype(mx / top - zero.float() / top, scale_dtype, direction=float("inf"))
     scale = _nonzero_scale(scale, mx - zero.float())
+    positive = torch.where(scale > 0, scale.float(), 1.0)
+    scale = _cover(scale, mx / positive - zero.float() / positive, top)
     scale_f, zero_f = scale.float(), zero.float()
     safe = torch.where(scale_f > 0, scale_f, 1.0)
     # +inf -> max, -inf -> min, NaN -> the value nearest 0 inside the group's range.

@@ -91,3 +91,13 @@ def test_bad_bits_and_pack_shape_are_value_errors():
         quant.levels(3)
     with pytest.raises(ValueError, match="multiple of 4"):
         quant.pack(torch.zeros(2, 6, dtype=torch.uint8), 2)
+
+
+def test_subnormal_scale_rounded_down_is_stepped_up():
+    # float32 division rounds 1.809e-42 / 127 down to 10 subnormal units: the top code would saturate at 129.
+    x = torch.full((1, 8), 1.809e-42)
+    codes, scale = quant.quantize_symmetric(x, dim=-1)
+    back = quant.dequantize_symmetric(codes, scale, dtype=torch.float32)
+    assert ((back - x).abs() <= scale / 2).all()
+    c, s, z = quant.quantize_asymmetric(torch.tensor([[0.0, 1.809e-42] * 4]), bits=2, dim=-1)
+    assert (((c.float() * s + z) - torch.tensor([[0.0, 1.809e-42] * 4])).abs() <= s / 2).all()
