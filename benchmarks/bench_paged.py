@@ -18,28 +18,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from hf_kvcache import PagedKVCache, cache_nbytes, reference_model_path
 from hf_kvcache.attention import PAGED_ATTENTION, register_paged_attention
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from hf_kvcache.compare import timed_generate
 
 
 def _generate(model, inputs, make, new_tokens, **kwargs):
     cache = make()
-    _sync(model.device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        model.generate(**inputs, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
-    _sync(model.device)
-    return cache, time.perf_counter() - start
+    _, seconds = timed_generate(model, inputs, cache, new_tokens, min_new_tokens=new_tokens, **kwargs)
+    return cache, seconds
 
 
 def measure(model, attn, inputs, make, new_tokens, repeats, rows, **kwargs) -> dict:

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from hf_kvcache import cache_nbytes, make_cache, reference_model_path
+from hf_kvcache.compare import synchronize
 
 
 class _Stamps(LogitsProcessor):
@@ -30,8 +31,7 @@ class _Stamps(LogitsProcessor):
         self.times, self.nbytes = [], {}
 
     def __call__(self, input_ids, scores):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         self.times.append(time.perf_counter())
         step = len(self.times)
         if step in self.checkpoints:

@@ -8,7 +8,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from . import quant
 from ._config import LayerSpec, layer_specs, resolve_config
 from .layers._codecs import Int8Codec, KiviCodec
-from .layers._storage import Workspace
+from .layers._storage import Workspace, _nbytes
 from .layers.paged import PagedLayer, PagedState
 from .layers.quantized import QuantizedLayer, QuantizedSlidingWindowLayer
 from .layers.sliding import PaddingTracker, QuantizedCodecAdapter, SinkWindowLayer
@@ -290,7 +290,7 @@ class _SlidingWindowLayer(DynamicSlidingWindowLayer):
     def nbytes(self) -> int:
         if not self.is_initialized:
             return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        return _nbytes(self.keys) + _nbytes(self.values)
 
     @property
     def reserved_nbytes(self) -> int:

@@ -26,6 +26,7 @@ def _demo(args) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .compare import analytic_ratio, compare_caches, format_table
+    from .eval.runner import tokenize
     from .reference import reference_model_path, reference_text
     from .registry import check_spec
 
@@ -37,7 +38,7 @@ def _demo(args) -> int:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     text = reference_text()
-    ids = torch.tensor(tokenizer(text[: 16 * args.prompt_tokens])["input_ids"][: args.prompt_tokens])
+    ids = tokenize(tokenizer, text[: 16 * args.prompt_tokens])[: args.prompt_tokens]
     if ids.numel() < args.prompt_tokens:
         raise ValueError(f"--prompt-tokens {args.prompt_tokens} is longer than the demo text ({ids.numel()} tokens)")
     ids = ids.view(1, -1).repeat(args.batch, 1)

@@ -18,7 +18,7 @@ from transformers.cache_utils import Cache
 from .memory import cache_nbytes, dynamic_bytes_per_token
 from .registry import make_cache
 
-__all__ = ["CompareRow", "compare_caches", "format_table", "tiny_llama"]
+__all__ = ["CompareRow", "compare_caches", "format_table", "synchronize", "timed_generate", "tiny_llama"]
 
 
 @dataclass
@@ -55,16 +55,19 @@ def tiny_llama(head_dim: int = 64, layers: int = 4, seed: int = 0, dtype=torch.f
     return model
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for queued CUDA work on ``device`` (no-op elsewhere), so a timer measures the work itself."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _timed_generate(model, inputs, cache: Cache, max_new_tokens: int):
-    _sync(model.device)
+def timed_generate(model, inputs, cache: Cache, max_new_tokens: int, **generate_kwargs):
+    """``(output, seconds)`` of one synchronized ``model.generate`` through ``cache``."""
+    synchronize(model.device)
     start = time.perf_counter()
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False)
-    _sync(model.device)
+    with torch.inference_mode():
+        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, **generate_kwargs)
+    synchronize(model.device)
     return out, time.perf_counter() - start
 
 
@@ -89,12 +92,12 @@ def compare_caches(
     results, sequences = {}, {}
     with torch.inference_mode():
         for label, factory in caches.items():
-            _timed_generate(model, inputs, factory(), 2)  # warm-up
+            timed_generate(model, inputs, factory(), 2, do_sample=False)  # warm-up
             ttft, rates = [], []
             for _ in range(repeats):
-                _, t1 = _timed_generate(model, inputs, factory(), 1)
+                _, t1 = timed_generate(model, inputs, factory(), 1, do_sample=False)
                 cache = factory()
-                out, tn = _timed_generate(model, inputs, cache, max_new_tokens)
+                out, tn = timed_generate(model, inputs, cache, max_new_tokens, do_sample=False)
                 ttft.append(t1)
                 rates.append(batch * (max_new_tokens - 1) / max(tn - t1, 1e-9))
             sequences[label] = out[:, inputs["input_ids"].shape[1] :]

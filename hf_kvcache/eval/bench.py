@@ -10,30 +10,17 @@ CUDA also the peak allocated memory of the long generation, and, per cache, the 
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
+
+from ..compare import timed_generate
 
 __all__ = ["run_bench"]
 
 
-def _timed(model, ids, cache, new_tokens):
-    device = ids.device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            past_key_values=cache,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-        )
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+def _timed(model, ids, cache, new_tokens) -> float:
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    return timed_generate(model, inputs, cache, new_tokens, min_new_tokens=new_tokens, do_sample=False)[1]
 
 
 def run_bench(

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers.cache_utils import Cache
 
+from ..compare import synchronize
+
 __all__ = ["PerplexityResult", "StreamResult", "stream_perplexity", "window_perplexity", "windows"]
 
 CacheFactory = Callable[[], Cache]
@@ -97,11 +99,6 @@ def _batches(items: list[torch.Tensor], batch_size: int) -> Iterator[torch.Tenso
         yield torch.stack(group)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
     return torch.nn.functional.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
@@ -139,14 +136,14 @@ def window_perplexity(
         logits = model(input_ids=batch[:, :prefill], attention_mask=mask[:, :prefill], past_key_values=cache).logits
         total += _nll(logits[:, -1:], batch[:, prefill : prefill + 1])
         count += b
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         for start in range(prefill, length - 1, chunk):
             stop = min(start + chunk, length - 1)
             logits = model(input_ids=batch[:, start:stop], attention_mask=mask[:, :stop], past_key_values=cache).logits
             total += _nll(logits, batch[:, start + 1 : stop + 1])
             count += b * (stop - start)
-        _sync(device)
+        synchronize(device)
         decode_s += time.perf_counter() - t0
         if not first_tokens:
             first_bytes, first_tokens = cache_nbytes(cache), b * (length - 1)

@@ -106,12 +106,17 @@ class PagedState:
         }
 
 
+def _same_rows(k: torch.Tensor, v: torch.Tensor, a: int, b: int) -> bool:
+    """Rows ``a`` and ``b`` hold bitwise-equal keys and values."""
+    return torch.equal(k[a], k[b]) and torch.equal(v[a], v[b])
+
+
 def _identical_rows(k: torch.Tensor, v: torch.Tensor) -> list[list[int]]:
     """Groups (of two or more) of rows whose keys and values are bitwise equal."""
     leaders: list[list[int]] = []
     for row in range(k.shape[0]):
         for group in leaders:
-            if torch.equal(k[row], k[group[0]]) and torch.equal(v[row], v[group[0]]):
+            if _same_rows(k, v, row, group[0]):
                 group.append(row)
                 break
         else:
@@ -178,7 +183,9 @@ class PagedLayer(CacheLayerMixin):
             self.k_chunks[c].index_copy_(0, local, k_rows if mask is None else k_rows[mask])
             self.v_chunks[c].index_copy_(0, local, v_rows if mask is None else v_rows[mask])
 
-    def _gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V ``(B, H, n, D)`` of the ``(B, n)`` storage ``slots`` (the gather path, and what paged attention
+        reads one page group at a time)."""
         b, t = slots.shape
         flat = slots.to(self.device).flatten()
         parts = self._locate(flat)
@@ -202,7 +209,7 @@ class PagedLayer(CacheLayerMixin):
         bs = self.state.block_size
         src_slots = torch.arange(src * bs, (src + 1) * bs, device=self.device)
         dst_slots = torch.arange(dst * bs, (dst + 1) * bs, device=self.device)
-        k, v = self._gather(src_slots.view(1, -1))
+        k, v = self.read(src_slots.view(1, -1))
         self._write(dst_slots.view(1, -1), k, v)
 
     # -- CacheLayerMixin ------------------------------------------------------------------------------------------
@@ -218,8 +225,7 @@ class PagedLayer(CacheLayerMixin):
         else:
             for group in state.groups:
                 for row in group[1:]:
-                    same = torch.equal(key_states[row], key_states[group[0]])
-                    if not (same and torch.equal(value_states[row], value_states[group[0]])):
+                    if not _same_rows(key_states, value_states, row, group[0]):
                         state.unshare(row)
         self._write(state.write_slots, key_states, value_states)
         if state.paged_attention:
@@ -228,11 +234,7 @@ class PagedLayer(CacheLayerMixin):
             k, v = key_states.new_empty(0), value_states.new_empty(0)
             k.hf_kvcache_pages = v.hf_kvcache_pages = PagedKV(self, state.read_slots, state.block_size)
             return k, v
-        return self._gather(state.read_slots)
-
-    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V ``(B, H, n, D)`` of the ``(B, n)`` storage ``slots`` (the paged attention function reads this)."""
-        return self._gather(slots)
+        return self.read(state.read_slots)
 
     def get_seq_length(self) -> int:
         return self.state.tables.num_tokens

@@ -32,7 +32,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..rope import RotarySpec, rerotate
 from ._common import BatchOpsMixin, tokens_to_crop
-from ._storage import Workspace
+from ._storage import Workspace, _nbytes
 
 Parts = dict[str, torch.Tensor]  # named stored tensors, token axis 2
 
@@ -96,8 +96,8 @@ def _gather_rows(parts: Parts, starts: torch.Tensor, n: int) -> Parts:
     return out
 
 
-def _nbytes(parts: Parts | None) -> int:
-    return 0 if parts is None else sum(t.numel() * t.element_size() for t in parts.values())
+def _parts_nbytes(parts: Parts | None) -> int:
+    return 0 if parts is None else sum(_nbytes(t) for t in parts.values())
 
 
 class PaddingTracker:
@@ -250,7 +250,7 @@ class SinkWindowLayer(BatchOpsMixin, CacheLayerMixin):
     @property
     def nbytes(self) -> int:
         """Bytes of the stored slots (codes and scales when quantized)."""
-        return _nbytes(self.head) + _nbytes(self.body)
+        return _parts_nbytes(self.head) + _parts_nbytes(self.body)
 
     @property
     def reserved_nbytes(self) -> int:
