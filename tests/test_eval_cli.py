@@ -170,8 +170,16 @@ def test_load_text_sources(tmp_path):
         (["--device", "tpu"], "--device must be cpu, cuda or auto"),
         (["--load-in-8bit", "--load-in-4bit"], "exclusive"),
         (["--caches", "int8:bogus=1"], "has no option bogus"),
+        (["--stream-tokens", "-1"], "--stream-tokens must be >= 0"),
+        (["--bucket", "0"], "--bucket must be an integer >= 1"),
+        (["--device-map", "balanced"], "--device-map must be 'auto'"),
     ],
 )
 def test_bad_flags_give_clear_errors(args, message, capsys):
     assert main(["eval", "--quiet", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_rejects_too_few_new_tokens():
+    with pytest.raises(ValueError, match="new_tokens must be >= 2"):
+        run_bench(tiny_model("llama"), ["dynamic"], [16], new_tokens=1)
