@@ -54,8 +54,10 @@ def attend_page_group(
 
     Args:
         query: ``(B, H_kv, G, q, D)`` float32, G query heads per KV head.
-        keys, values: ``(B, H_kv, n, D)`` of the group's tokens.
+        keys: ``(B, H_kv, n, D)`` of the group's tokens.
+        values: ``(B, H_kv, n, D)`` of the group's tokens.
         mask: ``(B, 1, q, n)`` bool (True attends) or None.
+        scaling: the softmax scale, usually ``head_dim ** -0.5``.
         running: ``(row max (B, H_kv, G, q), denominator (same), accumulator (B, H_kv, G, q, D))`` or None.
 
     Returns:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from . import quant
@@ -109,7 +110,7 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
 
     def __init__(
         self,
-        config,
+        config: PretrainedConfig | torch.nn.Module,
         bits: int = 8,
         group_size: int | None = None,
         residual_length: int | None = None,
@@ -224,7 +225,14 @@ class SlidingWindowKVCache(KVCacheReportMixin, Cache):
         (256, 4, 260)
     """
 
-    def __init__(self, config, window: int = 1024, sinks: int = 4, rerotate: bool = True, bits: int | None = None):
+    def __init__(
+        self,
+        config: PretrainedConfig | torch.nn.Module,
+        window: int = 1024,
+        sinks: int = 4,
+        rerotate: bool = True,
+        bits: int | None = None,
+    ):
         model = config if isinstance(config, torch.nn.Module) else None
         config = resolve_config(config)
         _check_int("window", window, 1)
@@ -252,6 +260,14 @@ class SlidingWindowKVCache(KVCacheReportMixin, Cache):
     def max_stored_tokens(self) -> int:
         """Most tokens a full-attention layer stores: ``sinks + window``."""
         return self.sinks + self.window
+
+    @property
+    def stored_tokens(self) -> int:
+        """Tokens a full-attention layer stores now (every full layer stores the same; at most ``sinks + window``).
+
+        ``get_seq_length()`` counts the tokens *seen*, which positions need; this counts what is kept."""
+        full = [layer for layer, s in zip(self.layers, self.layer_specs) if s.layer_type == "full_attention"]
+        return full[0].stored_tokens if full else max((layer.stored_tokens for layer in self.layers), default=0)
 
     def _make_layer(self, spec: LayerSpec):
         int8 = Int8Codec(spec.head_dim, torch.float32) if self.bits == 8 else None
@@ -331,7 +347,13 @@ class PagedKVCache(KVCacheReportMixin, Cache):
         128
     """
 
-    def __init__(self, config, block_size: int = 16, num_blocks: int | None = None, grow_blocks: int = 64):
+    def __init__(
+        self,
+        config: PretrainedConfig | torch.nn.Module,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        grow_blocks: int = 64,
+    ):
         config = resolve_config(config)
         _check_int("block_size", block_size, 1)
         if num_blocks is not None:

@@ -325,7 +325,7 @@ def test_memory_is_flat_from_100_to_10000_tokens():
     layer = cache.layers[0]
     per_token = 2 * model.config.num_key_value_heads * model.config.head_dim * 4
     assert record.nbytes[-1] == len(cache.layers) * 68 * per_token == cache.nbytes
-    assert layer.stored_tokens == 68
+    assert layer.stored_tokens == 68 == cache.stored_tokens == cache.max_stored_tokens
 
 
 def test_hybrid_model_keeps_its_own_sliding_window():
@@ -338,6 +338,7 @@ def test_hybrid_model_keeps_its_own_sliding_window():
             assert layer.is_sliding and layer.stored_tokens == sliding_window - 1
         else:
             assert not layer.is_sliding and layer.stored_tokens == WINDOW + SINKS
+    assert cache.stored_tokens == WINDOW + SINKS  # the full-attention layers' count, not the model's own window
 
 
 def test_int8_window_halves_bytes_and_stays_bounded():
