@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 from models import ATTENTION, FAMILIES
 
 
@@ -22,24 +23,36 @@ class CacheCase:
     # Attention implementation the cache runs under instead of the matrix's eager / sdpa (compared with the sdpa
     # reference, once).
     attn: str | None = None
+    # Families to run on (None: all). Variants of a kind (another group size, a fixed pool, an int8 window) change
+    # storage, not how a family's model uses the cache: they run on a full-attention and a hybrid family.
+    families: tuple[str, ...] | None = None
 
+
+VARIANT = ("llama", "gemma3")
 
 # 4/2-bit cases use a small residual and groups so that tokens really are quantized within short test sequences.
 CACHE_CASES = [
     CacheCase("int8", "int8", lossless=False, logit_bound=0.06, greedy_exact=True),
-    CacheCase("int8-g8", "int8:group_size=8", lossless=False, logit_bound=0.06, greedy_exact=True),
+    CacheCase("int8-g8", "int8:group_size=8", lossless=False, logit_bound=0.06, greedy_exact=True, families=VARIANT),
     CacheCase("int4", "int4:residual_length=4:group_size=8", lossless=False, logit_bound=0.25),
     CacheCase("int2", "int2:residual_length=4:group_size=8", lossless=False, logit_bound=1.0),
     # A residual longer than the whole text: nothing is ever quantized, so the cache must be exact.
-    CacheCase("int4-resid", "int4:group_size=8:residual_length=1000", lossless=True),
+    CacheCase("int4-resid", "int4:group_size=8:residual_length=1000", lossless=True, families=VARIANT),
     # sinks + window larger than the text: nothing is evicted, so the sink cache must be exact (eviction is tested
     # against explicit attention masks in test_sliding_cache.py).
     CacheCase("sink", "sink:window=256:sinks=4", lossless=True),
     # Paged: blocks of 4 tokens so that short tests cross blocks, share prompt blocks and copy on write.
     CacheCase("paged", "paged:block_size=4", lossless=True),
-    CacheCase("paged-fixed", "paged:block_size=5:num_blocks=64", lossless=True),
+    CacheCase("paged-fixed", "paged:block_size=5:num_blocks=64", lossless=True, families=VARIANT),
     CacheCase("paged-attn", "paged:block_size=4", lossless=True, attn="hf_kvcache_paged"),
-    CacheCase("sink-int8", "sink:window=256:sinks=4:bits=8", lossless=False, logit_bound=0.06, greedy_exact=True),
+    CacheCase(
+        "sink-int8",
+        "sink:window=256:sinks=4:bits=8",
+        lossless=False,
+        logit_bound=0.06,
+        greedy_exact=True,
+        families=VARIANT,
+    ),
 ]
 
 MODES = {
@@ -55,4 +68,35 @@ DETERMINISTIC_GREEDY = ("greedy", "prompt-lookup", "assisted")
 
 FAMILY_IDS = list(FAMILIES)
 BATCHES = ("single", "padded")
-__all__ = ["ATTENTION", "BATCHES", "CACHE_CASES", "DETERMINISTIC_GREEDY", "FAMILY_IDS", "MODES", "CacheCase"]
+
+
+def matrix(batches=BATCHES, modes=tuple(MODES)) -> list:
+    """``pytest.param(case, family, attn, batch, mode)`` for every supported combination (none skipped at run time).
+
+    Left out: assisted / prompt-lookup decoding with a padded batch (transformers supports batch size 1 only there),
+    and a case with its own attention implementation under anything but the sdpa reference it is compared with."""
+    params = []
+    for case in CACHE_CASES:
+        for family in case.families or FAMILY_IDS:
+            for attn in ATTENTION:
+                if case.attn and attn != "sdpa":
+                    continue
+                for batch in batches:
+                    for mode in modes:
+                        if batch == "padded" and mode in ("prompt-lookup", "assisted"):
+                            continue
+                        parts = [case.id, family, attn] + [batch] * (len(batches) > 1) + [mode] * (len(modes) > 1)
+                        params.append(pytest.param(case, family, attn, batch, mode, id="-".join(parts)))
+    return params
+
+
+__all__ = [
+    "ATTENTION",
+    "BATCHES",
+    "CACHE_CASES",
+    "DETERMINISTIC_GREEDY",
+    "FAMILY_IDS",
+    "MODES",
+    "CacheCase",
+    "matrix",
+]

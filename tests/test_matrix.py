@@ -7,7 +7,7 @@ from functools import cache
 
 import pytest
 import torch
-from matrix import ATTENTION, BATCHES, CACHE_CASES, DETERMINISTIC_GREEDY, FAMILY_IDS, MODES
+from matrix import DETERMINISTIC_GREEDY, MODES, matrix
 from models import prompt, tiny_model
 from transformers import DynamicCache
 
@@ -38,13 +38,6 @@ def _reference(family, attn, batch, mode):
     return _generate(family, attn, batch, mode, DynamicCache(config=tiny_model(family).config))
 
 
-def _skip_unsupported(batch, mode, case=None, attn=None):
-    if batch == "padded" and mode in ("prompt-lookup", "assisted"):
-        pytest.skip("transformers' assisted / prompt-lookup decoding supports batch size 1 only")
-    if case is not None and case.attn and attn != "sdpa":
-        pytest.skip(f"{case.id} runs under {case.attn}, once, against the sdpa reference")
-
-
 def _first_difference(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int] | None:
     diff = (a != b).nonzero()
     if not len(diff):
@@ -54,16 +47,11 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int] | Non
     return row, step
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("attn", ATTENTION)
-@pytest.mark.parametrize("family", FAMILY_IDS)
-@pytest.mark.parametrize("case", CACHE_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case, family, attn, batch, mode", matrix())
 def test_generate_matches_dynamic_cache(case, family, attn, batch, mode):
     """Lossless kinds: identical tokens and logits. Lossy kinds: while the sequences agree (and at the first step
     where they differ, whose prefix is still shared) every logit is within the stated bound; int8 in the greedy modes
     may change a token only where the error can explain it (reference top-2 gap <= 2x the logit error there)."""
-    _skip_unsupported(batch, mode, case, attn)
     ref = _reference(family, attn, batch, mode)
     cache_attn = case.attn or attn
     cache = make_cache(case.spec, tiny_model(family, cache_attn))
@@ -95,12 +83,8 @@ def test_generate_matches_dynamic_cache(case, family, attn, batch, mode):
         )
 
 
-@pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("attn", ATTENTION)
-@pytest.mark.parametrize("family", FAMILY_IDS)
-@pytest.mark.parametrize("case", CACHE_CASES, ids=lambda c: c.id)
-def test_continuation_reproduces_single_call(case, family, attn, batch):
-    _skip_unsupported(batch, "greedy", case, attn)
+@pytest.mark.parametrize("case, family, attn, batch, mode", matrix(modes=("greedy",)))
+def test_continuation_reproduces_single_call(case, family, attn, batch, mode):
     attn = case.attn or attn
     model = tiny_model(family, attn)
     whole = _generate(family, attn, batch, "greedy", make_cache(case.spec, model), max_new_tokens=18)
@@ -122,12 +106,9 @@ def _teacher_forced_logits(model, ids, cache, prefill=8):
     return torch.stack(logits, 1)
 
 
-@pytest.mark.parametrize("attn", ATTENTION)
-@pytest.mark.parametrize("family", FAMILY_IDS)
-@pytest.mark.parametrize("case", CACHE_CASES, ids=lambda c: c.id)
-def test_logit_error_within_stated_bound(case, family, attn):
+@pytest.mark.parametrize("case, family, attn, batch, mode", matrix(batches=("single",), modes=("greedy",)))
+def test_logit_error_within_stated_bound(case, family, attn, batch, mode):
     """Feed the same 64 tokens through DynamicCache and the cache under test, one decode step at a time."""
-    _skip_unsupported("single", "greedy", case, attn)
     model = tiny_model(family, attn)
     ids = torch.randint(3, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(3))
     ref = _teacher_forced_logits(model, ids, DynamicCache(config=model.config))
