@@ -5,7 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["format_eval_table", "write_report"]
+__all__ = [
+    "format_bench_table",
+    "format_eval_table",
+    "format_stream_table",
+    "render_saved_run",
+    "write_bench_report",
+    "write_report",
+]
 
 
 def _fmt(value, spec: str, none: str = "n/a") -> str:
@@ -31,7 +38,8 @@ def format_eval_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def _stream_table(results: dict) -> str | None:
+def format_stream_table(results: dict) -> str | None:
+    """Markdown table of perplexity per bucket of positions, one column per cache (None without a stream)."""
     streams = [(r["cache"], r["stream"]) for r in results["results"] if "stream" in r]
     if not streams:
         return None
@@ -105,7 +113,7 @@ def write_report(results: dict, output: str | Path, command: str | None = None) 
     if command:
         lines += ["```bash", command, "```", ""]
     lines += [format_eval_table(results), ""]
-    stream = _stream_table(results)
+    stream = format_stream_table(results)
     if stream:
         lines += [f"Long stream of {cfg['stream_tokens']} tokens through one cache, perplexity per bucket:", "", stream]
         lines.append("")
@@ -169,3 +177,22 @@ def write_bench_report(bench: dict, output: str | Path) -> list[str]:
     fig.savefig(out / "bench.png", dpi=120)
     plt.close(fig)
     return [*written, "bench.png"]
+
+
+def render_saved_run(record: dict) -> str:
+    """Markdown for a saved run of the CLI: the command that produced it, then its table(s).
+
+    ``record`` is what ``scripts/build_results.py`` saves under ``docs/results/``: ``{"command": ..., "kind":
+    "eval" | "bench", "results": <results.json or bench.json>}``. The docs build checks that every results region of
+    a page equals this rendering, so the pages cannot drift from the harness output they quote.
+    """
+    lines = ["```bash", record["command"], "```", ""]
+    if record["kind"] == "bench":
+        lines.append(format_bench_table(record["results"]))
+        return "\n".join(lines)
+    results = record["results"]
+    stream = format_stream_table(results)
+    if stream:
+        lines += [stream, "", "The windows part of the same run:", ""]
+    lines.append(format_eval_table(results))
+    return "\n".join(lines)

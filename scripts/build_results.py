@@ -1,0 +1,140 @@
+"""Produce the docs' results from the harness, and keep the pages in step with them.
+
+The docs quote harness output in *results regions*::
+
+    <!-- results:eval-default -->
+    ...the command and its table(s), written by this script...
+    <!-- /results -->
+
+Each region names a run in ``RUNS``. ``--run`` runs the CLI for the named runs (all by default), writes the full
+report under ``results/NAME/`` (not committed) and saves ``docs/results/NAME.json`` (committed on purpose: the
+command, the kind of run and the harness's results). ``--write`` rewrites every region from those files. The docs
+build (``scripts/mkdocs_hooks.py``) fails when a region differs from its file, and draws the plots from the same
+files, so a page can never quote numbers the harness did not produce.
+
+Usage::
+
+    python scripts/build_results.py --run            # every run (about 15 minutes on a 2-core CPU), then --write
+    python scripts/build_results.py --run eval-default
+    python scripts/build_results.py --write          # only re-render the regions
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+SAVED = DOCS / "results"
+REGION = re.compile(r"(<!-- results:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.DOTALL)
+
+STREAM_CACHES = "dynamic,sink:window=256:sinks=0,sink:window=256:sinks=4:rerotate=false,sink:window=256:sinks=4"
+RUNS: dict[str, list[str]] = {
+    "eval-default": ["eval", "--threads", "1"],
+    "eval-stream": [
+        "eval",
+        "--threads",
+        "1",
+        "--max-tokens",
+        "1024",
+        "--stream-tokens",
+        "10240",
+        "--bucket",
+        "512",
+        "--caches",
+        STREAM_CACHES,
+    ],  # fmt: skip
+    "bench-cpu": [
+        "bench",
+        "--threads",
+        "1",
+        "--contexts",
+        "256,1024,4096",
+        "--new-tokens",
+        "64",
+        "--repeats",
+        "3",
+        "--caches",
+        "dynamic,int8,int4,sink:window=256:sinks=4,paged:block_size=16",
+    ],  # fmt: skip
+}
+
+
+def load_run(name: str) -> dict:
+    path = SAVED / f"{name}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no saved run {name!r} ({path}); run: python scripts/build_results.py --run {name}")
+    return json.loads(path.read_text())
+
+
+def render(name: str) -> str:
+    from hf_kvcache.eval.report import render_saved_run
+
+    return render_saved_run(load_run(name))
+
+
+def regions(text: str):
+    """``(name, body)`` of every results region in a page."""
+    return [(m["name"], m["body"]) for m in REGION.finditer(text)]
+
+
+def stale_regions(text: str) -> list[str]:
+    """Names of the regions whose body is not the rendering of their saved run."""
+    return [name for name, body in regions(text) if body.strip() != render(name).strip()]
+
+
+def rewrite(text: str) -> str:
+    return REGION.sub(lambda m: m.group(1) + render(m["name"]) + "\n" + m.group(4), text)
+
+
+def run(name: str) -> None:
+    from hf_kvcache.cli import main as cli
+
+    argv = RUNS[name]
+    out = ROOT / "results" / name
+    print(f"== {name}: hf-kvcache {shlex.join(argv)}", flush=True)
+    if cli([*argv, "--output", str(out)]) != 0:
+        raise SystemExit(f"{name} failed")
+    kind = argv[0]
+    results = json.loads((out / ("bench.json" if kind == "bench" else "results.json")).read_text())
+    SAVED.mkdir(exist_ok=True)
+    record = {"command": "hf-kvcache " + shlex.join(argv), "kind": kind, "results": results}
+    (SAVED / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+
+
+def write_pages() -> list[Path]:
+    changed = []
+    for page in sorted(DOCS.rglob("*.md")):
+        text = page.read_text()
+        new = rewrite(text)
+        if new != text:
+            page.write_text(new)
+            changed.append(page)
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", nargs="*", metavar="NAME", help=f"runs to (re)produce: {', '.join(RUNS)} (all)")
+    parser.add_argument("--write", action="store_true", help="re-render the results regions of docs/*.md")
+    args = parser.parse_args(argv)
+    if args.run is None and not args.write:
+        parser.error("nothing to do: give --run [NAME ...] and/or --write")
+    if args.run is not None:
+        unknown = [n for n in args.run if n not in RUNS]
+        if unknown:
+            parser.error(f"--run: unknown run(s) {unknown}; known: {', '.join(RUNS)}")
+        for name in args.run or RUNS:
+            run(name)
+    for page in write_pages():
+        print(f"updated {page.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
