@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 export HF_HUB_OFFLINE=1
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# One worker per core (pytest-xdist); each worker runs torch with one thread (tests/conftest.py).
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n auto "$@"
