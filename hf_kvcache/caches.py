@@ -373,7 +373,9 @@ class PagedKVCache(KVCacheReportMixin, Cache):
         super().__init__(layers=layers)
 
     def block_report(self) -> dict:
-        """Pool size, blocks used / free / shared, allocated slots and waste (allocated slots holding no token)."""
+        """Pool size, blocks used / free / shared, allocated slots and waste: the fraction of allocated slots past
+        each row's last token (the unused tail of its last block). Left-padding slots are stored, so they count as
+        filled."""
         return self.state.report()
 
     def memory_report(self) -> dict:

@@ -1,7 +1,7 @@
-"""``hf-kvcache`` command line: ``list`` the cache kinds, run the offline ``demo``.
+"""``hf-kvcache`` command line: ``list`` the cache kinds, ``demo``, ``eval`` and ``bench`` them.
 
-The demo runs offline on the embedded reference model; the evaluation subcommands (``eval``, ``bench``) arrive with
-the harness.
+Every subcommand defaults to the embedded reference model and runs offline; ``eval`` and ``bench`` need the ``eval``
+extra (``hf_kvcache.eval``).
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ def _demo(args) -> int:
     ids = ids.view(1, -1).repeat(args.batch, 1)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     name = "the embedded reference model (4-layer Llama trained on Jane Austen)" if args.model is None else path
+    threads = f"{args.threads} thread" + ("s" if args.threads != 1 else "")
     print(
-        f"Greedy generation with {name}, float32 on CPU ({args.threads} threads): a {args.prompt_tokens}-token prompt "
+        f"Greedy generation with {name}, float32 on CPU ({threads}): a {args.prompt_tokens}-token prompt "
         f"from the held-out text x batch {args.batch}, {args.new_tokens} new tokens, median of {args.repeats}.\n"
     )
     rows = compare_caches(model, inputs, specs, max_new_tokens=args.new_tokens, repeats=args.repeats)
@@ -102,14 +103,26 @@ def _bench(args) -> int:
     from .eval.bench import run_bench
     from .eval.report import format_bench_table, write_bench_report
     from .eval.runner import EvalConfig, load_model
+    from .registry import check_spec, make_cache
 
     config = EvalConfig(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads)
     config.validate()
+    caches = [s.strip() for s in args.caches.split(",") if s.strip()]
+    if not caches:
+        raise ValueError("--caches must name at least one cache spec")
+    for spec in caches:  # unknown kinds and options fail before the model loads
+        check_spec(spec)
+    try:
+        contexts = [int(c) for c in args.contexts.split(",")]
+    except ValueError:
+        raise ValueError(f"--contexts must be comma-separated integers, got {args.contexts!r}") from None
+    if min(contexts) < 1:
+        raise ValueError(f"--contexts must all be >= 1, got {args.contexts!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
     model, _ = load_model(config)
-    caches = [s.strip() for s in args.caches.split(",") if s.strip()]
-    contexts = [int(c) for c in args.contexts.split(",")]
+    for spec in caches:  # bad option values fail before any timing
+        make_cache(spec, model.config)
     budget = int(args.memory_budget_gib * 2**30) if args.memory_budget_gib else None
     bench = run_bench(model, caches, contexts, args.new_tokens, args.batch, args.repeats, budget)
     print(format_bench_table(bench))
@@ -183,7 +196,7 @@ def _add_eval_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-kvcache", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="hf-kvcache", description=__doc__.splitlines()[0].replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="list the registered cache kinds and their options").set_defaults(func=_list)
     demo = sub.add_parser(
@@ -191,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--caches",
-        default="dynamic,int8,int4,int2,sink:window=128:sinks=4",
+        default="dynamic,int8,int4,int2,sink:window=128:sinks=4,paged",
         help="comma-separated make_cache specs; the first is the reference the others are compared with",
     )
     demo.add_argument("--model", default=None, help="local path or hub id (default: the embedded reference model)")

@@ -121,8 +121,8 @@ def _register_quantized(bits: int, summary: str) -> None:
 
 
 _register_quantized(8, "QuantizedKVCache bits=8: int8 per token and head, ~0.52x of bf16")
-_register_quantized(4, "QuantizedKVCache bits=4: KIVI 4-bit with a 128-token fp residual, ~0.29x")
-_register_quantized(2, "QuantizedKVCache bits=2: KIVI 2-bit with a 128-token fp residual, ~0.16x")
+_register_quantized(4, "QuantizedKVCache bits=4: KIVI 4-bit with a 128-token fp residual, ~0.28x of bf16 + residual")
+_register_quantized(2, "QuantizedKVCache bits=2: KIVI 2-bit with a 128-token fp residual, ~0.16x of bf16 + residual")
 
 
 register_cache(

@@ -183,3 +183,25 @@ def test_bad_flags_give_clear_errors(args, message, capsys):
 def test_bench_rejects_too_few_new_tokens():
     with pytest.raises(ValueError, match="new_tokens must be >= 2"):
         run_bench(tiny_model("llama"), ["dynamic"], [16], new_tokens=1)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--caches", "int9"], "unknown cache kind"),
+        (["--caches", "int4:group=3"], "group"),
+        (["--contexts", "1k"], "--contexts must be comma-separated integers"),
+        (["--contexts", "0,16"], "--contexts must all be >= 1"),
+    ],
+)
+def test_bench_checks_its_flags_before_loading_the_model(args, message, capsys, monkeypatch):
+    import hf_kvcache.eval.runner as runner
+
+    monkeypatch.setattr(runner, "load_model", lambda config: pytest.fail("the model was loaded"))
+    assert main(["bench", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_rejects_a_bad_option_value_before_timing(capsys):
+    assert main(["bench", "--caches", "dynamic,int4:group_size=5", "--contexts", "16", "--new-tokens", "2"]) == 2
+    assert "group_size" in capsys.readouterr().err

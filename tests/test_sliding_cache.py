@@ -215,6 +215,9 @@ ROTARY = {
     "standard": lambda: LlamaConfig(**ONE_LAYER),
     "partial": lambda: PhiConfig(partial_rotary_factor=0.5, **ONE_LAYER),
     "interleaved": lambda: CohereConfig(**ONE_LAYER),
+    "linear-scaled": lambda: LlamaConfig(
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}, **ONE_LAYER
+    ),
     "llama3-scaled": lambda: LlamaConfig(
         rope_parameters={
             "rope_type": "llama3",
@@ -326,6 +329,24 @@ def test_memory_is_flat_from_100_to_10000_tokens():
     per_token = 2 * model.config.num_key_value_heads * model.config.head_dim * 4
     assert record.nbytes[-1] == len(cache.layers) * 68 * per_token == cache.nbytes
     assert layer.stored_tokens == 68 == cache.stored_tokens == cache.max_stored_tokens
+
+
+def test_chunked_prefill_bounds_the_keys_each_forward_attends():
+    """The cap holds between forwards; prefill_chunk_size bounds what a prefill forward holds to cap + chunk."""
+    model = tiny_model("llama", "sdpa")
+    cache = SlidingWindowKVCache(model, window=WINDOW, sinks=SINKS)
+    attended = []
+    layer = cache.layers[0]
+    update = layer.update
+    layer.update = lambda k, v, *a, **kw: attended.append(update(k, v, *a, **kw)) or attended[-1]
+    ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=4, prefill_chunk_size=4
+    )
+    assert out.shape == (1, 44)
+    assert len(attended) >= 10, "the prompt was not prefilled in chunks"
+    assert max(k.shape[-2] for k, _ in attended) <= SINKS + WINDOW + 4
+    assert cache.stored_tokens == SINKS + WINDOW
 
 
 def test_hybrid_model_keeps_its_own_sliding_window():

@@ -86,7 +86,8 @@ class PagedState:
         return self.allocator.num_used_blocks
 
     def report(self) -> dict:
-        """Pool size, blocks used and shared, and waste (allocated slots that hold no token)."""
+        """Pool size, blocks used and shared, and waste (allocated slots past each row's last token; left-padding
+        slots are stored and count as filled)."""
         bs, tokens = self.block_size, self.tables.num_tokens
         distinct: dict[int, int] = {}
         for table in self.tables.tables:
