@@ -9,10 +9,11 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from . import quant
 from ._config import LayerSpec, layer_specs, resolve_config
 from .layers._codecs import Int8Codec, KiviCodec
+from .layers._common import PaddingTracker
 from .layers._storage import Workspace, _nbytes
 from .layers.paged import PagedLayer, PagedState
 from .layers.quantized import QuantizedLayer, QuantizedSlidingWindowLayer
-from .layers.sliding import PaddingTracker, QuantizedCodecAdapter, SinkWindowLayer
+from .layers.sliding import QuantizedCodecAdapter, SinkWindowLayer
 from .rope import rotary_spec
 
 __all__ = ["KVCacheReportMixin", "PagedKVCache", "QuantizedKVCache", "SlidingWindowKVCache"]
@@ -325,12 +326,17 @@ class PagedKVCache(KVCacheReportMixin, Cache):
     outputs equal ``DynamicCache``'s. The model's own sliding-window layers (hybrid models) keep a plain window, as
     ``DynamicCache`` does.
 
+    Left padding: built from a model, the cache reads each row's padding from the attention mask (a forward hook,
+    only for forwards passed this cache) and stores no block that holds only a row's left padding; built from a
+    config, call ``cache.padding.observe(attention_mask)`` before prefilling a left-padded batch, or padding is
+    stored like any token (as ``DynamicCache`` does).
+
     Attention: with any attention implementation (eager, sdpa, ...) each forward gathers the rows' blocks into
     contiguous K/V. After :func:`hf_kvcache.attention.use_paged_attention` (``model.set_attn_implementation(
     "hf_kvcache_paged")``) attention reads the blocks through the block tables instead, without that copy.
 
     Args:
-        config: the model's ``PretrainedConfig``, or the model itself.
+        config: the model's ``PretrainedConfig``, or the model itself (recommended: left padding is then not stored).
         block_size: token slots per block, >= 1.
         num_blocks: None grows the pool on demand (in chunks; existing blocks never move); an integer preallocates a
             fixed pool of that many blocks (one block holds ``block_size`` tokens of every full-attention layer).
@@ -354,6 +360,7 @@ class PagedKVCache(KVCacheReportMixin, Cache):
         num_blocks: int | None = None,
         grow_blocks: int = 64,
     ):
+        model = config if isinstance(config, torch.nn.Module) else None
         config = resolve_config(config)
         _check_int("block_size", block_size, 1)
         if num_blocks is not None:
@@ -362,7 +369,8 @@ class PagedKVCache(KVCacheReportMixin, Cache):
         specs = layer_specs(config, type(self).__name__)
         self.block_size, self.num_blocks, self.grow_blocks = block_size, num_blocks, grow_blocks
         self.layer_specs = specs
-        self.state = PagedState(block_size, num_blocks, grow_blocks, config)
+        self.padding = PaddingTracker()
+        self.state = PagedState(block_size, num_blocks, grow_blocks, config, self.padding)
         layers, rank = [], 0
         for spec in specs:
             if spec.layer_type == "full_attention":
@@ -371,6 +379,8 @@ class PagedKVCache(KVCacheReportMixin, Cache):
             else:
                 layers.append(_SlidingWindowLayer(spec.sliding_window))
         super().__init__(layers=layers)
+        if model is not None:
+            self.padding.attach(model, self)
 
     def block_report(self) -> dict:
         """Pool size, blocks used / free / shared, allocated slots and waste: the fraction of allocated slots past

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-__all__ = ["BlockAllocator", "BlockTables", "PoolExhaustedError"]
+__all__ = ["PAD_BLOCK", "BlockAllocator", "BlockTables", "PoolExhaustedError"]
+
+# A block-table entry for a block whose slots are all left padding: nothing is stored for it and no block of the pool
+# is used. Only a row's leading entries can be padding (generate() left-pads), and they are never written.
+PAD_BLOCK = -1
+
+
+def _real(blocks: Sequence[int]) -> list[int]:
+    return [b for b in blocks if b != PAD_BLOCK]
 
 
 class PoolExhaustedError(RuntimeError):
@@ -118,7 +126,7 @@ class BlockAllocator:
         if tables is not None:
             counts = [0] * self.num_blocks
             for table in tables:
-                for b in table:
+                for b in _real(table):
                     counts[b] += 1
             if counts != self.ref_cnt:
                 diff = [(b, counts[b], self.ref_cnt[b]) for b in range(self.num_blocks) if counts[b] != self.ref_cnt[b]]
@@ -129,8 +137,10 @@ class BlockTables:
     """Per-row block tables of one cache layer over a shared :class:`BlockAllocator`.
 
     Every row holds the same number of tokens (``generate()`` batches are left-padded to one length), so one
-    ``num_tokens`` serves all rows. Rows may share blocks (forks, identical prompts); a row that is about to write
-    into a shared block gets its own copy first (copy-on-write), through the ``copy_block(src, dst)`` callback.
+    ``num_tokens`` serves all rows. A row's leading blocks that hold only padding can be :data:`PAD_BLOCK` entries
+    (``pad_blocks`` at prefill): they use no block of the pool. Rows may share blocks (forks, identical prompts); a
+    row that is about to write into a shared block gets its own copy first (copy-on-write), through the
+    ``copy_block(src, dst)`` callback.
     """
 
     def __init__(self, allocator: BlockAllocator, copy_block: Callable[[int, int], None]):
@@ -143,32 +153,45 @@ class BlockTables:
     def block_size(self) -> int:
         return self.allocator.block_size
 
-    def blocks_needed(self, n_new: int, rows: int | None = None) -> int:
+    def blocks_needed(self, n_new: int, rows: int | None = None, pad_blocks: int = 0) -> int:
         """Blocks that appending ``n_new`` tokens to ``rows`` rows (default: all) allocates at most (fresh blocks
-        plus copies of shared partial tails)."""
+        plus copies of shared partial tails), less ``pad_blocks`` padding entries that take no block."""
         bs = self.block_size
         fresh = -(-(self.num_tokens + n_new) // bs) - -(-self.num_tokens // bs)
         partial = self.num_tokens % bs != 0 and n_new > 0
         shared_tails = sum(1 for t in self.tables if partial and self.allocator.ref_cnt[t[-1]] > 1)
-        return (len(self.tables) if rows is None else rows) * fresh + shared_tails
+        return (len(self.tables) if rows is None else rows) * fresh + shared_tails - pad_blocks
 
     def append_slots(
-        self, n_new: int, batch: int, mirror: dict[int, int] | None = None
+        self,
+        n_new: int,
+        batch: int,
+        mirror: dict[int, int] | None = None,
+        pad_blocks: Sequence[int] | None = None,
     ) -> list[list[tuple[int, int, int]]]:
         """Make room for ``n_new`` tokens in each of ``batch`` rows; returns, per row, ``(block, start, stop)``
-        slot runs to write, in token order. Copies shared partial tail blocks first. All or nothing: a fixed pool
-        that cannot serve the whole request raises before anything changes.
+        slot runs to write, in token order (padding entries have no run). Copies shared partial tail blocks first.
+        All or nothing: a fixed pool that cannot serve the whole request raises before anything changes.
 
-        ``mirror`` (only on empty tables, i.e. at prefill) maps a row to an earlier row with identical contents:
-        it shares that row's blocks instead of allocating its own."""
+        Only on empty tables (at prefill): ``mirror`` maps a row to an earlier row with identical contents, whose
+        blocks it shares instead of allocating its own; ``pad_blocks[row]`` leading blocks of a row hold only left
+        padding and become :data:`PAD_BLOCK` entries (the row's last block is always real)."""
         mirror = mirror or {}
-        if not self.tables:
+        prefill = not self.tables
+        if prefill:
             self.tables = [[] for _ in range(batch)]
         elif batch != len(self.tables):
             raise RuntimeError(f"append of a batch of {batch} rows to block tables of {len(self.tables)} rows")
-        elif mirror:
-            raise RuntimeError("rows can mirror each other only when the block tables are empty")
-        needed = self.blocks_needed(n_new, batch - len(mirror))
+        elif mirror or pad_blocks is not None:
+            raise RuntimeError("mirror and pad_blocks apply only at prefill, when the block tables are empty")
+        last_block = (n_new - 1) // self.block_size
+        pads = [min(p, last_block) for p in pad_blocks] if pad_blocks is not None else [0] * batch
+        if len(pads) != batch or min(pads, default=0) < 0:
+            raise ValueError(f"pad_blocks must give a count >= 0 for each of the {batch} rows, got {pad_blocks}")
+        for row, table in enumerate(self.tables):
+            if prefill and row not in mirror:
+                table.extend([PAD_BLOCK] * pads[row])
+        needed = self.blocks_needed(n_new, batch - len(mirror), sum(p for r, p in enumerate(pads) if r not in mirror))
         if needed > self.allocator.num_free_blocks and self.allocator.fixed:
             self.allocator.allocate(needed)  # raises PoolExhaustedError with the sizing advice, changing nothing
         bs = self.block_size
@@ -176,11 +199,11 @@ class BlockTables:
         for row, table in enumerate(self.tables):
             if row in mirror:
                 table.extend(self.tables[mirror[row]])
-                self.allocator.incref(table)
+                self.allocator.incref(_real(table))
                 runs.append(list(runs[mirror[row]]))
                 continue
             row_runs = []
-            pos, end = self.num_tokens, self.num_tokens + n_new
+            pos, end = max(self.num_tokens, len(table) * bs if prefill else 0), self.num_tokens + n_new
             while pos < end:
                 index, offset = divmod(pos, bs)
                 if index == len(table):
@@ -201,27 +224,32 @@ class BlockTables:
         """Forget the last ``n`` tokens of every row, freeing blocks that become empty."""
         if n > self.num_tokens:
             raise ValueError(f"cannot remove {n} tokens from block tables holding {self.num_tokens}")
+        keep = -(-(self.num_tokens - n) // self.block_size)
+        if any(PAD_BLOCK in table[keep - 1 : keep] for table in self.tables if keep):
+            raise ValueError(
+                f"cannot remove {n} of {self.num_tokens} tokens: the cut falls in a row's left padding, which is not "
+                "stored (its real tokens start later)"
+            )
         self.num_tokens -= n
-        keep = -(-self.num_tokens // self.block_size)
         for table in self.tables:
-            self.allocator.decref(table[keep:])
+            self.allocator.decref(_real(table[keep:]))
             del table[keep:]
 
     def select_rows(self, rows: Sequence[int]) -> None:
         """New row ``i`` is old row ``rows[i]`` (reorder, repeat, select): blocks are shared, not copied."""
         new = [list(self.tables[r]) for r in rows]
         for table in new:
-            self.allocator.incref(table)
+            self.allocator.incref(_real(table))
         for table in self.tables:
-            self.allocator.decref(table)
+            self.allocator.decref(_real(table))
         self.tables = new
 
     def release(self) -> None:
         for table in self.tables:
-            self.allocator.decref(table)
+            self.allocator.decref(_real(table))
         self.tables = []
         self.num_tokens = 0
 
     @property
     def num_blocks_in_use(self) -> int:
-        return len({b for table in self.tables for b in table})
+        return len({b for table in self.tables for b in _real(table)})

@@ -194,3 +194,48 @@ def test_paged_attention_reads_pages_without_a_full_gather(monkeypatch):
     torch.testing.assert_close(outs[1].sequences, outs[0].sequences, rtol=0, atol=0)
     for got, want in zip(outs[1].logits, outs[0].logits):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _left_padded(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, -n:] = _ids(1, n, seed=row)
+        mask[row, -n:] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_left_padding_takes_no_blocks_and_changes_nothing(attn):
+    """A padded batch of very different lengths: rows' full padding blocks are not stored, outputs are exact."""
+    model = tiny_model("llama", attn)
+    lengths, new, bs = [9, 70, 130, 200], 12, 16
+    ids, mask = _left_padded(lengths)
+    kwargs = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, output_logits=True)
+    ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), return_dict_in_generate=True, **kwargs)
+    cache = PagedKVCache(model, block_size=bs)
+    out = model.generate(ids, past_key_values=cache, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, ref.sequences)
+    for got, want in zip(out.logits, ref.logits):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    total = max(lengths) + new - 1
+    expected = sum(-(-total // bs) - (max(lengths) - n) // bs for n in lengths)
+    assert cache.block_report()["blocks_used"] == expected
+    padded_everywhere = len(lengths) * -(-total // bs)
+    assert expected < 0.6 * padded_everywhere  # the point: about the sum of the real lengths, not rows x longest
+    cache.check_invariants()
+
+
+def test_a_config_built_cache_stores_padding_unless_told():
+    model = tiny_model("qwen2", "sdpa")
+    ids, mask = _left_padded([5, 60])
+    blocks = {}
+    for name, observe in (("untold", False), ("told", True), ("model", None)):
+        cache = PagedKVCache(model if observe is None else model.config, block_size=8)
+        if observe:
+            cache.padding.observe(mask)
+        with torch.no_grad():
+            model(ids, attention_mask=mask, past_key_values=cache)
+        blocks[name] = cache.block_report()["blocks_used"]
+        cache.check_invariants()
+    assert blocks == {"untold": 2 * 8, "told": 2 + 8, "model": 2 + 8}  # row 0: 55 padding tokens, 6 whole blocks

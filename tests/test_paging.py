@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_kvcache.paging import BlockAllocator, BlockTables, PoolExhaustedError
+from hf_kvcache.paging import PAD_BLOCK, BlockAllocator, BlockTables, PoolExhaustedError
 
 
 class _Copies:
@@ -92,7 +92,7 @@ def test_mirrored_prefill_needs_blocks_for_one_row_only():
     tables.append_slots(8, batch=4, mirror={1: 0, 2: 0, 3: 0})
     assert allocator.num_free_blocks == 0 and tables.tables == [tables.tables[0]] * 4
     allocator.check_invariants(tables.tables)
-    with pytest.raises(RuntimeError, match="only when the block tables are empty"):
+    with pytest.raises(RuntimeError, match="only at prefill, when the block tables are empty"):
         tables.append_slots(1, batch=4, mirror={1: 0})
 
 
@@ -132,3 +132,35 @@ def test_invariant_checks_report_the_broken_state():
         allocator.check_invariants()
     with pytest.raises(RuntimeError, match="already free"):
         BlockAllocator(4, 2).decref([0])
+
+
+def test_padding_entries_take_no_block_and_survive_forks_and_crops():
+    allocator, tables, _, _ = _tables(num_blocks=10, block_size=4)
+    runs = tables.append_slots(10, batch=2, pad_blocks=[2, 0])  # row 0: 8 padding tokens, then 2 real
+    assert tables.tables[0][:2] == [PAD_BLOCK, PAD_BLOCK] and PAD_BLOCK not in tables.tables[1]
+    assert runs[0] == [(tables.tables[0][2], 0, 2)], "padding blocks are not written"
+    assert allocator.num_used_blocks == 1 + 3
+    allocator.check_invariants(tables.tables)
+    tables.select_rows([0, 0, 1])  # a fork shares the real blocks, keeps the padding entries
+    assert tables.num_blocks_in_use == 4 and allocator.ref_cnt[tables.tables[0][2]] == 2
+    allocator.check_invariants(tables.tables)
+    tables.append_slots(3, batch=3)  # the shared partial tail is copied for one row (copy-on-write)
+    tables.truncate(3)
+    allocator.check_invariants(tables.tables)
+    before = ([list(t) for t in tables.tables], list(allocator.ref_cnt), tables.num_tokens)
+    with pytest.raises(ValueError, match="left padding"):
+        tables.truncate(9)  # would leave row 0 ending in a padding block
+    assert before == ([list(t) for t in tables.tables], list(allocator.ref_cnt), tables.num_tokens)
+    tables.release()
+    assert allocator.num_free_blocks == 10
+    allocator.check_invariants(tables.tables)
+
+
+def test_padding_counts_are_capped_so_the_last_block_is_real():
+    allocator, tables, _, _ = _tables(num_blocks=4, block_size=4)
+    tables.append_slots(8, batch=1, pad_blocks=[5])
+    assert tables.tables[0][0] == PAD_BLOCK and tables.tables[0][1] != PAD_BLOCK
+    with pytest.raises(RuntimeError, match="only at prefill"):
+        tables.append_slots(1, batch=1, pad_blocks=[0])
+    with pytest.raises(ValueError, match="pad_blocks"):
+        BlockTables(allocator, _Copies()).append_slots(4, batch=2, pad_blocks=[0])

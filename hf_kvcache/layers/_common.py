@@ -1,7 +1,8 @@
-"""Pieces every hf_kvcache cache layer shares: the crop argument convention and batch-axis operations."""
+"""Pieces hf_kvcache cache layers share: the crop argument convention, batch-axis operations and the padding tracker."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -31,3 +32,43 @@ class BatchOpsMixin:
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
+
+
+class PaddingTracker:
+    """Leading padding of each batch row, read from the 2-D attention mask of the forwards that use a cache.
+
+    transformers gives a cache layer its keys and values only, never the attention mask. When the cache is built
+    from a model, a forward pre-hook on that model records the mask of every forward that is passed this cache (and
+    of no other). A cache built from a config can be told with :meth:`observe`; otherwise rows count as unpadded.
+    """
+
+    def __init__(self) -> None:
+        self.pad: torch.Tensor | None = None  # (B,) leading zero columns of the last mask seen
+        self._handle = None
+
+    def observe(self, attention_mask: torch.Tensor | None) -> None:
+        """Record the padding of a 2-D ``(batch, tokens)`` attention mask (1 = real token, 0 = padding)."""
+        if attention_mask is None or attention_mask.dim() != 2:
+            return
+        real = attention_mask != 0
+        self.pad = (real.cumsum(-1) == 0).sum(-1).cpu()
+
+    def attach(self, model: torch.nn.Module, cache) -> None:
+        """Hook ``model`` so that forwards passed ``cache`` report their attention mask here."""
+        cache_ref = weakref.ref(cache)
+        tracker_ref = weakref.ref(self)
+
+        def hook(module, args, kwargs):
+            tracker, owner = tracker_ref(), cache_ref()
+            if tracker is not None and owner is not None and kwargs.get("past_key_values") is owner:
+                tracker.observe(kwargs.get("attention_mask"))
+
+        self._handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+        weakref.finalize(cache, self._handle.remove)
+
+    def real_tokens(self, seen: int, batch: int) -> torch.Tensor:
+        """``(B,)`` real tokens per row among the ``seen`` processed, on CPU."""
+        pad = self.pad
+        if pad is None or pad.shape[0] != batch:  # nothing observed for this batch: rows count as unpadded
+            return torch.full((batch,), seen, dtype=torch.long)
+        return torch.clamp(seen - pad, min=0)

@@ -10,6 +10,11 @@ Sharing. Identical prompt rows (``num_return_sequences`` and ``num_beams`` repea
 detected at prefill by bitwise-equal keys and values, checked on every layer, and stored once: their tables point at
 the same blocks. A row about to write into a shared, partly filled block gets its own copy first.
 
+Left padding. ``generate()`` left-pads a batch to one length. When the cache knows each row's padding (a
+:class:`~hf_kvcache.layers._common.PaddingTracker` fed by the model's forward hook), a row's leading blocks that hold
+only padding become :data:`~hf_kvcache.paging.PAD_BLOCK` table entries at prefill: nothing is written or allocated
+for them, and reads of their (masked) positions return a zero-filled slot.
+
 Storage per layer: chunks of ``(blocks * block_size, H, D)`` tensors (one per pool growth, so growing never moves a
 block). A forward returns contiguous ``(B, H, T, D)`` K/V gathered through the block tables, which works with any
 attention implementation; under the ``hf_kvcache_paged`` attention implementation (:mod:`hf_kvcache.attention`) it
@@ -21,19 +26,28 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..paging import BlockAllocator, BlockTables
-from ._common import tokens_to_crop
+from ..paging import PAD_BLOCK, BlockAllocator, BlockTables
+from ._common import PaddingTracker, tokens_to_crop
 
 
 class PagedState:
     """Block pool, block tables and the slot indices of the current forward, shared by the paged layers."""
 
-    def __init__(self, block_size: int, num_blocks: int | None, grow_blocks: int, config=None):
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int | None,
+        grow_blocks: int,
+        config=None,
+        padding: PaddingTracker | None = None,
+    ):
         self.config = config  # read per forward: under paged attention, layers skip the gather
+        self.padding = padding or PaddingTracker()
         self.layers: list[PagedLayer] = []
         self.allocator = BlockAllocator(block_size, num_blocks, grow_blocks=grow_blocks, on_grow=self._on_grow)
         self.tables = BlockTables(self.allocator, self._copy_block)
         self.write_slots: torch.Tensor | None = None  # (B, q) slots of the tokens of the current forward
+        self.write_keep: torch.Tensor | None = None  # (B * q,) tokens to write (None: all; padding blocks are not)
         self.read_slots: torch.Tensor | None = None  # (B, T) slots of every token after it
         self.groups: list[list[int]] = []  # rows found identical at the current prefill
 
@@ -55,17 +69,22 @@ class PagedState:
         prefill = self.tables.num_tokens == 0
         self.groups = _identical_rows(key_states, value_states) if prefill and batch > 1 else []
         mirror = {row: group[0] for group in self.groups for row in group[1:]}
-        self.tables.append_slots(q, batch, mirror)
+        pad = self.padding.pad if prefill else None
+        pad_blocks = (pad // self.block_size).tolist() if pad is not None and pad.shape[0] == batch else None
+        self.tables.append_slots(q, batch, mirror, pad_blocks)
         self._index(q)
 
     def unshare(self, row: int) -> None:
         """Give ``row`` private copies of all its blocks (a later layer found it differs from its group)."""
         table = self.tables.tables[row]
-        copies = self.allocator.allocate(len(table))
-        for src, dst in zip(table, copies):
-            self._copy_block(src, dst)
-        self.allocator.decref(table)
-        self.tables.tables[row] = copies
+        real = [b for b in table if b != PAD_BLOCK]
+        copies = iter(self.allocator.allocate(len(real)))
+        new = [b if b == PAD_BLOCK else next(copies) for b in table]
+        for src, dst in zip(table, new):
+            if src != PAD_BLOCK:
+                self._copy_block(src, dst)
+        self.allocator.decref(real)
+        self.tables.tables[row] = new
         self.groups = [[r for r in g if r != row] for g in self.groups]
         self._index(self.write_slots.shape[1])
 
@@ -73,8 +92,15 @@ class PagedState:
         bs, total = self.block_size, self.tables.num_tokens
         blocks = torch.tensor(self.tables.tables, dtype=torch.long)  # (B, n_blocks)
         slots = (blocks.unsqueeze(-1) * bs + torch.arange(bs)).flatten(1)[:, :total]  # (B, T)
-        self.read_slots = slots
-        self.write_slots = slots[:, total - q :]
+        padding = slots < 0
+        if bool(padding.any()):
+            # Padding positions are masked out of attention: read them from slot 0 (storage is zero-initialized and
+            # only ever holds finite K/V, so a masked weight of 0 times it stays 0) and never write them.
+            self.read_slots = slots.masked_fill(padding, 0)
+            self.write_keep = ~padding[:, total - q :].flatten()
+        else:
+            self.read_slots, self.write_keep = slots, None
+        self.write_slots = self.read_slots[:, total - q :]
 
     @property
     def paged_attention(self) -> bool:
@@ -92,7 +118,8 @@ class PagedState:
         distinct: dict[int, int] = {}
         for table in self.tables.tables:
             for i, b in enumerate(table):
-                distinct[b] = max(distinct.get(b, 0), min(bs, tokens - i * bs))
+                if b != PAD_BLOCK:
+                    distinct[b] = max(distinct.get(b, 0), min(bs, tokens - i * bs))
         used = len(distinct)
         filled = sum(distinct.values())
         return {
@@ -176,10 +203,13 @@ class PagedLayer(CacheLayerMixin):
                 out.append((c, mask, slots[mask] - start))
         return out
 
-    def _write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         flat = slots.to(self.device).flatten()
         k_rows = k.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)  # (B * q, H, D)
         v_rows = v.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
+        if keep is not None:  # tokens in padding blocks are not stored
+            keep = keep.to(self.device)
+            flat, k_rows, v_rows = flat[keep], k_rows[keep], v_rows[keep]
         for c, mask, local in self._locate(flat):
             self.k_chunks[c].index_copy_(0, local, k_rows if mask is None else k_rows[mask])
             self.v_chunks[c].index_copy_(0, local, v_rows if mask is None else v_rows[mask])
@@ -228,7 +258,7 @@ class PagedLayer(CacheLayerMixin):
                 for row in group[1:]:
                     if not _same_rows(key_states, value_states, row, group[0]):
                         state.unshare(row)
-        self._write(state.write_slots, key_states, value_states)
+        self._write(state.write_slots, key_states, value_states, state.write_keep)
         if state.paged_attention:
             from ..attention import PagedKV
 

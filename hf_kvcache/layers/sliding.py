@@ -25,13 +25,11 @@ once, when it arrives.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..rope import RotarySpec, rerotate
-from ._common import BatchOpsMixin, tokens_to_crop
+from ._common import BatchOpsMixin, PaddingTracker, tokens_to_crop
 from ._storage import Workspace, _nbytes
 
 Parts = dict[str, torch.Tensor]  # named stored tensors, token axis 2
@@ -98,46 +96,6 @@ def _gather_rows(parts: Parts, starts: torch.Tensor, n: int) -> Parts:
 
 def _parts_nbytes(parts: Parts | None) -> int:
     return 0 if parts is None else sum(_nbytes(t) for t in parts.values())
-
-
-class PaddingTracker:
-    """Leading padding of each batch row, read from the 2-D attention mask of the forwards that use a cache.
-
-    transformers gives a cache layer its keys and values only, never the attention mask. When the cache is built
-    from a model, a forward pre-hook on that model records the mask of every forward that is passed this cache (and
-    of no other). A cache built from a config can be told with :meth:`observe`; otherwise rows count as unpadded.
-    """
-
-    def __init__(self) -> None:
-        self.pad: torch.Tensor | None = None  # (B,) leading zero columns of the last mask seen
-        self._handle = None
-
-    def observe(self, attention_mask: torch.Tensor | None) -> None:
-        """Record the padding of a 2-D ``(batch, tokens)`` attention mask (1 = real token, 0 = padding)."""
-        if attention_mask is None or attention_mask.dim() != 2:
-            return
-        real = attention_mask != 0
-        self.pad = (real.cumsum(-1) == 0).sum(-1).cpu()
-
-    def attach(self, model: torch.nn.Module, cache) -> None:
-        """Hook ``model`` so that forwards passed ``cache`` report their attention mask here."""
-        cache_ref = weakref.ref(cache)
-        tracker_ref = weakref.ref(self)
-
-        def hook(module, args, kwargs):
-            tracker, owner = tracker_ref(), cache_ref()
-            if tracker is not None and owner is not None and kwargs.get("past_key_values") is owner:
-                tracker.observe(kwargs.get("attention_mask"))
-
-        self._handle = model.register_forward_pre_hook(hook, with_kwargs=True)
-        weakref.finalize(cache, self._handle.remove)
-
-    def real_tokens(self, seen: int, batch: int) -> torch.Tensor:
-        """``(B,)`` real tokens per row among the ``seen`` processed, on CPU."""
-        pad = self.pad
-        if pad is None or pad.shape[0] != batch:  # nothing observed for this batch: rows count as unpadded
-            return torch.full((batch,), seen, dtype=torch.long)
-        return torch.clamp(seen - pad, min=0)
 
 
 class SinkWindowLayer(BatchOpsMixin, CacheLayerMixin):
