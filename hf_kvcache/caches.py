@@ -384,8 +384,7 @@ class PagedKVCache(KVCacheReportMixin, Cache):
 
     def block_report(self) -> dict:
         """Pool size, blocks used / free / shared, allocated slots and waste: the fraction of allocated slots past
-        each row's last token (the unused tail of its last block). Left-padding slots are stored, so they count as
-        filled."""
+        each row's last token (the unused tail of its last block). Padding slots of a stored block count as filled."""
         return self.state.report()
 
     def memory_report(self) -> dict:
