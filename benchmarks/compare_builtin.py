@@ -27,18 +27,11 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 import transformers
-from transformers import (
-    AutoModelForCausalLM,
-    DynamicCache,
-    Gemma3TextConfig,
-    LlamaConfig,
-    MistralConfig,
-    QuantizedCache,
-)
+from transformers import AutoModelForCausalLM, DynamicCache, QuantizedCache
 from transformers.cache_utils import Cache
 
 from hf_kvcache import PagedKVCache, QuantizedKVCache, SlidingWindowKVCache
-from hf_kvcache.compare import tiny_llama
+from hf_kvcache.compare import TINY_FAMILIES, TINY_VOCAB, tiny_llama
 
 # The behaviour rows: head_dim 16, so one quantization group of 16 spans a head; a residual of 16 tokens fills
 # (and, in the built-in, flushes) several times within a short generation.
@@ -47,26 +40,8 @@ GROUP, RESIDUAL = 16, 16
 # residual of 32 during the prompt and again during generation.
 ACC_GROUP, ACC_RESIDUAL, ACC_PROMPT, ACC_NEW = 32, 32, 64, 64
 
-VOCAB = 128
-COMMON = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, **COMMON)
-# Same shapes as tests/models.py (which the tests import; benchmarks/ cannot).
-CONFIGS = {
-    "llama": lambda: LlamaConfig(num_key_value_heads=2, max_position_embeddings=512, **SMALL),
-    "mistral": lambda: MistralConfig(num_key_value_heads=2, sliding_window=12, max_position_embeddings=512, **SMALL),
-    "gemma3": lambda: Gemma3TextConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=10,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        max_position_embeddings=512,
-        **COMMON,
-    ),
-}
+VOCAB = TINY_VOCAB
+CONFIGS = TINY_FAMILIES  # the test matrix's tiny configs (tests/models.py)
 
 Factory = Callable[[torch.nn.Module], Cache]
 
@@ -219,7 +194,8 @@ def probe_speculative(mode: str) -> Callable[[Factory], str]:
     return probe
 
 
-def _kv(model, tokens: int, rows: int = 1, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def random_kv(model, tokens: int, rows: int = 1, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded random keys and values shaped for one layer of ``model``: ``(rows, kv_heads, tokens, head_dim)``."""
     config = model.config
     shape = (rows, config.num_key_value_heads, tokens, config.hidden_size // config.num_attention_heads)
     g = torch.Generator().manual_seed(seed)
@@ -242,7 +218,7 @@ def crop_observables(cache: Cache, k: torch.Tensor, v: torch.Tensor) -> tuple[in
 
 def probe_crop(factory):
     model = small_model()
-    k, v = _kv(model, 24)
+    k, v = random_kv(model, 24)
     ref = crop_observables(DynamicCache(config=model.config), k, v)
     got = crop_observables(factory(model), k, v)
     if got == ref:
@@ -348,10 +324,10 @@ def probe_requantization(factory):
     )
 
 
-def probe_row_independence(factory):
-    """Row 0's keys after a flush: cached alone vs in a batch of 3. Beams and batch rows should not interact."""
-    model = small_model()
-    k, v = _kv(model, 21, rows=3)
+def row0_error(factory: Factory, model) -> float:
+    """Largest difference in row 0's keys after a flush: cached alone vs in a batch of 3. Beams and batch rows
+    should not interact."""
+    k, v = random_kv(model, 21, rows=3)
     # Rows of different scale, as different prompts give: a per-tensor scale then depends on the other rows.
     k[1], v[1] = 3 * k[1], 3 * v[1]
     alone, batched = factory(model), factory(model)
@@ -359,7 +335,11 @@ def probe_row_independence(factory):
     batched.update(k[:, :, :20], v[:, :, :20], 0)
     ka, _ = alone.update(k[:1, :, 20:], v[:1, :, 20:], 0)
     kb, _ = batched.update(k[:, :, 20:], v[:, :, 20:], 0)
-    err = (ka[0] - kb[0]).abs().max().item()
+    return (ka[0] - kb[0]).abs().max().item()
+
+
+def probe_row_independence(factory):
+    err = row0_error(factory, small_model())
     if err == 0:
         return "row 0 identical alone or in a batch of 3"
     return f"row 0 differs by up to {err:.3f} when batched with 2 other rows"

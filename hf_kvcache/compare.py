@@ -1,7 +1,8 @@
 """Side-by-side generation comparison of caches: tokens vs the reference, bytes held, speed.
 
 Used by ``hf-kvcache demo`` and ``benchmarks/bench_quantized.py``; the full evaluation harness (perplexity through
-the cache, reports, plots) builds on the same measurements.
+the cache, reports, plots) builds on the same measurements. ``TINY_FAMILIES`` are the tiny random model configs the
+test matrix and ``benchmarks/compare_builtin.py`` share.
 """
 
 from __future__ import annotations
@@ -12,13 +13,56 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    Gemma3TextConfig,
+    GPT2Config,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+)
 from transformers.cache_utils import Cache
 
 from .memory import cache_nbytes, dynamic_bytes_per_token
 from .registry import make_cache
 
-__all__ = ["CompareRow", "compare_caches", "format_table", "synchronize", "timed_generate", "tiny_llama"]
+__all__ = [
+    "TINY_FAMILIES",
+    "TINY_VOCAB",
+    "CompareRow",
+    "compare_caches",
+    "format_table",
+    "synchronize",
+    "timed_generate",
+    "tiny_llama",
+]
+
+TINY_VOCAB = 128
+_COMMON = dict(vocab_size=TINY_VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, **_COMMON)
+
+# name -> config factory of a tiny random model: head_dim 16 everywhere, so 4/2-bit groups of 8 fit; windows small
+# enough to slide within short generations (Mistral 12, Gemma 3 10 on its sliding layers).
+TINY_FAMILIES = {
+    "llama": lambda: LlamaConfig(num_key_value_heads=2, max_position_embeddings=512, **_SMALL),
+    "mistral": lambda: MistralConfig(num_key_value_heads=2, sliding_window=12, max_position_embeddings=512, **_SMALL),
+    "qwen2": lambda: Qwen2Config(num_key_value_heads=2, max_position_embeddings=512, **_SMALL),
+    "phi3": lambda: Phi3Config(num_key_value_heads=2, max_position_embeddings=512, **_SMALL),
+    "gpt2": lambda: GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, **_COMMON),
+    "gemma3": lambda: Gemma3TextConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=10,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        max_position_embeddings=512,
+        **_COMMON,
+    ),
+}
 
 
 @dataclass

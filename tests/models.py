@@ -5,45 +5,16 @@ from __future__ import annotations
 from functools import cache
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    Gemma3TextConfig,
-    GPT2Config,
-    LlamaConfig,
-    MistralConfig,
-    Phi3Config,
-    Qwen2Config,
-)
+from transformers import AutoModelForCausalLM
 
 from hf_kvcache.attention import register_paged_attention
+from hf_kvcache.compare import TINY_FAMILIES, TINY_VOCAB
 
 register_paged_attention()  # tiny_model(family, "hf_kvcache_paged")
 
-VOCAB = 128
+VOCAB = TINY_VOCAB
 PAD = 0
-COMMON = dict(vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, **COMMON)
-
-# name -> config factory. head_dim 16 everywhere, so 4/2-bit groups of 8 fit; windows small enough to slide in tests.
-FAMILIES = {
-    "llama": lambda: LlamaConfig(num_key_value_heads=2, max_position_embeddings=512, **SMALL),
-    "mistral": lambda: MistralConfig(num_key_value_heads=2, sliding_window=12, max_position_embeddings=512, **SMALL),
-    "qwen2": lambda: Qwen2Config(num_key_value_heads=2, max_position_embeddings=512, **SMALL),
-    "phi3": lambda: Phi3Config(num_key_value_heads=2, max_position_embeddings=512, **SMALL),
-    "gpt2": lambda: GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, **COMMON),
-    "gemma3": lambda: Gemma3TextConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=10,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        max_position_embeddings=512,
-        **COMMON,
-    ),
-}
+FAMILIES = TINY_FAMILIES  # name -> config factory (hf_kvcache.compare; benchmarks/compare_builtin.py uses them too)
 ATTENTION = ("eager", "sdpa")
 
 

@@ -9,6 +9,8 @@ search, sampling, continuation, continuous batching), the test asserts that too,
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,10 @@ from transformers import AutoModelForCausalLM, DynamicCache, QuantizedCache
 from transformers.cache_utils import Cache
 
 from hf_kvcache import PagedKVCache, QuantizedKVCache, SlidingWindowKVCache
+
+# The observations are the ones benchmarks/compare_builtin.py prints, so the table and these assertions cannot differ.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from compare_builtin import count_quantized, crop_observables, random_kv, row0_error  # noqa: E402
 
 GROUP, RESIDUAL = 16, 16  # head_dim 16: one group spans a head; the residual fills several times in 64 tokens
 NEW = 24
@@ -56,13 +62,6 @@ def repetitive_prompt() -> dict[str, torch.Tensor]:
     """A prompt that repeats itself, so prompt lookup proposes candidates and some get rejected (a crop)."""
     ids = prompt("single", length=6)["input_ids"].repeat(1, 3)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-
-
-def _kv(tokens: int, rows: int = 1, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random K/V shaped for tiny_model("llama"): 2 KV heads, head_dim 16."""
-    g = torch.Generator().manual_seed(seed)
-    shape = (rows, 2, tokens, 16)
-    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
 
 
 # -- hybrid models ----------------------------------------------------------------------------------------------------
@@ -112,16 +111,8 @@ def test_ours_speculative_decoding_equals_dynamic_cache(mode, kind):
 
 
 def _crop_observables(cache: Cache) -> tuple[int, int, int, int]:
-    """Layer 0: prefill 20, decode 3, crop(-2), decode 1 -> (length before, after, next mask's kv length, keys)."""
-    k, v = _kv(24)
-    cache.update(k[:, :, :20], v[:, :, :20], 0)
-    for t in range(20, 23):
-        cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], 0)
-    before = cache.get_seq_length()
-    cache.crop(-2)
-    after, mask_len = cache.get_seq_length(), cache.get_mask_sizes(1, 0)[0]
-    keys, _ = cache.update(k[:, :, 23:24], v[:, :, 23:24], 0)
-    return before, after, mask_len, keys.shape[-2]
+    """(length before crop, after, next mask's kv length, keys returned): see compare_builtin.crop_observables."""
+    return crop_observables(cache, *random_kv(tiny_model("llama"), 24))
 
 
 @pytest.mark.parametrize("backend", GROUPED)
@@ -188,35 +179,11 @@ def test_ours_beam_search_sampling_and_continuation_equal_dynamic_cache(kind):
 # -- what gets quantized, and how often -------------------------------------------------------------------------------
 
 
-def _record_quantized(cache) -> list[tuple[int, int]]:
-    """Patch layer 0's quantizer to record (first position, tokens) of each key tensor it is handed."""
-    layer, calls = cache.layers[0], []
-    if isinstance(cache, QuantizedKVCache):  # codec.encode(k, v): the oldest residual tokens
-        encode = layer.codec.encode
-
-        def recording_encode(k, v):
-            calls.append((layer.quantized_tokens, k.shape[-2]))
-            return encode(k, v)
-
-        layer.codec.encode = recording_encode
-    else:  # _quantize(tensor): keys then values, after cumulative_length counted the new tokens
-        quantize, seen = layer._quantize, []
-
-        def recording_quantize(tensor, *args, **kwargs):
-            seen.append(tensor.shape[-2])
-            if len(seen) % 2:
-                calls.append((layer.cumulative_length - tensor.shape[-2], tensor.shape[-2]))
-            return quantize(tensor, *args, **kwargs)
-
-        layer._quantize = recording_quantize
-    return calls
-
-
 @pytest.mark.parametrize("backend", GROUPED)
 def test_builtin_re_quantizes_the_whole_history_each_time_the_residual_fills(backend):
     model = tiny_model("llama")
     cache = builtin(backend, model)
-    calls = _record_quantized(cache)
+    calls = count_quantized(cache)
     generate(model, prompt("single"), cache, 64)  # 12-token prompt
     assert cache.get_seq_length() == 12 + 63
     # Prefill quantizes the prompt; then every RESIDUAL-th decode step re-quantizes everything from token 0.
@@ -228,7 +195,7 @@ def test_builtin_fp8_quantizes_each_token_once():
     """The fp8 backend appends with a frozen per-tensor scale: no residual, no re-quantization."""
     model = tiny_model("llama")
     cache = builtin("fp8", model)
-    calls = _record_quantized(cache)
+    calls = count_quantized(cache)
     generate(model, prompt("single"), cache, 64)
     assert calls == [(0, 12)] + [(t, 1) for t in range(12, 75)]
 
@@ -237,7 +204,7 @@ def test_builtin_fp8_quantizes_each_token_once():
 def test_ours_quantizes_each_token_once(kind):
     model = tiny_model("llama")
     cache = ours(kind, model)
-    calls = _record_quantized(cache)
+    calls = count_quantized(cache)
     generate(model, prompt("single"), cache, 64)
     layer = cache.layers[0]
     starts = [start for start, _ in calls]
@@ -265,31 +232,19 @@ def test_ours_keeps_the_prompt_tail_in_full_precision():
     assert layer.residual.length == 12 and layer.quantized_tokens == 0
 
 
-def _row0_error(make) -> float:
-    """Largest difference in row 0's keys, cached alone vs in a batch of 3 rows of different scale."""
-    k, v = _kv(21, rows=3)
-    k[1], v[1] = 3 * k[1], 3 * v[1]  # rows of different scale, as different prompts give
-    alone, batched = make(), make()
-    alone.update(k[:1, :, :20], v[:1, :, :20], 0)
-    batched.update(k[:, :, :20], v[:, :, :20], 0)
-    ka, _ = alone.update(k[:1, :, 20:], v[:1, :, 20:], 0)
-    kb, _ = batched.update(k[:, :, 20:], v[:, :, 20:], 0)
-    return (ka[0] - kb[0]).abs().max().item()
-
-
 # hqq: its optimizer stops on an error taken over the whole tensor; fp8: one scale for the whole tensor.
 @pytest.mark.parametrize(("backend", "depends"), [("quanto", False), ("hqq", True), ("fp8", True)])
 def test_builtin_row_depends_on_the_other_rows_with_hqq_and_fp8(backend, depends):
     """A row's cached keys should not depend on what else is in the batch (beams, other prompts)."""
     model = tiny_model("llama")
-    error = _row0_error(lambda: builtin(backend, model))
+    error = row0_error(lambda m: builtin(backend, m), model)
     assert error > 0.05 if depends else error == 0
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_ours_row_does_not_depend_on_the_other_rows(kind):
     model = tiny_model("llama")
-    assert _row0_error(lambda: ours(kind, model)) == 0
+    assert row0_error(lambda m: ours(kind, m), model) == 0
 
 
 # -- attention sinks, paged -------------------------------------------------------------------------------------------
