@@ -92,8 +92,9 @@ class PagedState:
         bs, total = self.block_size, self.tables.num_tokens
         blocks = torch.tensor(self.tables.tables, dtype=torch.long)  # (B, n_blocks)
         slots = (blocks.unsqueeze(-1) * bs + torch.arange(bs)).flatten(1)[:, :total]  # (B, T)
-        padding = slots < 0
-        if bool(padding.any()):
+        # Padding entries lead a row's table, so its first entry tells; no (B, T) scan on unpadded batches.
+        if any(table and table[0] == PAD_BLOCK for table in self.tables.tables):
+            padding = slots < 0
             # Padding positions are masked out of attention: read them from slot 0 (storage is zero-initialized and
             # only ever holds finite K/V, so a masked weight of 0 times it stays 0) and never write them.
             self.read_slots = slots.masked_fill(padding, 0)
