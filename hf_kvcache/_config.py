@@ -1,4 +1,10 @@
-"""Reading what a cache needs from a model config: layer types, windows, KV heads and head dim."""
+"""Reading what a cache needs from a model config: layer types, windows, KV heads, key and value widths, RoPE.
+
+One :class:`LayerSpec` per decoder layer describes what the model will pass to ``Cache.update`` on that layer. Most
+models pass keys and values of one width (``head_dim``); multi-head latent attention (DeepSeek-V2/V3 and their
+descendants) caches its compressed latents instead: one "head" whose key slot is the ``kv_lora_rank``-wide latent and
+whose value slot is the ``qk_rope_head_dim``-wide rotated key, so keys and values differ in width there.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,16 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
+
+__all__ = [
+    "ATTENTION_LAYER_TYPES",
+    "LayerSpec",
+    "is_latent_attention",
+    "layer_specs",
+    "model_type",
+    "resolve_config",
+    "uses_alibi",
+]
 
 # Layer types whose cache is plain K/V (chunked attention behaves like a sliding window for the cache).
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -15,8 +31,15 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attenti
 class LayerSpec:
     layer_type: str  # one of ATTENTION_LAYER_TYPES
     sliding_window: int | None  # tokens of the model's own window on sliding / chunked layers, else None
-    num_kv_heads: int
-    head_dim: int
+    num_kv_heads: int  # heads of the key_states / value_states the model passes to the cache
+    key_dim: int  # channels per head of key_states
+    value_dim: int  # channels per head of value_states (differs from key_dim under latent attention)
+    uses_rope: bool = True  # False on the NoPE layers of SmolLM3 and Llama 4 (``no_rope_layers``)
+
+    @property
+    def bytes_per_token_factor(self) -> int:
+        """Elements stored per token of this layer (keys and values, all heads)."""
+        return self.num_kv_heads * (self.key_dim + self.value_dim)
 
 
 def resolve_config(config) -> PretrainedConfig:
@@ -31,19 +54,56 @@ def resolve_config(config) -> PretrainedConfig:
     return config.get_text_config(decoder=True)
 
 
+def model_type(config: PretrainedConfig) -> str:
+    return getattr(config, "model_type", None) or type(config).__name__
+
+
+def is_latent_attention(config: PretrainedConfig) -> bool:
+    """Multi-head latent attention: the model caches a compressed latent and a shared rotated key, not K/V."""
+    return isinstance(getattr(config, "kv_lora_rank", None), int) and isinstance(
+        getattr(config, "qk_rope_head_dim", None), int
+    )
+
+
+def uses_alibi(config: PretrainedConfig) -> bool:
+    """ALiBi position biases (BLOOM, MPT, Falcon with ``alibi=True``), which models build from the full mask."""
+    attn_config = getattr(config, "attn_config", None)
+    return (
+        model_type(config) == "bloom"
+        or getattr(config, "alibi", False) is True
+        or getattr(attn_config, "alibi", False) is True
+        or getattr(config, "position_embedding_type", None) == "alibi"
+    )
+
+
+def _rope_flags(config: PretrainedConfig, n_layers: int) -> list[bool]:
+    """Per layer, whether it applies RoPE. ``no_rope_layers`` (SmolLM3, Llama 4) holds 1 where a layer *uses* RoPE,
+    as their modeling code reads it (``self.use_rope = config.no_rope_layers[layer_idx]``)."""
+    flags = getattr(config, "no_rope_layers", None)
+    if flags is None:
+        return [True] * n_layers
+    return [bool(f) for f in flags]
+
+
 def layer_specs(config: PretrainedConfig, cache_name: str) -> list[LayerSpec]:
     """One :class:`LayerSpec` per decoder layer; refuses layer kinds a K/V cache cannot serve."""
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
     unsupported = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
     if unsupported:
         raise ValueError(
-            f"{cache_name} supports models whose layers are {', '.join(ATTENTION_LAYER_TYPES)}; this config has "
-            f"{', '.join(unsupported)} layers (linear attention, KV sharing or MoE-only layers are not supported)"
+            f"{cache_name} supports models whose layers are {', '.join(ATTENTION_LAYER_TYPES)}; this "
+            f"{model_type(config)} config has {', '.join(unsupported)} layers (linear attention, KV sharing or "
+            "MoE-only layers are not supported)"
         )
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return [
-        LayerSpec(t, kw.get("sliding_window") if t != "full_attention" else None, kv_heads, head_dim)
-        for t, kw in zip(layer_types, layer_kwargs)
-    ]
+    rope = _rope_flags(config, len(layer_types))
+    specs = []
+    for i, (kind, kwargs, layer_config) in enumerate(zip(layer_types, layer_kwargs, config.per_layer_config)):
+        if is_latent_attention(config):
+            heads, key_dim, value_dim = 1, config.kv_lora_rank, config.qk_rope_head_dim
+        else:
+            q_heads = layer_config.num_attention_heads
+            heads = getattr(layer_config, "num_key_value_heads", None) or q_heads
+            key_dim = value_dim = getattr(layer_config, "head_dim", None) or layer_config.hidden_size // q_heads
+        window = kwargs.get("sliding_window") if kind != "full_attention" else None
+        specs.append(LayerSpec(kind, window, heads, key_dim, value_dim, rope[i]))
+    return specs

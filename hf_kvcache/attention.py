@@ -30,6 +30,13 @@ __all__ = [
 ]
 
 PAGED_ATTENTION = "hf_kvcache_paged"
+
+
+def is_hf_kvcache_attention(name: str | None) -> bool:
+    """Whether an ``attn_implementation`` name is ours (layers then hand attention their storage)."""
+    return name == PAGED_ATTENTION
+
+
 PAGE_GROUP_TOKENS = 512  # tokens of history attended per inner-loop call (rounded to whole blocks)
 
 
@@ -37,7 +44,7 @@ PAGE_GROUP_TOKENS = 512  # tokens of history attended per inner-loop call (round
 class PagedKV:
     """What a paged layer hands attention in place of contiguous K/V: its storage and the slots of each row."""
 
-    layer: object  # the PagedLayer: .read(slots) -> (K, V) of those slots, (B, H, n, D)
+    storage: object  # the layer's PagedStorage: .read(slots) -> (K, V) of those slots, (B, H, n, D)
     slots: torch.Tensor  # (B, T) storage slot of every token of every row, in order
     block_size: int
 
@@ -70,7 +77,7 @@ def attend_page_group(
     if running is None:
         row_max = block_max
         denominator = torch.zeros_like(block_max)
-        accumulator = torch.zeros((*block_max.shape, query.shape[-1]), dtype=torch.float32, device=query.device)
+        accumulator = torch.zeros((*block_max.shape, values.shape[-1]), dtype=torch.float32, device=query.device)
     else:
         old_max, denominator, accumulator = running
         row_max = torch.maximum(old_max, block_max)
@@ -100,7 +107,7 @@ def paged_attention_forward(
     Layers that are not paged (a hybrid model's sliding layers, another cache, no cache) return ordinary K/V, which
     go to transformers' sdpa function unchanged.
     """
-    pages = getattr(key, "hf_kvcache_pages", None)
+    pages = key if isinstance(key, PagedKV) else None
     if pages is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -110,20 +117,21 @@ def paged_attention_forward(
     if dropout and module.training:
         raise ValueError("paged attention is for inference: dropout must be 0")
     b, hq, q, d = query.shape
+    dv = pages.storage.spec.value_dim
     scaling = d**-0.5 if scaling is None else scaling
     slots = pages.slots
-    hkv = pages.layer.num_heads
+    hkv = pages.storage.spec.num_kv_heads
     grouped = query.float().view(b, hkv, hq // hkv, q, d)  # (B, H_kv, G, q, D)
     step = max(1, PAGE_GROUP_TOKENS // pages.block_size) * pages.block_size
     running = None
     for start in range(0, slots.shape[1], step):
-        keys, values = pages.layer.read(slots[:, start : start + step])
+        keys, values = pages.storage.read(slots[:, start : start + step])
         mask = None if attention_mask is None else attention_mask[..., start : start + step].bool()
         running = attend_page_group(grouped, keys, values, mask, scaling, running)
     _, denominator, accumulator = running
     out = torch.where(denominator.unsqueeze(-1) > 0, accumulator / denominator.clamp_min(1e-30).unsqueeze(-1), 0.0)
     # (B, H_kv, G, q, D) -> (B, q, H, D), the layout attention functions return
-    return out.view(b, hq, q, d).transpose(1, 2).to(query.dtype).contiguous(), None
+    return out.view(b, hq, q, dv).transpose(1, 2).to(query.dtype).contiguous(), None
 
 
 def _paged_mask(*args, **kwargs):

@@ -41,4 +41,4 @@ def cache_nbytes(cache: Cache) -> int:
 def dynamic_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes per token of a full-precision K/V cache for ``config`` (all layers, keys and values)."""
     specs = layer_specs(resolve_config(config), "dynamic_bytes_per_token")
-    return sum(2 * s.num_kv_heads * s.head_dim * dtype.itemsize for s in specs)
+    return sum(s.bytes_per_token_factor * dtype.itemsize for s in specs)

@@ -1,7 +1,9 @@
 """Cache kinds by name: a dict, a decorator and one lookup function.
 
 A spec string names a kind and its options: ``"int4:group_size=32:residual_length=64"``. Values are parsed as
-int, float, ``true`` / ``false`` / ``none`` or left as strings. The CLI's ``--caches`` takes the same strings.
+int, float, ``true`` / ``false`` / ``none`` or left as strings; an option may appear once. The CLI's ``--caches``
+takes the same strings. Each cache module registers its kinds where the cache is defined (:mod:`hf_kvcache.caches`);
+``dynamic`` (transformers' ``DynamicCache``, the reference) is registered here.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from ._config import resolve_config
-from .caches import PagedKVCache, QuantizedKVCache, SlidingWindowKVCache
 
 __all__ = ["CacheKind", "available_caches", "check_spec", "make_cache", "parse_spec", "register_cache"]
 
@@ -46,8 +47,14 @@ def register_cache(name: str, summary: str, options: tuple[str, ...] | None = No
     return decorator
 
 
+def _builtin() -> None:
+    """Register the built-in kinds (importing the caches registers them; a no-op once done)."""
+    from . import caches  # noqa: F401
+
+
 def available_caches() -> dict[str, CacheKind]:
     """Registered kinds by name, in registration order."""
+    _builtin()
     return dict(_KINDS)
 
 
@@ -75,13 +82,17 @@ def parse_spec(spec: str) -> tuple[str, dict]:
         key, sep, value = part.partition("=")
         if not sep or not key:
             raise ValueError(f"cache spec {spec!r}: option {part!r} must look like name=value")
-        options[key.strip()] = _parse_value(value.strip())
+        key = key.strip()
+        if key in options:
+            raise ValueError(f"cache spec {spec!r}: option {key!r} is given twice")
+        options[key] = _parse_value(value.strip())
     return name.strip(), options
 
 
 def check_spec(spec: str, **overrides) -> CacheKind:
     """The kind a spec names, after checking its name and option names (no config needed)."""
     name, options = parse_spec(spec)
+    _builtin()
     kind = _KINDS.get(name)
     if kind is None:
         raise ValueError(f"unknown cache kind {name!r} in spec {spec!r}; known kinds: {', '.join(_KINDS)}")
@@ -108,28 +119,3 @@ def make_cache(spec: str, config, **overrides) -> Cache:
 @register_cache("dynamic", "transformers' DynamicCache: full precision, the reference", options=())
 def _dynamic(config) -> Cache:
     return DynamicCache(config=resolve_config(config))
-
-
-def _register_quantized(bits: int, summary: str) -> None:
-    def factory(config, **options) -> Cache:
-        return QuantizedKVCache(config, bits=bits, **options)
-
-    options = tuple(
-        p for p in inspect.signature(QuantizedKVCache.__init__).parameters if p not in ("self", "config", "bits")
-    )
-    register_cache(f"int{bits}", summary, options)(factory)
-
-
-_register_quantized(8, "QuantizedKVCache bits=8: int8 per token and head, ~0.52x of bf16")
-_register_quantized(4, "QuantizedKVCache bits=4: KIVI 4-bit with a 128-token fp residual, ~0.28x of bf16 + residual")
-_register_quantized(2, "QuantizedKVCache bits=2: KIVI 2-bit with a 128-token fp residual, ~0.16x of bf16 + residual")
-
-
-register_cache(
-    "sink",
-    "SlidingWindowKVCache: attention sinks + a sliding window, flat memory (bits=8 for an int8 window)",
-)(SlidingWindowKVCache)
-
-register_cache("paged", "PagedKVCache: block pool + block tables, shared prompt blocks, copy-on-write (lossless)")(
-    PagedKVCache
-)

@@ -10,9 +10,12 @@ not applied again. That is how :class:`~hf_kvcache.SlidingWindowKVCache` re-rota
 The rotation is read from the model's own rotary embedding module (the ``*RotaryEmbedding`` class of its modeling
 file), not re-derived from the config, so scaled frequencies (linear, llama3, YaRN, proportional), partial rotary
 (only the first ``rotary_dim`` channels rotate) and the two channel layouts (``rotate_half``: channel ``i`` pairs with
-``i + rotary_dim / 2``; interleaved: ``2i`` pairs with ``2i + 1``) come out as the model computes them. Frequencies
-that change with the sequence length (``dynamic``, ``longrope``) and multimodal RoPE cannot be re-rotated exactly and
-are refused.
+``i + rotary_dim / 2``; interleaved: ``2i`` pairs with ``2i + 1``) come out as the model computes them. The module's
+output is probed at one position to tell the layout: a ``(cos, sin)`` pair over the rotary channels or over half of
+them (GPT-OSS), or complex ``freqs_cis`` (pairs ``2i, 2i + 1``). GPT-J and CodeGen have no such module; their
+attention layers hold a sinusoidal ``embed_positions`` table (``[sin | cos]``, interleaved pairs), read the same way.
+Frequencies that change with the sequence length (``dynamic``, ``longrope``) and multimodal RoPE cannot be re-rotated
+exactly and are refused; so is a model whose config speaks of rotary embeddings that this module cannot find.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ import torch
 __all__ = ["RotarySpec", "rerotate", "rotary_spec"]
 
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
+# Families whose attention layers rotate keys with a sinusoidal ``embed_positions`` table (base 10000, interleaved).
+_SINUSOIDAL_TABLE_MODELS = ("gptj", "codegen")
+# Config fields that mean "this model rotates its keys".
+_ROPE_HINTS = ("rotary_dim", "rope_theta", "rope_parameters", "rotary_pct", "partial_rotary_factor", "rotary_emb_base")
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,56 @@ def _rotary_module(model_or_config, config):
     return classes[0](config=config)
 
 
+def _table_spec(model_or_config, config) -> RotarySpec | None:
+    """GPT-J / CodeGen: inverse frequencies read off the model's ``embed_positions`` table, or from the config."""
+    if getattr(config, "model_type", None) not in _SINUSOIDAL_TABLE_MODELS:
+        return None
+    head_dim = config.hidden_size // config.num_attention_heads
+    rotary_dim = getattr(config, "rotary_dim", None) or head_dim
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64) / rotary_dim))
+    if isinstance(model_or_config, torch.nn.Module):
+        tables = [
+            m.embed_positions
+            for m in model_or_config.modules()
+            if isinstance(getattr(m, "embed_positions", None), torch.Tensor)
+        ]
+        if tables:
+            table = tables[0].detach().float().cpu()  # (positions, rotary_dim): [sin | cos]
+            half = table.shape[-1] // 2
+            read = torch.atan2(table[1, :half], table[1, half:])  # the angle at position 1 is inv_freq
+            if table.shape[-1] != rotary_dim or not torch.allclose(read, inv_freq.float(), atol=1e-6):
+                raise ValueError(
+                    f"the embed_positions table of this {config.model_type} model does not match base-10000 rotary "
+                    "frequencies, so its keys cannot be re-rotated safely; use rerotate=False"
+                )
+    return RotarySpec(inv_freq=inv_freq.float(), rotary_dim=rotary_dim, interleaved=True)
+
+
+def _probe_layout(module, inv_freq: torch.Tensor, scaling: float, layer_type: str) -> RotarySpec | None:
+    """Read the module's output at one position and match it against the two channel layouts."""
+    position = 3
+    device = inv_freq.device
+    kwargs = {"layer_type": layer_type} if "layer_type" in inspect.signature(module.forward).parameters else {}
+    probe = torch.zeros(1, 1, 2 * inv_freq.numel(), device=device)
+    with torch.no_grad():
+        out = module.forward(probe, torch.tensor([[position]], device=device), **kwargs)
+    inv_freq = inv_freq.detach().float().cpu()
+    base = torch.cos(position * inv_freq) * scaling
+    if isinstance(out, torch.Tensor) and out.is_complex():  # freqs_cis: view_as_complex over pairs (2i, 2i + 1)
+        cos = out.real.float().reshape(-1).cpu()
+        if cos.numel() == base.numel() and torch.allclose(cos, base, atol=1e-5, rtol=1e-5):
+            return RotarySpec(inv_freq=inv_freq, rotary_dim=2 * cos.numel(), interleaved=True)
+        return None
+    cos = out[0].float().reshape(-1).cpu()
+    if cos.numel() == base.numel() and torch.allclose(cos, base, atol=1e-5, rtol=1e-5):
+        # A table over half the rotary channels, applied to the two halves (GPT-OSS): the rotate_half layout.
+        return RotarySpec(inv_freq=inv_freq, rotary_dim=2 * cos.numel(), interleaved=False)
+    for interleaved, expected in ((False, torch.cat([base, base])), (True, base.repeat_interleave(2))):
+        if cos.numel() == expected.numel() and torch.allclose(cos, expected, atol=1e-5, rtol=1e-5):
+            return RotarySpec(inv_freq=inv_freq, rotary_dim=cos.numel(), interleaved=interleaved)
+    return None
+
+
 def _scaled(value, layer_type: str):
     return value[layer_type] if isinstance(value, dict) else value
 
@@ -114,7 +171,15 @@ def rotary_spec(model_or_config, config, layer_type: str = "full_attention") -> 
         raise ValueError("multimodal RoPE (mrope_section) cannot be re-rotated; use rerotate=False")
     module = _rotary_module(model_or_config, config)
     if module is None:
-        return None
+        spec = _table_spec(model_or_config, config)
+        if spec is None and any(getattr(config, hint, None) for hint in _ROPE_HINTS):
+            hints = [hint for hint in _ROPE_HINTS if getattr(config, hint, None)]
+            raise ValueError(
+                f"model_type {getattr(config, 'model_type', '?')!r} looks like it rotates its keys (its config has "
+                f"{', '.join(hints)}), but hf_kvcache cannot find its rotary embedding to re-rotate the sinks; use "
+                "rerotate=False"
+            )
+        return spec
     rope_type = _scaled(getattr(module, "rope_type", "default"), layer_type)
     if rope_type in _LENGTH_DEPENDENT:
         raise ValueError(
@@ -124,23 +189,11 @@ def rotary_spec(model_or_config, config, layer_type: str = "full_attention") -> 
     inv_freq = getattr(module, f"{layer_type}_inv_freq", None)
     if inv_freq is None:
         inv_freq = module.inv_freq
-    device = inv_freq.device
-    inv_freq = inv_freq.detach().float().cpu()
     scaling = float(_scaled(getattr(module, "attention_scaling", 1.0), layer_type))
-
-    # Read the layout off the module's own cos table at one position.
-    position = 3
-    head_dim = 2 * inv_freq.numel()
-    kwargs = {"layer_type": layer_type} if "layer_type" in inspect.signature(module.forward).parameters else {}
-    probe = torch.zeros(1, 1, head_dim, device=device)
-    with torch.no_grad():
-        cos, _ = module.forward(probe, torch.tensor([[position]], device=device), **kwargs)
-    cos = cos.float().reshape(-1).cpu()
-    base = torch.cos(position * inv_freq) * scaling
-    for interleaved, expected in ((False, torch.cat([base, base])), (True, base.repeat_interleave(2))):
-        if cos.numel() == expected.numel() and torch.allclose(cos, expected, atol=1e-5, rtol=1e-5):
-            return RotarySpec(inv_freq=inv_freq, rotary_dim=cos.numel(), interleaved=interleaved)
+    spec = _probe_layout(module, inv_freq, scaling, layer_type)
+    if spec is not None:
+        return spec
     raise ValueError(
-        f"{type(module).__name__} produces a cos table that matches neither the rotate_half nor the interleaved "
+        f"{type(module).__name__} produces a rotation that matches neither the rotate_half nor the interleaved "
         "layout, so its keys cannot be re-rotated safely; use rerotate=False"
     )

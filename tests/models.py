@@ -37,3 +37,84 @@ def prompt(batch: str, length: int = 12, seed: int = 1) -> dict[str, torch.Tenso
         ids[1, :5] = PAD
         mask[1, :5] = 0
     return {"input_ids": ids, "attention_mask": mask}
+
+
+# Families beyond the matrix, each with something the caches must handle or refuse by name: latent attention (keys
+# and values of different widths, RoPE in the value slot), ALiBi, sinusoidal-table RoPE (GPT-J, CodeGen), NoPE
+# layers, logit softcapping, learned attention sinks, YaRN.
+def _extra_families() -> dict:
+    from transformers import (
+        BloomConfig,
+        CodeGenConfig,
+        DeepseekV2Config,
+        DeepseekV3Config,
+        FalconConfig,
+        Gemma2Config,
+        GPTJConfig,
+        GptOssConfig,
+        Llama4TextConfig,
+        SmolLM3Config,
+    )
+
+    common = dict(vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
+    small = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, max_position_embeddings=512, **common)
+    mla = dict(kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+    moe = dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2)
+    return {
+        "deepseek_v3": lambda: DeepseekV3Config(
+            num_hidden_layers=2, num_key_value_heads=4, n_group=1, topk_group=1, **mla, **moe, **small
+        ),
+        "deepseek_v2": lambda: DeepseekV2Config(num_hidden_layers=2, num_key_value_heads=4, **mla, **moe, **small),
+        "falcon_alibi": lambda: FalconConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            alibi=True,
+            new_decoder_architecture=False,
+            multi_query=False,
+            **common,
+        ),  # fmt: skip
+        "bloom": lambda: BloomConfig(hidden_size=64, n_layer=2, n_head=4, **common),
+        "gptj": lambda: GPTJConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=512, **common),
+        "codegen": lambda: CodeGenConfig(
+            n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=512, n_ctx=512, **common
+        ),
+        "smollm3": lambda: SmolLM3Config(num_hidden_layers=3, num_key_value_heads=2, no_rope_layers=[1, 0, 1], **small),
+        "smollm3_nope": lambda: SmolLM3Config(
+            num_hidden_layers=2, num_key_value_heads=2, no_rope_layers=[0, 0], **small
+        ),
+        "llama4": lambda: Llama4TextConfig(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            no_rope_layers=[1, 0],
+            attention_chunk_size=8,
+            intermediate_size_mlp=128,
+            num_local_experts=2,
+            **small,
+        ),  # fmt: skip
+        "gemma2": lambda: Gemma2Config(
+            num_hidden_layers=2, num_key_value_heads=2, head_dim=16, sliding_window=8, **small
+        ),
+        "gpt_oss": lambda: GptOssConfig(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=8,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            **small,
+        ),  # fmt: skip
+    }
+
+
+EXTRA_FAMILIES = _extra_families()
+
+
+@cache
+def extra_model(family: str, attn: str = "eager"):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(EXTRA_FAMILIES[family](), attn_implementation=attn).eval()
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = None
+    return model

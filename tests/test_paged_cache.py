@@ -8,7 +8,8 @@ from models import VOCAB, prompt, tiny_model
 from transformers import DynamicCache
 
 from hf_kvcache import PagedKVCache, cache_nbytes, make_cache
-from hf_kvcache.layers.paged import PagedLayer, PagedState
+from hf_kvcache._config import LayerSpec
+from hf_kvcache.layers.paged import PagedLayer, PagedState, PagedStorage
 from hf_kvcache.paging import PoolExhaustedError
 
 
@@ -69,17 +70,17 @@ def test_fixed_pool_exhaustion_is_clear_and_leaves_the_cache_consistent():
     assert cache.get_seq_length() == 32
 
 
-def test_growing_pool_never_moves_blocks():
+def test_growing_pool_keeps_block_ids_and_contents():
     model = tiny_model("llama", "eager")
     cache = PagedKVCache(model, block_size=4, grow_blocks=2)
     with torch.no_grad():
         model(_ids(1, 8), past_key_values=cache, use_cache=True)
-        layer = cache.layers[0]
-        first_chunk = layer.k_chunks[0]
-        snapshot = first_chunk.clone()
+        storage = cache.state.storages[0]
+        slots, snapshot = storage.num_slots, storage.keys[:8].clone()
+        table = list(cache.state.tables.tables[0])
         model(_ids(1, 40, seed=1), past_key_values=cache, use_cache=True)
-    assert len(layer.k_chunks) > 1 and layer.k_chunks[0] is first_chunk
-    assert torch.equal(first_chunk[:8], snapshot[:8])
+    assert storage.num_slots > slots and cache.state.tables.tables[0][:2] == table
+    assert torch.equal(storage.keys[:8], snapshot)
 
 
 def test_reorder_permutes_tables_without_copying():
@@ -87,12 +88,12 @@ def test_reorder_permutes_tables_without_copying():
     cache = PagedKVCache(model, block_size=4)
     with torch.no_grad():
         model(_ids(3, 10), past_key_values=cache, use_cache=True)
-    layer = cache.layers[0]
-    storage = [c.clone() for c in layer.k_chunks]
+    storage = cache.state.storages[0]
+    keys, values = storage.keys.clone(), storage.values.clone()
     tables = [list(t) for t in cache.state.tables.tables]
     cache.reorder_cache(torch.tensor([2, 2, 0]))
     assert cache.state.tables.tables == [tables[2], tables[2], tables[0]]
-    assert all(torch.equal(a, b) for a, b in zip(storage, layer.k_chunks))
+    assert torch.equal(keys, storage.keys) and torch.equal(values, storage.values)
     assert cache.block_report()["blocks_shared"] == 3
     cache.check_invariants()
 
@@ -119,7 +120,8 @@ def test_rows_identical_on_one_layer_only_are_unshared():
     """Sharing is decided at the first layer and checked on every layer: a row that differs later gets its own
     blocks, and each row reads back exactly what it wrote."""
     state = PagedState(block_size=4, num_blocks=None, grow_blocks=4)
-    first, second = PagedLayer(state, 0), PagedLayer(state, 1)
+    spec = LayerSpec("full_attention", None, num_kv_heads=2, key_dim=8, value_dim=8)
+    first, second = PagedLayer(spec, 0, "test", state, 0), PagedLayer(spec, 1, "test", state, 1)
     k = torch.randn(1, 2, 6, 8).repeat(2, 1, 1, 1)
     v = torch.randn(1, 2, 6, 8).repeat(2, 1, 1, 1)
     first.update(k, v)
@@ -128,7 +130,7 @@ def test_rows_identical_on_one_layer_only_are_unshared():
     got_k, got_v = second.update(k2, v2)
     torch.testing.assert_close(got_k, k2, rtol=0, atol=0)
     torch.testing.assert_close(got_v, v2, rtol=0, atol=0)
-    again_k, _ = first.read(state.read_slots)
+    again_k, _ = first.storage.read(state.read_slots)
     torch.testing.assert_close(again_k, k, rtol=0, atol=0)
     state.allocator.check_invariants(state.tables.tables)
 
@@ -170,8 +172,10 @@ def test_paged_attention_reads_pages_without_a_full_gather(monkeypatch):
 
     monkeypatch.setattr(attention, "PAGE_GROUP_TOKENS", 8)
     reads, groups = [], []
-    real_read, real_attend = PagedLayer.read, attention.attend_page_group
-    monkeypatch.setattr(PagedLayer, "read", lambda self, slots: reads.append(slots.shape[1]) or real_read(self, slots))
+    real_read, real_attend = PagedStorage.read, attention.attend_page_group
+    monkeypatch.setattr(
+        PagedStorage, "read", lambda self, slots: reads.append(slots.shape[1]) or real_read(self, slots)
+    )
     monkeypatch.setattr(attention, "attend_page_group", lambda *a: groups.append(1) or real_attend(*a))
     inputs = {"input_ids": _ids(2, 40), "attention_mask": torch.ones(2, 40, dtype=torch.long)}
     inputs["attention_mask"][1, :7] = 0

@@ -205,6 +205,8 @@ def test_memory_report_adds_up():
     [
         (dict(bits=3), "bits must be one of"),
         (dict(bits=True), "bits must be one of"),
+        (dict(bits=4.0), r"bits must be one of 2, 4, 8, got 4\.0"),
+        (dict(group_size=64.0), "group_size must be an integer"),
         (dict(bits=4, group_size=5), "group_size must divide head_dim"),
         (dict(group_size=0), "group_size must be an integer >= 1"),
         (dict(residual_length=-1), "residual_length must be an integer >= 0"),
@@ -217,6 +219,16 @@ def test_memory_report_adds_up():
 def test_bad_arguments_are_value_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         QuantizedKVCache(_config(), **kwargs)
+
+
+def test_crop_past_a_full_attention_layer_says_what_it_holds_not_evicted():
+    cache = QuantizedKVCache(tiny_model("llama").config, bits=8)
+    k, v = _kv(10)
+    for layer_idx in range(2):
+        cache.update(k, v, layer_idx)
+    with pytest.raises(ValueError, match="cannot crop 12 tokens: this layer holds 10") as err:
+        cache.crop(-12)
+    assert "evicted" not in str(err.value)
 
 
 def test_config_must_be_a_config_or_model():

@@ -1,7 +1,11 @@
 """Codecs: how a quantized cache layer turns K/V chunks into stored tensors and back.
 
-A codec names its stored tensors and their token units (for :class:`TokenBuffers`), encodes a chunk of ``n`` tokens
-(``n`` a multiple of ``unit``), and decodes the live tokens of a buffer into caller-provided output tensors.
+A codec names its stored tensors and their token units (``units``: tokens per slot along the token axis, for
+:class:`~hf_kvcache.layers._storage.TokenBuffers`), encodes a chunk of ``n`` tokens (``n`` a multiple of ``unit``)
+into a dict of plain tensors, and decodes such a dict (any token range aligned to ``unit``) into caller-provided
+output tensors. The same dicts are what the fused attention kernels read (:mod:`hf_kvcache.kernels`).
+
+Keys and values may differ in width (latent attention); every group is taken within one tensor.
 """
 
 from __future__ import annotations
@@ -9,51 +13,73 @@ from __future__ import annotations
 import torch
 
 from .. import quant
-from ._storage import TokenBuffers
+
+__all__ = ["Int8Codec", "KiviCodec", "kivi_scale_dtype"]
+
+Parts = dict[str, torch.Tensor]
 
 
 def _groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Split the last (head_dim) axis into groups: ``(B, H, T, D) -> (B, H, T, D / G, G)``."""
+    """Split the last (channel) axis into groups: ``(B, H, T, D) -> (B, H, T, D / G, G)``."""
     return x.view(*x.shape[:-1], x.shape[-1] // group_size, group_size)
 
 
-class Int8Codec:
-    """Symmetric absmax int8, one scale per token, head and channel group (``group_size`` channels).
+def kivi_scale_dtype(scale_dtype: torch.dtype | None, kv_dtype: torch.dtype) -> torch.dtype:
+    """KIVI's scale dtype: ``scale_dtype`` when set, else the K/V dtype when it is 16-bit (KIVI stores fp16 scales),
+    else float32."""
+    if scale_dtype is not None:
+        return scale_dtype
+    return kv_dtype if kv_dtype.itemsize == 2 else torch.float32
 
-    Every token is encoded on its own, so a token can leave the residual as soon as it arrives (``unit = 1``).
+
+class Int8Codec:
+    """Symmetric absmax int8, one scale per token, head and channel group (``group_size`` channels; None: the whole
+    head). Every token is encoded on its own, so it can leave the residual as soon as it arrives (``unit = 1``).
+
+    Stored: ``k`` / ``v`` int8 ``(B, H, T, D)``; ``ks`` / ``vs`` scales ``(B, H, T, D / G)``.
     """
 
     unit = 1
     units = {"k": 1, "ks": 1, "v": 1, "vs": 1}
 
-    def __init__(self, group_size: int, scale_dtype: torch.dtype, backend: str = "torch"):
+    def __init__(self, group_size: int | None, scale_dtype: torch.dtype, backend: str = "torch"):
         self.group_size = group_size
         self.scale_dtype = scale_dtype
         self.backend = backend
 
+    def group(self, width: int) -> int:
+        """Channels per scale for a tensor of ``width`` channels."""
+        return self.group_size or width
+
     def _encode_one(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        g = _groups(x, self.group_size)  # (B, H, n, D/G, G)
+        g = _groups(x, self.group(x.shape[-1]))  # (B, H, n, D/G, G)
         if self.backend == "bitsandbytes":
             return _bnb_int8(g, self.scale_dtype)
         codes, scale = quant.quantize_symmetric(g, dim=-1, scale_dtype=self.scale_dtype)
         return codes.view(x.shape), scale.squeeze(-1)
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
         kc, ks = self._encode_one(k)
         vc, vs = self._encode_one(v)
         return {"k": kc, "ks": ks, "v": vc, "vs": vs}
 
     def _decode_one(self, codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
-        torch.mul(_groups(codes, self.group_size), scale.unsqueeze(-1), out=_groups(out, self.group_size))
+        # copy_ then an in-place multiply (not torch.mul(out=)): `out` is often a non-contiguous workspace slice,
+        # which torch.compile cannot take as an `out=` argument.
+        groups = _groups(out, self.group(out.shape[-1]))
+        groups.copy_(_groups(codes, self.group(codes.shape[-1])))
+        groups.mul_(scale.unsqueeze(-1))
 
-    def decode(self, buf: TokenBuffers, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
-        self._decode_one(buf.view("k"), buf.view("ks"), k_out)
-        self._decode_one(buf.view("v"), buf.view("vs"), v_out)
+    def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        self._decode_one(parts["k"], parts["ks"], k_out)
+        self._decode_one(parts["v"], parts["vs"], v_out)
 
-    def bytes_per_token(self, num_kv_heads: int, head_dim: int) -> float:
-        """Stored bytes per token of one layer (keys and values, all heads)."""
-        scale = torch.finfo(self.scale_dtype).bits // 8
-        return 2 * num_kv_heads * (head_dim + head_dim // self.group_size * scale)
+    def bytes_per_token(
+        self, num_kv_heads: int, key_dim: int, value_dim: int, kv_dtype: torch.dtype = torch.bfloat16
+    ) -> float:
+        """Stored bytes per token of one layer (keys and values, all heads); the K/V dtype does not matter."""
+        scale = self.scale_dtype.itemsize
+        return num_kv_heads * sum(d + d // self.group(d) * scale for d in (key_dim, value_dim))
 
 
 def _bnb_int8(g: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,48 +98,52 @@ def _bnb_int8(g: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, 
 
 class KiviCodec:
     """KIVI 4/2-bit: keys per channel over groups of ``group_size`` tokens, values per token over groups of
-    ``group_size`` channels; asymmetric (scale + zero point); codes packed ``8 // bits`` per byte.
+    ``group_size`` channels; asymmetric (scale + zero point); codes packed ``8 // bits`` per byte, low bits first.
 
     Keys need a full group of tokens before they can be encoded, so tokens leave the residual ``group_size`` at a
     time (``unit = group_size``).
+
+    Stored: ``k`` / ``v`` uint8 ``(B, H, T, D * bits / 8)``; ``ks`` / ``kz`` ``(B, H, T / G, Dk)`` (one per key
+    group and channel); ``vs`` / ``vz`` ``(B, H, T, Dv / G)`` (one per token and channel group).
     """
 
-    def __init__(self, bits: int, group_size: int, scale_dtype: torch.dtype):
+    def __init__(self, bits: int, group_size: int, scale_dtype: torch.dtype | None):
         self.bits = bits
         self.group_size = group_size
-        self.scale_dtype = scale_dtype
+        self.scale_dtype = scale_dtype  # None: see kivi_scale_dtype
         self.unit = group_size
         self.units = {"k": 1, "ks": group_size, "kz": group_size, "v": 1, "vs": 1, "vz": 1}
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
-        b, h, n, d = k.shape
-        # scale_dtype None: follow the K/V dtype when it is 16-bit (as KIVI stores fp16 scales), else float32.
-        sdt = self.scale_dtype or (k.dtype if k.dtype.itemsize == 2 else torch.float32)
-        kg = k.view(b, h, n // self.group_size, self.group_size, d)  # (B, H, n/G, G, D): a group is G tokens
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
+        b, h, n, dk = k.shape
+        sdt = kivi_scale_dtype(self.scale_dtype, k.dtype)
+        kg = k.view(b, h, n // self.group_size, self.group_size, dk)  # (B, H, n/G, G, Dk): a group is G tokens
         kc, ks, kz = quant.quantize_asymmetric(kg, self.bits, dim=3, scale_dtype=sdt)
         vc, vs, vz = quant.quantize_asymmetric(_groups(v, self.group_size), self.bits, dim=-1, scale_dtype=sdt)
         return {
-            "k": quant.pack(kc.view(b, h, n, d), self.bits),
-            "ks": ks.squeeze(3),  # (B, H, n/G, D)
+            "k": quant.pack(kc.view(b, h, n, dk), self.bits),
+            "ks": ks.squeeze(3),  # (B, H, n/G, Dk)
             "kz": kz.squeeze(3),
-            "v": quant.pack(vc.view(b, h, n, d), self.bits),
-            "vs": vs.squeeze(-1),  # (B, H, n, D/G)
+            "v": quant.pack(vc.view(v.shape), self.bits),
+            "vs": vs.squeeze(-1),  # (B, H, n, Dv/G)
             "vz": vz.squeeze(-1),
         }
 
-    def decode(self, buf: TokenBuffers, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
-        b, h, t, d = k_out.shape
-        quant.unpack(buf.view("k"), self.bits, out=k_out)
-        kg = k_out.view(b, h, t // self.group_size, self.group_size, d)
-        kg.mul_(buf.view("ks").unsqueeze(3)).add_(buf.view("kz").unsqueeze(3))
-        quant.unpack(buf.view("v"), self.bits, out=v_out)
+    def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        b, h, t, dk = k_out.shape
+        quant.unpack(parts["k"], self.bits, out=k_out)
+        kg = k_out.view(b, h, t // self.group_size, self.group_size, dk)
+        kg.mul_(parts["ks"].unsqueeze(3)).add_(parts["kz"].unsqueeze(3))
+        quant.unpack(parts["v"], self.bits, out=v_out)
         vg = _groups(v_out, self.group_size)
-        vg.mul_(buf.view("vs").unsqueeze(-1)).add_(buf.view("vz").unsqueeze(-1))
+        vg.mul_(parts["vs"].unsqueeze(-1)).add_(parts["vz"].unsqueeze(-1))
 
-    def bytes_per_token(self, num_kv_heads: int, head_dim: int) -> float:
+    def bytes_per_token(
+        self, num_kv_heads: int, key_dim: int, value_dim: int, kv_dtype: torch.dtype = torch.bfloat16
+    ) -> float:
         """Stored bytes per quantized token of one layer (keys and values, all heads); excludes the residual."""
-        scale = torch.finfo(self.scale_dtype).bits // 8
-        data = head_dim * self.bits / 8
-        key_params = 2 * head_dim * scale / self.group_size  # scale + zero per channel, shared by G tokens
-        value_params = 2 * (head_dim // self.group_size) * scale
-        return num_kv_heads * (2 * data + key_params + value_params)
+        scale = kivi_scale_dtype(self.scale_dtype, kv_dtype).itemsize
+        data = (key_dim + value_dim) * self.bits / 8
+        key_params = 2 * key_dim * scale / self.group_size  # scale + zero per channel, shared by G tokens
+        value_params = 2 * (value_dim // self.group_size) * scale
+        return num_kv_heads * (data + key_params + value_params)

@@ -1,11 +1,27 @@
-"""Pieces hf_kvcache cache layers share: the crop argument convention, batch-axis operations and the padding tracker."""
+"""Pieces all hf_kvcache cache layers share: the lifecycle contract, the crop argument convention, batch-axis
+operations and the padding tracker.
+
+Lifecycle contract (every layer, every cache kind):
+
+* A layer takes its batch size, dtype and device from the first forward after construction or ``reset()``.
+* A later forward whose batch size, dtype, device, heads or widths differ raises ``ValueError`` (never a wrong
+  answer): reuse a cache for another batch only after ``cache.reset()``, or make a new one.
+* ``reset()`` returns the layer to its freshly constructed state: its storage is released, and the next forward may
+  bring any batch size, dtype and device, as with a new cache.
+* Batch-axis operations (``reorder_cache``, ``batch_repeat_interleave``, ``batch_select_indices``) change the batch
+  size the layer expects next.
+"""
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from .._config import LayerSpec
+
+__all__ = ["BatchOpsMixin", "KVLayer", "PaddingTracker", "as_index", "check_same_state", "tokens_to_crop"]
 
 
 def tokens_to_crop(tokens_to_remove: int) -> int:
@@ -17,58 +33,136 @@ def tokens_to_crop(tokens_to_remove: int) -> int:
     return -tokens_to_remove
 
 
+def as_index(indices, device: torch.device | None = None) -> torch.Tensor:
+    """Row indices as a 1-D long tensor: a tensor, list or tuple (transformers' own tests pass tuples), or a boolean
+    row mask."""
+    index = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(indices)
+    index = index.nonzero().reshape(-1) if index.dtype == torch.bool else index.long().reshape(-1)
+    return index.to(device) if device is not None else index
+
+
 class BatchOpsMixin:
     """``reorder_cache`` (beam search), ``batch_repeat_interleave`` and ``batch_select_indices`` through one
-    ``_map_batch(fn)`` that applies a batch-axis function to every stored tensor."""
+    ``_map_batch(fn, batch)`` that applies a batch-axis function to every stored tensor; ``batch`` is the new size."""
 
-    def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    batch_size: int | None
+
+    def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor], batch: int) -> None:
         raise NotImplementedError
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)), len(beam_idx))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+        batch = None if self.batch_size is None else self.batch_size * repeats
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0), batch)
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
+    def batch_select_indices(self, indices) -> None:
+        index = as_index(indices)
+        self._map_batch(lambda t: t.index_select(0, index.to(t.device)), len(index))
+
+
+class KVLayer(BatchOpsMixin, CacheLayerMixin):
+    """Base of the hf_kvcache layers: knows its :class:`LayerSpec` and enforces the lifecycle contract above.
+
+    Subclasses allocate in :meth:`_initialize`, release in :meth:`_release` and call :meth:`_begin_update` first in
+    ``update``.
+    """
+
+    is_croppable = True
+
+    def __init__(self, spec: LayerSpec, layer_idx: int, owner: str):
+        super().__init__()
+        self.spec = spec
+        self.layer_idx = layer_idx
+        self.owner = owner  # the cache's class name, for messages
+        self.batch_size: int | None = None
+        self.cumulative_length = 0  # tokens processed, evicted ones included
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._check_widths(key_states, value_states)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch_size = key_states.shape[0]
+        self.is_initialized = True
+        self._initialize(key_states, value_states)
+
+    def _initialize(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate what the first forward needs (storage may also grow lazily)."""
+
+    def _release(self) -> None:
+        """Drop all storage."""
+
+    def reset(self) -> None:
+        """Back to the freshly constructed state: storage released; any batch, dtype and device may come next."""
+        self._release()
+        self.is_initialized = False
+        self.batch_size = None
+        self.cumulative_length = 0
+
+    def _begin_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            return
+        check_same_state(self, key_states)
+        self._check_widths(key_states, value_states)
+
+    def _check_widths(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        spec = self.spec
+        got = (key_states.shape[1], key_states.shape[-1], value_states.shape[1], value_states.shape[-1])
+        want = (spec.num_kv_heads, spec.key_dim, spec.num_kv_heads, spec.value_dim)
+        if got != want or key_states.dim() != 4 or key_states.shape[:3] != value_states.shape[:3]:
+            raise ValueError(
+                f"{self.owner} layer {self.layer_idx} was built from a config whose layer passes keys "
+                f"(B, {want[0]}, T, {want[1]}) and values (B, {want[2]}, T, {want[3]}); this forward passed keys "
+                f"{tuple(key_states.shape)} and values {tuple(value_states.shape)}. Build the cache from this "
+                "model's config."
+            )
+
+    def _set_batch(self, batch: int | None) -> None:
+        if self.is_initialized:
+            self.batch_size = batch
+
+
+def check_same_state(layer, key_states: torch.Tensor) -> None:
+    """Raise ``ValueError`` if a forward's batch size, dtype or device differs from what ``layer`` holds."""
+    b, dtype, device = key_states.shape[0], key_states.dtype, key_states.device
+    if b != layer.batch_size or dtype != layer.dtype or device != layer.device:
+        raise ValueError(
+            f"{layer.owner} layer {layer.layer_idx} holds a batch of {layer.batch_size} rows of {layer.dtype} on "
+            f"{layer.device}; this forward passes {b} rows of {dtype} on {device}. Call cache.reset() before "
+            "reusing a cache for another batch, dtype or device, or make a new cache."
+        )
 
 
 class PaddingTracker:
     """Leading padding of each batch row, read from the 2-D attention mask of the forwards that use a cache.
 
     transformers gives a cache layer its keys and values only, never the attention mask. When the cache is built
-    from a model, a forward pre-hook on that model records the mask of every forward that is passed this cache (and
-    of no other). A cache built from a config can be told with :meth:`observe`; otherwise rows count as unpadded.
+    from a model, the model's forward pre-hook (:mod:`hf_kvcache._hooks`, one per model) hands this tracker the mask
+    of every forward that is passed the cache. A cache built from a config can be told with :meth:`observe`;
+    otherwise rows count as unpadded.
     """
 
     def __init__(self) -> None:
-        self.pad: torch.Tensor | None = None  # (B,) leading zero columns of the last mask seen
-        self._handle = None
+        self.pad: tuple[int, ...] | None = None  # leading zero columns per row of the last mask seen
 
     def observe(self, attention_mask: torch.Tensor | None) -> None:
         """Record the padding of a 2-D ``(batch, tokens)`` attention mask (1 = real token, 0 = padding)."""
         if attention_mask is None or attention_mask.dim() != 2:
             return
         real = attention_mask != 0
-        self.pad = (real.cumsum(-1) == 0).sum(-1).cpu()
+        self.pad = tuple((real.cumsum(-1) == 0).sum(-1).tolist())
 
-    def attach(self, model: torch.nn.Module, cache) -> None:
-        """Hook ``model`` so that forwards passed ``cache`` report their attention mask here."""
-        cache_ref = weakref.ref(cache)
-        tracker_ref = weakref.ref(self)
+    def reset(self) -> None:
+        self.pad = None
 
-        def hook(module, args, kwargs):
-            tracker, owner = tracker_ref(), cache_ref()
-            if tracker is not None and owner is not None and kwargs.get("past_key_values") is owner:
-                tracker.observe(kwargs.get("attention_mask"))
-
-        self._handle = model.register_forward_pre_hook(hook, with_kwargs=True)
-        weakref.finalize(cache, self._handle.remove)
-
-    def real_tokens(self, seen: int, batch: int) -> torch.Tensor:
-        """``(B,)`` real tokens per row among the ``seen`` processed, on CPU."""
+    def pads(self, batch: int) -> tuple[int, ...]:
+        """Leading padding per row; zeros when nothing was observed for a batch of this size."""
         pad = self.pad
-        if pad is None or pad.shape[0] != batch:  # nothing observed for this batch: rows count as unpadded
-            return torch.full((batch,), seen, dtype=torch.long)
-        return torch.clamp(seen - pad, min=0)
+        return pad if pad is not None and len(pad) == batch else (0,) * batch
+
+    def real_tokens(self, seen: int, batch: int) -> list[int]:
+        """Real tokens per row among the ``seen`` processed."""
+        return [max(seen - p, 0) for p in self.pads(batch)]

@@ -54,6 +54,10 @@ class TokenBuffers:
         """Live part of tensor ``name``: ``(B, H, length / unit, ...)``."""
         return self._slot(name, self.start, self.start + self.length)
 
+    def views(self) -> dict[str, torch.Tensor]:
+        """Live parts of every tensor, by name (what a codec decodes)."""
+        return {name: self.view(name) for name in self.tensors}
+
     def tail(self, name: str, n: int) -> torch.Tensor:
         """Last ``n`` live tokens of tensor ``name``."""
         end = self.start + self.length
@@ -106,7 +110,13 @@ class TokenBuffers:
         self.length -= n
 
     def clear(self) -> None:
+        """Forget every token, keeping the allocation."""
         self.start = self.length = 0
+
+    def release(self) -> None:
+        """Forget every token and free the allocation."""
+        self.tensors, self.capacity = {}, 0
+        self.clear()
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Replace every tensor by ``fn`` of its live part (a batch-axis operation: reorder, repeat, select)."""
@@ -130,7 +140,8 @@ class TokenBuffers:
 class Workspace:
     """Reused output buffers for the K/V a layer returns to attention.
 
-    One buffer pair per (device, dtype, batch, heads, head_dim), shared by all layers of a cache: a layer's K/V is
+    One buffer pair per (device, dtype, batch, heads, key and value widths), shared by all layers of a cache: a
+    layer's K/V is
     consumed by its attention before the next layer writes, so one layer's worth of full-precision memory serves the
     whole model instead of a fresh allocation per layer per step. Not used when autograd records (a later layer would
     overwrite tensors saved for backward).
@@ -139,16 +150,18 @@ class Workspace:
     def __init__(self) -> None:
         self._buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def take(self, like: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two ``(B, H, length, D)`` tensors with ``like``'s dtype and device."""
-        b, h, _, d = like.shape
-        if torch.is_grad_enabled() and like.requires_grad:
-            return like.new_empty((b, h, length, d)), like.new_empty((b, h, length, d))
-        key = (like.device, like.dtype, b, h, d)
+    def take(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(B, H, length, Dk)`` and ``(B, H, length, Dv)`` tensors with the dtype and device of ``keys`` /
+        ``values`` (the new tokens of a forward)."""
+        b, h, _, dk = keys.shape
+        dv = values.shape[-1]
+        if torch.is_grad_enabled() and keys.requires_grad:
+            return keys.new_empty((b, h, length, dk)), values.new_empty((b, h, length, dv))
+        key = (keys.device, keys.dtype, b, h, dk, dv)
         bufs = self._buffers.get(key)
         if bufs is None or bufs[0].shape[2] < length:
             cap = _grown_capacity(length, 1)
-            self._buffers[key] = bufs = (like.new_empty((b, h, cap, d)), like.new_empty((b, h, cap, d)))
+            self._buffers[key] = bufs = (keys.new_empty((b, h, cap, dk)), values.new_empty((b, h, cap, dv)))
         return bufs[0][:, :, :length], bufs[1][:, :, :length]
 
     def clear(self) -> None:

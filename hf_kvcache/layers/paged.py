@@ -15,23 +15,96 @@ Left padding. ``generate()`` left-pads a batch to one length. When the cache kno
 only padding become :data:`~hf_kvcache.paging.PAD_BLOCK` table entries at prefill: nothing is written or allocated
 for them, and reads of their (masked) positions return a zero-filled slot.
 
-Storage per layer: chunks of ``(blocks * block_size, H, D)`` tensors (one per pool growth, so growing never moves a
-block). A forward returns contiguous ``(B, H, T, D)`` K/V gathered through the block tables, which works with any
-attention implementation; under the ``hf_kvcache_paged`` attention implementation (:mod:`hf_kvcache.attention`) it
-returns a reference to the blocks instead and attention reads them page group by page group.
+Storage per layer (:class:`PagedStorage`): one ``(num_blocks * block_size, H, D)`` tensor for keys and one for values,
+zero-initialized; an on-demand pool grows geometrically (the tensors are reallocated, block ids stay valid). A
+forward returns contiguous ``(B, H, T, D)`` K/V gathered through the block tables, which works with any attention
+implementation; under the ``hf_kvcache`` attention implementation (:mod:`hf_kvcache.attention`) it returns a
+:class:`~hf_kvcache.attention.PagedKV` handle instead and attention reads the blocks in place.
+
+Ownership runs one way: the cache owns its layers and one state; the state owns the allocator, the tables and every
+layer's storage; nothing points back (the allocator's and tables' callbacks hold the state weakly), so a dropped
+cache frees its pool at once, without waiting for the cycle collector.
 """
 
 from __future__ import annotations
 
-import torch
-from transformers.cache_utils import CacheLayerMixin
+import weakref
 
+import torch
+
+from .._config import LayerSpec
 from ..paging import PAD_BLOCK, BlockAllocator, BlockTables
-from ._common import PaddingTracker, tokens_to_crop
+from ._common import KVLayer, PaddingTracker, as_index, tokens_to_crop
+
+
+def _weak_method(method):
+    """A callable that forwards to a bound method without keeping its object alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        target = ref()
+        return None if target is None else target(*args)
+
+    return call
+
+
+class PagedStorage:
+    """One layer's K/V slots: ``(slots, H, Dk)`` and ``(slots, H, Dv)`` tensors, slot ``b * block_size + i`` being
+    token ``i`` of block ``b``."""
+
+    def __init__(self, spec: LayerSpec, dtype: torch.dtype, device: torch.device, num_slots: int):
+        self.spec = spec
+        self.keys = torch.zeros((num_slots, spec.num_kv_heads, spec.key_dim), dtype=dtype, device=device)
+        self.values = torch.zeros((num_slots, spec.num_kv_heads, spec.value_dim), dtype=dtype, device=device)
+
+    @property
+    def num_slots(self) -> int:
+        return self.keys.shape[0]
+
+    def grow(self, num_slots: int) -> None:
+        """Cover ``num_slots`` slots; existing slots keep their ids and contents."""
+        if num_slots <= self.num_slots:
+            return
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros((num_slots, *old.shape[1:]))
+            new[: old.shape[0]].copy_(old)
+            setattr(self, name, new)
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None) -> None:
+        """Store tokens ``(B, H, q, D)`` at ``(B, q)`` ``slots`` (``keep``: the ``(B * q,)`` tokens to store)."""
+        flat = slots.to(self.keys.device).flatten()
+        k_rows = k.transpose(1, 2).reshape(-1, *self.keys.shape[1:])  # (B * q, H, Dk)
+        v_rows = v.transpose(1, 2).reshape(-1, *self.values.shape[1:])
+        if keep is not None:  # tokens in padding blocks are not stored
+            keep = keep.to(self.keys.device)
+            flat, k_rows, v_rows = flat[keep], k_rows[keep], v_rows[keep]
+        self.keys.index_copy_(0, flat, k_rows)
+        self.values.index_copy_(0, flat, v_rows)
+
+    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V ``(B, H, n, D)`` of the ``(B, n)`` ``slots``."""
+        b, t = slots.shape
+        flat = slots.to(self.keys.device).flatten()
+        k = self.keys.index_select(0, flat).view(b, t, *self.keys.shape[1:])  # (B, T, H, Dk)
+        v = self.values.index_select(0, flat).view(b, t, *self.values.shape[1:])
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def copy_block(self, src: int, dst: int, block_size: int) -> None:
+        for t in (self.keys, self.values):
+            t[dst * block_size : (dst + 1) * block_size].copy_(t[src * block_size : (src + 1) * block_size])
+
+    @property
+    def block_nbytes_per_slot(self) -> int:
+        return self.keys[0].numel() * self.keys.element_size() + self.values[0].numel() * self.values.element_size()
+
+    @property
+    def reserved_nbytes(self) -> int:
+        return self.num_slots * self.block_nbytes_per_slot
 
 
 class PagedState:
-    """Block pool, block tables and the slot indices of the current forward, shared by the paged layers."""
+    """Block pool, block tables, every full-attention layer's storage and the slot indices of the current forward."""
 
     def __init__(
         self,
@@ -41,27 +114,39 @@ class PagedState:
         config=None,
         padding: PaddingTracker | None = None,
     ):
-        self.config = config  # read per forward: under paged attention, layers skip the gather
+        self.config = config  # read per forward: under the hf_kvcache attention, layers skip the gather
         self.padding = padding or PaddingTracker()
-        self.layers: list[PagedLayer] = []
-        self.allocator = BlockAllocator(block_size, num_blocks, grow_blocks=grow_blocks, on_grow=self._on_grow)
-        self.tables = BlockTables(self.allocator, self._copy_block)
+        self.block_size, self.fixed_blocks, self.grow_blocks = block_size, num_blocks, grow_blocks
+        self.storages: dict[int, PagedStorage] = {}  # rank -> storage, created at each layer's first forward
+        self._new_pool()
+
+    def _new_pool(self) -> None:
+        self.allocator = BlockAllocator(
+            self.block_size, self.fixed_blocks, grow_blocks=self.grow_blocks, on_grow=_weak_method(self._on_grow)
+        )
+        self.tables = BlockTables(self.allocator, _weak_method(self._copy_block))
         self.write_slots: torch.Tensor | None = None  # (B, q) slots of the tokens of the current forward
         self.write_keep: torch.Tensor | None = None  # (B * q,) tokens to write (None: all; padding blocks are not)
         self.read_slots: torch.Tensor | None = None  # (B, T) slots of every token after it
         self.groups: list[list[int]] = []  # rows found identical at the current prefill
 
-    @property
-    def block_size(self) -> int:
-        return self.allocator.block_size
+    def reset(self) -> None:
+        """Free every block and every layer's storage: the next forward starts a fresh pool."""
+        self.storages.clear()
+        self._new_pool()
+
+    def storage(self, rank: int, spec: LayerSpec, dtype: torch.dtype, device: torch.device) -> PagedStorage:
+        if rank not in self.storages:
+            self.storages[rank] = PagedStorage(spec, dtype, device, self.allocator.num_blocks * self.block_size)
+        return self.storages[rank]
 
     def _on_grow(self, num_blocks: int) -> None:
-        for layer in self.layers:
-            layer.grow(num_blocks)
+        for storage in self.storages.values():
+            storage.grow(num_blocks * self.block_size)
 
     def _copy_block(self, src: int, dst: int) -> None:
-        for layer in self.layers:
-            layer.copy_block(src, dst)
+        for storage in self.storages.values():
+            storage.copy_block(src, dst, self.block_size)
 
     def begin_forward(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate slots for the new tokens of every row (first full-attention layer of a forward)."""
@@ -70,7 +155,7 @@ class PagedState:
         self.groups = _identical_rows(key_states, value_states) if prefill and batch > 1 else []
         mirror = {row: group[0] for group in self.groups for row in group[1:]}
         pad = self.padding.pad if prefill else None
-        pad_blocks = (pad // self.block_size).tolist() if pad is not None and pad.shape[0] == batch else None
+        pad_blocks = [p // self.block_size for p in pad] if pad is not None and len(pad) == batch else None
         self.tables.append_slots(q, batch, mirror, pad_blocks)
         self._index(q)
 
@@ -104,10 +189,10 @@ class PagedState:
         self.write_slots = self.read_slots[:, total - q :]
 
     @property
-    def paged_attention(self) -> bool:
-        from ..attention import PAGED_ATTENTION
+    def hf_kvcache_attention(self) -> bool:
+        from ..attention import is_hf_kvcache_attention
 
-        return getattr(self.config, "_attn_implementation", None) == PAGED_ATTENTION
+        return is_hf_kvcache_attention(getattr(self.config, "_attn_implementation", None))
 
     def blocks_in_use(self) -> int:
         return self.allocator.num_used_blocks
@@ -153,104 +238,35 @@ def _identical_rows(k: torch.Tensor, v: torch.Tensor) -> list[list[int]]:
     return [g for g in leaders if len(g) > 1]
 
 
-class PagedLayer(CacheLayerMixin):
+class PagedLayer(KVLayer):
     """A full-attention layer whose K/V live in the blocks of a :class:`PagedState`."""
 
     is_sliding = False
-    is_croppable = True
 
-    def __init__(self, state: PagedState, rank: int):
-        super().__init__()
+    def __init__(self, spec: LayerSpec, layer_idx: int, owner: str, state: PagedState, rank: int):
+        super().__init__(spec, layer_idx, owner)
         self.state = state
         self.rank = rank  # 0: this layer does the bookkeeping of each forward
-        self.k_chunks: list[torch.Tensor] = []  # (blocks * block_size, H, D) each
-        self.v_chunks: list[torch.Tensor] = []
-        self.chunk_starts: list[int] = []  # first slot of each chunk
-        state.layers.append(self)
-
-    # -- storage --------------------------------------------------------------------------------------------------
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.num_heads, self.head_dim = key_states.shape[1], key_states.shape[-1]
-        self.is_initialized = True
-        self.grow(self.state.allocator.num_blocks)
 
     @property
-    def num_slots(self) -> int:
-        return sum(c.shape[0] for c in self.k_chunks)
+    def storage(self) -> PagedStorage | None:
+        return self.state.storages.get(self.rank)
 
-    def grow(self, num_blocks: int) -> None:
-        """Add a chunk so that the storage covers ``num_blocks`` blocks (existing blocks stay where they are)."""
-        if not self.is_initialized:
-            return
-        new = num_blocks * self.state.block_size - self.num_slots
-        if new <= 0:
-            return
-        self.chunk_starts.append(self.num_slots)
-        shape = (new, self.num_heads, self.head_dim)
-        self.k_chunks.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
-        self.v_chunks.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+    # -- lifecycle ------------------------------------------------------------------------------------------------
 
-    def _locate(self, slots: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """``(chunk, mask, local slot)`` for the chunks ``slots`` (flat, on this device) touch."""
-        if len(self.k_chunks) == 1:
-            return [(0, None, slots)]
-        out = []
-        for c, start in enumerate(self.chunk_starts):
-            stop = start + self.k_chunks[c].shape[0]
-            mask = (slots >= start) & (slots < stop)
-            if bool(mask.any()):
-                out.append((c, mask, slots[mask] - start))
-        return out
+    def _initialize(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.state.storage(self.rank, self.spec, self.dtype, self.device)
 
-    def _write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None = None) -> None:
-        flat = slots.to(self.device).flatten()
-        k_rows = k.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)  # (B * q, H, D)
-        v_rows = v.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
-        if keep is not None:  # tokens in padding blocks are not stored
-            keep = keep.to(self.device)
-            flat, k_rows, v_rows = flat[keep], k_rows[keep], v_rows[keep]
-        for c, mask, local in self._locate(flat):
-            self.k_chunks[c].index_copy_(0, local, k_rows if mask is None else k_rows[mask])
-            self.v_chunks[c].index_copy_(0, local, v_rows if mask is None else v_rows[mask])
-
-    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V ``(B, H, n, D)`` of the ``(B, n)`` storage ``slots`` (the gather path, and what paged attention
-        reads one page group at a time)."""
-        b, t = slots.shape
-        flat = slots.to(self.device).flatten()
-        parts = self._locate(flat)
-        if len(parts) == 1 and parts[0][1] is None:
-            k = self.k_chunks[0].index_select(0, flat)
-            v = self.v_chunks[0].index_select(0, flat)
-        else:
-            k = torch.empty((b * t, self.num_heads, self.head_dim), dtype=self.dtype, device=self.device)
-            v = torch.empty_like(k)
-            for c, mask, local in parts:
-                k[mask] = self.k_chunks[c].index_select(0, local)
-                v[mask] = self.v_chunks[c].index_select(0, local)
-        # (B * T, H, D) -> (B, H, T, D)
-        return k.view(b, t, self.num_heads, self.head_dim).transpose(1, 2), v.view(
-            b, t, self.num_heads, self.head_dim
-        ).transpose(1, 2)
-
-    def copy_block(self, src: int, dst: int) -> None:
-        if not self.is_initialized:
-            return
-        bs = self.state.block_size
-        src_slots = torch.arange(src * bs, (src + 1) * bs, device=self.device)
-        dst_slots = torch.arange(dst * bs, (dst + 1) * bs, device=self.device)
-        k, v = self.read(src_slots.view(1, -1))
-        self._write(dst_slots.view(1, -1), k, v)
+    def _release(self) -> None:
+        if self.rank == 0:
+            self.state.reset()
 
     # -- CacheLayerMixin ------------------------------------------------------------------------------------------
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        self._begin_update(key_states, value_states)
         state = self.state
         if self.rank == 0:
             state.begin_forward(key_states, value_states)
@@ -259,14 +275,13 @@ class PagedLayer(CacheLayerMixin):
                 for row in group[1:]:
                     if not _same_rows(key_states, value_states, row, group[0]):
                         state.unshare(row)
-        self._write(state.write_slots, key_states, value_states, state.write_keep)
-        if state.paged_attention:
+        self.storage.write(state.write_slots, key_states, value_states, state.write_keep)
+        if state.hf_kvcache_attention:
             from ..attention import PagedKV
 
-            k, v = key_states.new_empty(0), value_states.new_empty(0)
-            k.hf_kvcache_pages = v.hf_kvcache_pages = PagedKV(self, state.read_slots, state.block_size)
-            return k, v
-        return self.read(state.read_slots)
+            handle = PagedKV(self.storage, state.read_slots, state.block_size)
+            return handle, handle
+        return self.storage.read(state.read_slots)
 
     def get_seq_length(self) -> int:
         return self.state.tables.num_tokens
@@ -277,29 +292,28 @@ class PagedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def reset(self) -> None:
-        if self.rank == 0:
-            self.state.tables.release()
-
     def crop(self, tokens_to_remove: int) -> None:
         n = tokens_to_crop(tokens_to_remove)
         if self.rank == 0 and n:
             self.state.tables.truncate(n)
 
-    def _select_rows(self, pick) -> None:
+    def _select_rows(self, pick, batch: int | None) -> None:
         """Row bookkeeping happens once, on the first layer: ``pick(rows)`` maps old row ids to the new rows."""
         tables = self.state.tables
         if self.rank == 0 and tables.tables:
             tables.select_rows(pick(torch.arange(len(tables.tables))).tolist())
+        self._set_batch(batch)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select_rows(lambda rows: rows[beam_idx.cpu()])
+        self._select_rows(lambda rows: rows[beam_idx.cpu()], len(beam_idx))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._select_rows(lambda rows: rows.repeat_interleave(repeats))
+        batch = None if self.batch_size is None else self.batch_size * repeats
+        self._select_rows(lambda rows: rows.repeat_interleave(repeats), batch)
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select_rows(lambda rows: rows[indices.cpu() if isinstance(indices, torch.Tensor) else indices])
+    def batch_select_indices(self, indices) -> None:
+        index = as_index(indices)
+        self._select_rows(lambda rows: rows[index], len(index))
 
     def offload(self) -> None:
         """Paged storage stays on its device (blocks are shared across rows and forwards)."""
@@ -310,21 +324,19 @@ class PagedLayer(CacheLayerMixin):
     # -- reporting ------------------------------------------------------------------------------------------------
 
     @property
-    def _block_nbytes(self) -> int:
-        if not self.is_initialized:
-            return 0
-        return 2 * self.state.block_size * self.num_heads * self.head_dim * self.k_chunks[0].element_size()
-
-    @property
     def stored_tokens(self) -> int:
         return self.state.tables.num_tokens
 
     @property
     def nbytes(self) -> int:
         """Bytes of the blocks in use (a shared block counts once), not of the free pool."""
-        return self.state.blocks_in_use() * self._block_nbytes
+        storage = self.storage
+        if storage is None:
+            return 0
+        return self.state.blocks_in_use() * self.state.block_size * storage.block_nbytes_per_slot
 
     @property
     def reserved_nbytes(self) -> int:
         """Bytes of the whole pool on this layer."""
-        return sum(c.numel() * c.element_size() for c in self.k_chunks + self.v_chunks)
+        storage = self.storage
+        return 0 if storage is None else storage.reserved_nbytes

@@ -12,41 +12,38 @@ produces are never read back quantized by that same forward (so prefill logits e
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
 
-from ._common import BatchOpsMixin, tokens_to_crop
+from .._config import LayerSpec
+from ._common import KVLayer, tokens_to_crop
 from ._storage import TokenBuffers, Workspace
 
 
-class QuantizedLayer(BatchOpsMixin, CacheLayerMixin):
+class QuantizedLayer(KVLayer):
     """Full-attention layer with quantized storage. See the module docstring for the layout."""
 
     is_sliding = False
-    is_croppable = True
 
-    def __init__(self, codec, residual_length: int, workspace: Workspace):
-        super().__init__()
+    def __init__(self, spec: LayerSpec, layer_idx: int, owner: str, codec, residual_length: int, workspace: Workspace):
+        super().__init__(spec, layer_idx, owner)
         self.codec = codec
         self.residual_length = residual_length
         self.workspace = workspace
-        self.cumulative_length = 0  # tokens processed, including any evicted ones
         self.store: TokenBuffers | None = None
         self.residual: TokenBuffers | None = None
 
     # -- CacheLayerMixin ------------------------------------------------------------------------------------------
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.num_heads, self.head_dim = key_states.shape[1], key_states.shape[-1]
+    def _initialize(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.store = TokenBuffers(self.codec.units)
         self.residual = TokenBuffers({"k": 1, "v": 1})
-        self.is_initialized = True
+
+    def _release(self) -> None:
+        self.store = self.residual = None
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        self._begin_update(key_states, value_states)
         keys, values = self._attended(key_states, value_states, self._visible_past())
         self._append(key_states, value_states)
         self.cumulative_length += key_states.shape[-2]
@@ -61,12 +58,6 @@ class QuantizedLayer(BatchOpsMixin, CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
-
-    def reset(self) -> None:
-        if self.is_initialized:
-            self.store.clear()
-            self.residual.clear()
-        self.cumulative_length = 0
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens (``tokens_to_remove <= 0``, as ``generate()`` calls it).
@@ -124,9 +115,9 @@ class QuantizedLayer(BatchOpsMixin, CacheLayerMixin):
         if nq + nr == 0:
             return k_new, v_new
         # Decode the whole stored sequence (at most unit - 1 tokens more than needed on a sliding layer).
-        keys, values = self.workspace.take(k_new, nq + nr + n)
+        keys, values = self.workspace.take(k_new, v_new, nq + nr + n)
         if nq:
-            self.codec.decode(self.store, keys[:, :, :nq], values[:, :, :nq])
+            self.codec.decode(self.store.views(), keys[:, :, :nq], values[:, :, :nq])
         if nr:
             keys[:, :, nq : nq + nr].copy_(self.residual.view("k"))
             values[:, :, nq : nq + nr].copy_(self.residual.view("v"))
@@ -153,12 +144,12 @@ class QuantizedLayer(BatchOpsMixin, CacheLayerMixin):
         if k.shape[-2]:
             self.residual.append({"k": k, "v": v})
 
+    def _crop_limit_message(self, n: int) -> str:
+        return f"cannot crop {n} tokens: this layer holds {self.cumulative_length}"
+
     def _remove_tail(self, n: int) -> None:
         if n > self.stored_tokens:
-            raise ValueError(
-                f"cannot crop {n} tokens: this layer holds only the last {self.stored_tokens} of "
-                f"{self.cumulative_length} tokens (older ones were evicted)"
-            )
+            raise ValueError(self._crop_limit_message(n))
         from_res = min(n, self.residual.length)
         self.residual.truncate(from_res)
         rest = n - from_res
@@ -181,19 +172,20 @@ class QuantizedLayer(BatchOpsMixin, CacheLayerMixin):
             self.store.truncate(popped)
 
     def _decode_all(self) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (self.store.view("ks").shape[0], self.num_heads, self.store.length, self.head_dim)
-        k = torch.empty(shape, dtype=self.dtype, device=self.device)
-        v = torch.empty(shape, dtype=self.dtype, device=self.device)
-        self.codec.decode(self.store, k, v)
+        b, h, t = self.batch_size, self.spec.num_kv_heads, self.store.length
+        k = torch.empty((b, h, t, self.spec.key_dim), dtype=self.dtype, device=self.device)
+        v = torch.empty((b, h, t, self.spec.value_dim), dtype=self.dtype, device=self.device)
+        self.codec.decode(self.store.views(), k, v)
         return k, v
 
     def _evict(self) -> None:
         """Full-attention layers keep every token."""
 
-    def _map_batch(self, fn) -> None:
+    def _map_batch(self, fn, batch: int | None) -> None:
         if self.is_initialized:
             self.store.map_batch(fn)
             self.residual.map_batch(fn)
+        self._set_batch(batch)
 
 
 class QuantizedSlidingWindowLayer(QuantizedLayer):
@@ -207,9 +199,9 @@ class QuantizedSlidingWindowLayer(QuantizedLayer):
 
     is_sliding = True
 
-    def __init__(self, codec, residual_length: int, workspace: Workspace, sliding_window: int):
-        super().__init__(codec, residual_length, workspace)
-        self.sliding_window = sliding_window
+    def __init__(self, spec: LayerSpec, layer_idx: int, owner: str, codec, residual_length: int, workspace: Workspace):
+        super().__init__(spec, layer_idx, owner, codec, residual_length, workspace)
+        self.sliding_window = spec.sliding_window
         self.record_past = False
 
     def activate_past_recording(self) -> None:
@@ -224,6 +216,12 @@ class QuantizedSlidingWindowLayer(QuantizedLayer):
 
     def _visible_past(self) -> int:
         return min(self.cumulative_length, self.sliding_window - 1)
+
+    def _crop_limit_message(self, n: int) -> str:
+        return (
+            f"cannot crop {n} tokens: this sliding-window layer holds only the last {self.stored_tokens} of "
+            f"{self.cumulative_length} tokens (older ones were evicted from its window)"
+        )
 
     def _evict(self) -> None:
         if self.record_past or not self.is_initialized:

@@ -19,24 +19,25 @@ Positions. Cached keys keep their RoPE rotation. With re-rotation on, the sink k
 by ``delta = real tokens - stored`` so that they sit right before the window (the stored sinks keep their original
 rotation; each forward rotates a fresh copy, so nothing drifts over a long stream).
 
-Storage goes through a codec: identity (full precision) or the int8 codec of the quantized cache; a token is encoded
-once, when it arrives.
+Storage is a dict of tensors per part: the keys and values themselves, or the int8 codes and scales of the quantized
+cache's :class:`~hf_kvcache.layers._codecs.Int8Codec`; a token is encoded once, when it arrives.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
 
+from .._config import LayerSpec
 from ..rope import RotarySpec, rerotate
-from ._common import BatchOpsMixin, PaddingTracker, tokens_to_crop
+from ._codecs import Parts
+from ._common import KVLayer, PaddingTracker, tokens_to_crop
 from ._storage import Workspace, _nbytes
-
-Parts = dict[str, torch.Tensor]  # named stored tensors, token axis 2
 
 
 class IdentityCodec:
     """Stores keys and values as they are."""
+
+    unit = 1
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
         return {"k": k, "v": v}
@@ -44,31 +45,6 @@ class IdentityCodec:
     def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
         k_out.copy_(parts["k"])
         v_out.copy_(parts["v"])
-
-
-class _PartsView:
-    """Adapter that gives a dict of tensors the ``view(name)`` access the quantized codecs decode from."""
-
-    def __init__(self, parts: Parts):
-        self._parts = parts
-
-    def view(self, name: str) -> torch.Tensor:
-        return self._parts[name]
-
-
-class QuantizedCodecAdapter:
-    """Wraps a per-token codec of the quantized cache (``unit == 1``) for dict storage."""
-
-    def __init__(self, codec):
-        if codec.unit != 1:
-            raise ValueError("a sliding window evicts single tokens, so it needs a per-token codec (int8)")
-        self.codec = codec
-
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
-        return self.codec.encode(k, v)
-
-    def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
-        self.codec.decode(_PartsView(parts), k_out, v_out)
 
 
 def _cat(a: Parts | None, b: Parts) -> Parts:
@@ -83,13 +59,12 @@ def _length(parts: Parts | None) -> int:
     return 0 if parts is None else next(iter(parts.values())).shape[2]
 
 
-def _gather_rows(parts: Parts, starts: torch.Tensor, n: int) -> Parts:
-    """Per row ``r``, slots ``starts[r] .. starts[r] + n`` (a ``(B,)`` tensor of starts)."""
+def _gather_rows(parts: Parts, starts: list[int], n: int) -> Parts:
+    """Per row ``r``, slots ``starts[r] .. starts[r] + n``."""
     out = {}
     for name, t in parts.items():
-        idx = (starts.to(t.device).view(-1, 1) + torch.arange(n, device=t.device)).view(
-            -1, 1, n, *([1] * (t.dim() - 3))
-        )
+        first = torch.tensor(starts, device=t.device).view(-1, 1)
+        idx = (first + torch.arange(n, device=t.device)).view(-1, 1, n, *([1] * (t.dim() - 3)))
         out[name] = t.gather(2, idx.expand(t.shape[0], t.shape[1], n, *t.shape[3:]))
     return out
 
@@ -98,7 +73,7 @@ def _parts_nbytes(parts: Parts | None) -> int:
     return 0 if parts is None else sum(_nbytes(t) for t in parts.values())
 
 
-class SinkWindowLayer(BatchOpsMixin, CacheLayerMixin):
+class SinkWindowLayer(KVLayer):
     """Full-attention layer that keeps ``sinks`` first tokens and a ``window`` of recent ones.
 
     See the module docstring for the layout. While ``generate()`` records the past (assisted and prompt-lookup
@@ -106,10 +81,12 @@ class SinkWindowLayer(BatchOpsMixin, CacheLayerMixin):
     """
 
     is_sliding = False
-    is_croppable = True
 
     def __init__(
         self,
+        spec: LayerSpec,
+        layer_idx: int,
+        owner: str,
         window: int,
         sinks: int,
         rotary: RotarySpec | None,
@@ -117,23 +94,23 @@ class SinkWindowLayer(BatchOpsMixin, CacheLayerMixin):
         codec=None,
         workspace: Workspace | None = None,
     ):
-        super().__init__()
+        super().__init__(spec, layer_idx, owner)
         self.window, self.sinks = window, sinks
         self.capacity = window + sinks
         self.rotary = rotary
         self.padding = padding
         self.codec = codec or IdentityCodec()
         self.workspace = workspace or Workspace()
-        self.cumulative_length = 0  # tokens processed, evicted ones included
         self.head: Parts | None = None  # the sink slots once eviction has begun (original rotation)
         self.body: Parts | None = None  # the slots after them, oldest first
         self.record_past = False
+        self._pad_tensor: tuple[tuple, torch.Tensor] | None = None  # (pads, (B,) tensor on the layer's device)
 
     # -- CacheLayerMixin ------------------------------------------------------------------------------------------
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
+    def _release(self) -> None:
+        self.head = self.body = None
+        self._pad_tensor = None
 
     def activate_past_recording(self) -> None:
         self.record_past = True
@@ -141,8 +118,7 @@ class SinkWindowLayer(BatchOpsMixin, CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        self._begin_update(key_states, value_states)
         head, body = self._visible()
         keys, values = self._attended(head, body, key_states, value_states)
         self.body = _cat(self.body, self.codec.encode(key_states, value_states))
@@ -160,10 +136,6 @@ class SinkWindowLayer(BatchOpsMixin, CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1  # the position can grow without bound; the storage cannot
-
-    def reset(self) -> None:
-        self.head = self.body = None
-        self.cumulative_length = 0
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens, then evict down to ``sinks + window``.
@@ -189,11 +161,11 @@ class SinkWindowLayer(BatchOpsMixin, CacheLayerMixin):
         self._evict()
 
     def offload(self) -> None:
-        self._map_batch(lambda t: t.to("cpu", non_blocking=True))
+        self._map_parts(lambda t: t.to("cpu", non_blocking=True))
 
     def prefetch(self) -> None:
         if self.is_initialized:
-            self._map_batch(lambda t: t.to(self.device, non_blocking=True))
+            self._map_parts(lambda t: t.to(self.device, non_blocking=True))
 
     # -- reporting ------------------------------------------------------------------------------------------------
 
@@ -224,8 +196,15 @@ class SinkWindowLayer(BatchOpsMixin, CacheLayerMixin):
 
     # -- internals ------------------------------------------------------------------------------------------------
 
-    def _real_tokens(self, batch: int) -> torch.Tensor:
-        return self.padding.real_tokens(self.cumulative_length, batch)
+    def _real_tokens(self) -> list[int]:
+        return self.padding.real_tokens(self.cumulative_length, self.batch_size)
+
+    def _pads(self, device: torch.device) -> torch.Tensor:
+        """``(B,)`` leading padding per row as a tensor, rebuilt only when the padding changes."""
+        pads = self.padding.pads(self.batch_size)
+        if self._pad_tensor is None or self._pad_tensor[0] != pads:
+            self._pad_tensor = (pads, torch.tensor(pads, device=device))
+        return self._pad_tensor[1]
 
     def _visible(self) -> tuple[Parts | None, Parts | None]:
         """``(sink slots, window slots)`` the next forward attends to, without changing the stored state."""
@@ -239,17 +218,15 @@ class SinkWindowLayer(BatchOpsMixin, CacheLayerMixin):
         body = _slice(self.body, _length(self.body) - (keep - self.sinks))
         if self.sinks == 0:
             return None, body
-        batch = next(iter(self.body.values())).shape[0]
-        real = self._real_tokens(batch)
         # Where a row's sinks start among the stored slots: 0 once it has more real tokens than slots (its sinks are
-        # already in front), else its first kept slot of a contiguous tail.
-        starts = torch.clamp(stored - real, min=0).clamp(max=stored - keep)
-        if self.head is not None and not bool(starts.any()):
+        # already in front), else its first kept slot of a contiguous tail. Plain ints: the padding is host-side.
+        starts = [min(max(stored - real, 0), stored - keep) for real in self._real_tokens()]
+        if self.head is not None and not any(starts):
             return self.head, body
         everything = _cat(self.head, self.body)
         head = _gather_rows(everything, starts, self.sinks)
         if self.head is not None:
-            keep_old = (starts == 0).to(self.device)
+            keep_old = torch.tensor([s == 0 for s in starts], device=self.device)
             head = {
                 name: torch.where(keep_old.view(-1, *([1] * (t.dim() - 1))), self.head[name], t)
                 for name, t in head.items()
@@ -266,23 +243,27 @@ class SinkWindowLayer(BatchOpsMixin, CacheLayerMixin):
         if nh + nb == 0:
             return k_new, v_new
         if n == 1:  # decode: the shared workspace, sized sinks + window + 1 for good
-            keys, values = self.workspace.take(k_new, nh + nb + n)
+            keys, values = self.workspace.take(k_new, v_new, nh + nb + n)
         else:  # a prefill may be far longer than the window: a one-off buffer, so the workspace stays flat
-            shape = (*k_new.shape[:2], nh + nb + n, k_new.shape[-1])  # (B, H, T, D)
-            keys, values = k_new.new_empty(shape), v_new.new_empty(shape)
+            keys = k_new.new_empty((*k_new.shape[:2], nh + nb + n, k_new.shape[-1]))  # (B, H, T, Dk)
+            values = v_new.new_empty((*v_new.shape[:2], nh + nb + n, v_new.shape[-1]))  # (B, H, T, Dv)
         if nh:
             self.codec.decode(head, keys[:, :, :nh], values[:, :, :nh])
-            if self.rotary is not None:
-                real = self._real_tokens(keys.shape[0])
-                delta = torch.clamp(real - (nh + nb), min=0)
-                if bool(delta.any()):
-                    keys[:, :, :nh] = rerotate(keys[:, :, :nh], delta, self.rotary)
+            if self.rotary is not None and self.cumulative_length > nh + nb:
+                # Rows with no eviction yet get delta 0, an exact identity rotation: no data-dependent branch, so a
+                # compiled decode step has no graph break here.
+                delta = (self.cumulative_length - (nh + nb) - self._pads(keys.device)).clamp(min=0)
+                keys[:, :, :nh] = rerotate(keys[:, :, :nh], delta, self.rotary)
         if nb:
             self.codec.decode(body, keys[:, :, nh : nh + nb], values[:, :, nh : nh + nb])
         keys[:, :, nh + nb :].copy_(k_new)
         values[:, :, nh + nb :].copy_(v_new)
         return keys, values
 
-    def _map_batch(self, fn) -> None:
+    def _map_parts(self, fn) -> None:
         self.head = None if self.head is None else {name: fn(t) for name, t in self.head.items()}
         self.body = None if self.body is None else {name: fn(t) for name, t in self.body.items()}
+
+    def _map_batch(self, fn, batch: int | None) -> None:
+        self._map_parts(fn)
+        self._set_batch(batch)

@@ -1,0 +1,79 @@
+"""What every hf_kvcache cache shares: memory reporting, reset, and the hook that tells a cache about its forwards."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from .._hooks import ForwardObserver, observe_forwards
+from ..layers._common import PaddingTracker
+
+__all__ = ["KVCacheReportMixin", "PaddingObserverMixin"]
+
+
+class KVCacheReportMixin:
+    """Memory reporting shared by the hf_kvcache caches (layers expose ``nbytes`` / ``reserved_nbytes``)."""
+
+    layers: list
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V storage holding live tokens now: data, scales, zero points, residual, block tables."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def reserved_nbytes(self) -> int:
+        """Bytes allocated now, including growth headroom (``>= nbytes``)."""
+        return sum(layer.reserved_nbytes for layer in self.layers)
+
+    @property
+    def workspace_nbytes(self) -> int:
+        """Scratch shared by all layers for the K/V handed to attention (one layer's worth, not per layer)."""
+        workspace = getattr(self, "workspace", None)
+        return workspace.nbytes if workspace is not None else 0
+
+    def memory_report(self) -> dict:
+        """Totals and a per-layer breakdown (``layer_idx``, ``type``, ``stored_tokens``, ``nbytes``, ...)."""
+        rows = [
+            {
+                "layer_idx": i,
+                "type": type(layer).__name__,
+                "seen_tokens": layer.get_seq_length(),
+                "stored_tokens": layer.stored_tokens,
+                "nbytes": layer.nbytes,
+                "reserved_nbytes": layer.reserved_nbytes,
+            }
+            for i, layer in enumerate(self.layers)
+        ]
+        return {
+            "nbytes": self.nbytes,
+            "reserved_nbytes": self.reserved_nbytes,
+            "workspace_nbytes": self.workspace_nbytes,
+            "layers": rows,
+        }
+
+    def reset(self) -> None:
+        """Back to the freshly constructed state: every layer releases its storage (and the shared workspace is
+        freed), so the next forward may bring any batch size, dtype and device. See the lifecycle contract in
+        :mod:`hf_kvcache.layers._common`."""
+        Cache.reset(self)
+        workspace = getattr(self, "workspace", None)
+        if workspace is not None:
+            workspace.clear()
+        padding = getattr(self, "padding", None)
+        if padding is not None:
+            padding.reset()
+
+
+class PaddingObserverMixin(ForwardObserver):
+    """Caches that need each row's left padding: built from a model, they read it from the attention mask of every
+    forward they are passed (one shared hook per model, :mod:`hf_kvcache._hooks`)."""
+
+    padding: PaddingTracker
+
+    def _observe_model(self, model: torch.nn.Module | None) -> None:
+        if model is not None:
+            observe_forwards(model, self)
+
+    def before_forward(self, kwargs: dict) -> None:
+        self.padding.observe(kwargs.get("attention_mask"))

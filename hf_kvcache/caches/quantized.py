@@ -1,0 +1,151 @@
+"""``QuantizedKVCache``: int8, and KIVI 4/2-bit keys and values, for any ``generate()`` mode; registers the ``int8``,
+``int4`` and ``int2`` cache kinds."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+from transformers.cache_utils import Cache
+
+from .. import quant
+from .._config import LayerSpec, layer_specs, resolve_config
+from .._validate import check_choice, check_int, dtype_from_name
+from ..layers._codecs import Int8Codec, KiviCodec
+from ..layers._storage import Workspace
+from ..layers.quantized import QuantizedLayer, QuantizedSlidingWindowLayer
+from ..registry import register_cache
+from ._base import KVCacheReportMixin
+
+__all__ = ["QuantizedKVCache"]
+
+_BACKENDS = ("torch", "bitsandbytes")
+_DEFAULT_RESIDUAL = {8: 0, 4: 128, 2: 128}
+
+
+class QuantizedKVCache(KVCacheReportMixin, Cache):
+    """A KV cache that stores keys and values in 8, 4 or 2 bits, for any ``generate()`` mode.
+
+    * ``bits=8`` (default): symmetric absmax int8 with one float32 scale per token, head and ``group_size``
+      channels (the whole head by default), about 0.52x of a bf16 cache at head_dim 128. Each token is encoded as it
+      arrives; greedy decoding keeps the tokens of the default cache in our tests.
+    * ``bits=4`` / ``bits=2``: KIVI (https://arxiv.org/abs/2402.02750): keys quantized per channel over groups of
+      ``group_size`` tokens, values per token over groups of ``group_size`` channels, asymmetric (scale + zero point),
+      packed 2 or 4 codes per byte, with the most recent ``residual_length`` tokens kept in full precision.
+
+    Every token is encoded exactly once (the prompt's tail stays in the residual; nothing is re-quantized), appends
+    are amortized, and the K/V handed to attention are decoded into one workspace shared by all layers. On hybrid
+    models the model's sliding-window layers are quantized too and keep only their window, as ``DynamicCache`` does.
+    Non-finite values never poison a group (see :mod:`hf_kvcache.quant`). Latent-attention models (DeepSeek-V2/V3)
+    cache latents whose key and value widths differ; each is quantized on its own.
+
+    Lifecycle: a cache takes its batch size, dtype and device from its first forward; a forward that does not match
+    raises ``ValueError``; ``reset()`` frees the storage and accepts anything a new cache would.
+
+    Args:
+        config: the model's ``PretrainedConfig``, or the model itself.
+        bits: 8, 4 or 2.
+        group_size: elements that share a scale. 8 bits: channels per scale group (default: the whole head, one scale
+            per token and head). 4/2 bits: tokens per key group and channels per value group (default: the largest
+            of 64, 32, 16, 8, 4, 2, 1 that divides the head width). Must divide the key and value widths.
+        residual_length: most recent tokens kept in full precision (default 0 at 8 bits, 128 at 4 and 2 bits, as in
+            KIVI). Tokens leave the residual ``group_size`` at a time at 4/2 bits, so it holds between
+            ``residual_length`` and ``residual_length + group_size - 1`` tokens once full.
+        backend: ``"torch"`` or, for 8 bits, ``"bitsandbytes"`` (codes from ``bitsandbytes.functional.
+            int8_vectorwise_quant``; needs the ``bnb`` extra).
+        scale_dtype: dtype of scales and zero points: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (or the torch
+            dtype). Default: float32 at 8 bits; at 4/2 bits the K/V dtype when it is 16-bit, else float32.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> from hf_kvcache import QuantizedKVCache
+        >>> config = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+        >>> cache = QuantizedKVCache(config, bits=4, residual_length=32)
+        >>> cache.bits, cache.group_size
+        (4, 16)
+    """
+
+    def __init__(
+        self,
+        config: PretrainedConfig | torch.nn.Module,
+        bits: int = 8,
+        group_size: int | None = None,
+        residual_length: int | None = None,
+        backend: str = "torch",
+        scale_dtype: str | torch.dtype | None = None,
+    ):
+        config = resolve_config(config)
+        check_choice("bits", bits, quant.SUPPORTED_BITS)
+        check_choice("backend", backend, _BACKENDS)
+        if backend == "bitsandbytes":
+            if bits != 8:
+                raise ValueError(f"backend='bitsandbytes' supports bits=8 only, got bits={bits}")
+            try:
+                import bitsandbytes  # noqa: F401
+            except ImportError as err:
+                raise ImportError("backend='bitsandbytes' needs bitsandbytes: pip install 'hf-kvcache[bnb]'") from err
+        specs = layer_specs(config, type(self).__name__)
+        widths = sorted({d for s in specs for d in (s.key_dim, s.value_dim)})
+        if group_size is None and bits != 8:
+            group_size = next(g for g in (64, 32, 16, 8, 4, 2, 1) if all(d % g == 0 for d in widths))
+        if group_size is not None:
+            check_int("group_size", group_size, 1)
+            if any(d % group_size for d in widths):
+                raise ValueError(f"group_size must divide head_dim ({', '.join(map(str, widths))}), got {group_size}")
+        if any(d % (8 // bits) for d in widths):
+            raise ValueError(f"{bits}-bit codes pack {8 // bits} per byte: head widths {widths} must be multiples")
+        residual_length = _DEFAULT_RESIDUAL[bits] if residual_length is None else residual_length
+        check_int("residual_length", residual_length, 0)
+        if scale_dtype is not None:
+            scale_dtype = dtype_from_name("scale_dtype", scale_dtype)
+
+        self.bits, self.residual_length = bits, residual_length
+        # int8's default group is the whole head (a width per tensor); report it as an int when all widths agree.
+        self.group_size = group_size if group_size is not None or len(widths) > 1 else widths[0]
+        self._codec_group = group_size
+        self.backend, self.scale_dtype = backend, scale_dtype
+        self.layer_specs = specs
+        self.workspace = Workspace()
+        super().__init__(layers=[self._make_layer(i, spec) for i, spec in enumerate(specs)])
+
+    def _codec(self):
+        if self.bits == 8:
+            return Int8Codec(self._codec_group, self.scale_dtype or torch.float32, self.backend)
+        return KiviCodec(self.bits, self.group_size, self.scale_dtype)
+
+    def _make_layer(self, layer_idx: int, spec: LayerSpec) -> QuantizedLayer:
+        cls = QuantizedLayer if spec.layer_type == "full_attention" else QuantizedSlidingWindowLayer
+        return cls(spec, layer_idx, type(self).__name__, self._codec(), self.residual_length, self.workspace)
+
+    def bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> float:
+        """Analytic stored bytes per quantized token, summed over layers, for K/V of ``dtype``.
+
+        Excludes the constant-size residual; sliding layers stop growing once their window is full.
+        """
+        return sum(
+            layer.codec.bytes_per_token(spec.num_kv_heads, spec.key_dim, spec.value_dim, dtype)
+            for spec, layer in zip(self.layer_specs, self.layers)
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(bits={self.bits}, group_size={self.group_size}, "
+            f"residual_length={self.residual_length}, backend={self.backend!r}, layers={len(self.layers)})"
+        )
+
+
+def _register(bits: int, summary: str) -> None:
+    def factory(
+        config,
+        group_size: int | None = None,
+        residual_length: int | None = None,
+        backend: str = "torch",
+        scale_dtype: str | None = None,
+    ) -> QuantizedKVCache:
+        return QuantizedKVCache(config, bits, group_size, residual_length, backend, scale_dtype)
+
+    register_cache(f"int{bits}", summary)(factory)
+
+
+_register(8, "QuantizedKVCache bits=8: int8 per token and head, ~0.52x of bf16")
+_register(4, "QuantizedKVCache bits=4: KIVI 4-bit with a 128-token fp residual, ~0.28x of bf16 + residual")
+_register(2, "QuantizedKVCache bits=2: KIVI 2-bit with a 128-token fp residual, ~0.16x of bf16 + residual")

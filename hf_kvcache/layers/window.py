@@ -1,0 +1,49 @@
+"""The model's own sliding-window layers (hybrid models: Gemma 2/3, Mistral, ...) in caches that keep them in full
+precision: transformers' ``DynamicSlidingWindowLayer``, with our reporting and lifecycle checks."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from .._config import LayerSpec
+from ._common import as_index, check_same_state
+from ._storage import _nbytes
+
+
+class ModelSlidingWindowLayer(DynamicSlidingWindowLayer):
+    """Keeps the last ``sliding_window - 1`` tokens exactly as ``DynamicCache`` does."""
+
+    def __init__(self, spec: LayerSpec, layer_idx: int, owner: str):
+        super().__init__(sliding_window=spec.sliding_window)
+        self.spec, self.layer_idx, self.owner = spec, layer_idx, owner
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.keys.shape[0] if self.is_initialized and self.keys.numel() else None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.batch_size is not None:
+            check_same_state(self, key_states)
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def batch_select_indices(self, indices) -> None:
+        if self.get_seq_length() > 0:
+            index = as_index(indices, self.keys.device)
+            self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
+
+    @property
+    def stored_tokens(self) -> int:
+        return self.keys.shape[-2] if self.is_initialized else 0
+
+    @property
+    def nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return _nbytes(self.keys) + _nbytes(self.values)
+
+    @property
+    def reserved_nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return self.keys.untyped_storage().nbytes() + self.values.untyped_storage().nbytes()

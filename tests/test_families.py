@@ -1,0 +1,170 @@
+"""Model families beyond the shared matrix: each cache kind either works (lossless kinds exactly, lossy ones within
+the matrix's bounds, evicting windows without a shape error) or is refused at construction with a ValueError that
+names the model type and the reason. Never a shape error mid-generation, never a silently dropped option."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import EXTRA_FAMILIES, extra_model, prompt, tiny_model
+from transformers import DynamicCache
+
+from hf_kvcache import PagedKVCache, QuantizedKVCache, SlidingWindowKVCache, make_cache
+from hf_kvcache.rope import rerotate
+
+NEW_TOKENS = 10
+ALIBI = ("falcon_alibi", "bloom")
+LATENT = ("deepseek_v3", "deepseek_v2")
+
+# (spec, lossless, logit bound): the matrix's cases, with windows that evict within the test for the sink kinds.
+KINDS = [
+    ("int8", False, 0.06),
+    ("int4:group_size=4:residual_length=2", False, 0.35),
+    ("sink:window=256:sinks=4", True, 0.0),  # larger than the text: nothing evicted, must be exact
+    ("sink:window=6:sinks=2", None, None),  # evicts: must run; exactness of eviction is tested in test_sliding_cache
+    ("sink:window=6:sinks=2:rerotate=false", None, None),
+    ("paged:block_size=4", True, 0.0),
+]
+
+
+def _refusal(family: str, spec: str) -> str | None:
+    """The ValueError text a combination must raise, or None if it must work."""
+    if spec.startswith("sink") and family in ALIBI:
+        return "ALiBi"
+    if spec.startswith("sink") and family in LATENT and "rerotate=false" not in spec:
+        return "rerotate=False"
+    return None
+
+
+def _generate(model, cache, batch):
+    return model.generate(
+        **prompt(batch),
+        past_key_values=cache,
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+
+
+@pytest.mark.parametrize("batch", ["single", "padded"])
+@pytest.mark.parametrize("spec, lossless, bound", KINDS, ids=[k[0] for k in KINDS])
+@pytest.mark.parametrize("family", list(EXTRA_FAMILIES))
+def test_extra_family_works_or_is_refused_by_name(family, spec, lossless, bound, batch):
+    model = extra_model(family)
+    refusal = _refusal(family, spec)
+    if refusal:
+        with pytest.raises(ValueError, match=rf"model_type '\w+'.*{refusal}"):
+            make_cache(spec, model)
+        return
+    ref = _generate(model, DynamicCache(config=model.config), batch)
+    out = _generate(model, make_cache(spec, model), batch)
+    assert out.sequences.shape == ref.sequences.shape
+    if lossless:
+        torch.testing.assert_close(out.sequences, ref.sequences, rtol=0, atol=0)
+        for got, want in zip(out.logits, ref.logits):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    elif bound is not None:
+        # Teacher-forced prefix: logits agree within the bound while the sequences agree.
+        diff = (out.sequences != ref.sequences).any(0).nonzero()
+        prompt_len = ref.sequences.shape[1] - NEW_TOKENS
+        last = int(diff[0]) - prompt_len if len(diff) else NEW_TOKENS - 1
+        for step in range(last + 1):
+            error = (out.logits[step] - ref.logits[step]).abs().amax(-1)
+            assert (error <= bound * ref.logits[step].std(-1)).all(), f"step {step}: logit error {error.tolist()}"
+
+
+def _keys_at(model, ids, offset, layer_idx):
+    """Layer ``layer_idx``'s cached keys for ``ids`` placed at positions ``offset .. offset + n - 1``."""
+    cache = DynamicCache(config=model.config)
+    positions = torch.arange(ids.shape[1]).unsqueeze(0) + offset
+    with torch.no_grad():
+        model(input_ids=ids, position_ids=positions, past_key_values=cache)
+    return cache.layers[layer_idx].keys
+
+
+ROTARY = ["gptj", "codegen", "gemma2", "gpt_oss", "smollm3"]
+
+
+@pytest.mark.parametrize("family", ROTARY)
+def test_sink_rerotation_equals_the_model_rotating_at_the_shifted_position(family):
+    """The rotation read from each model (its rotary module, or GPT-J / CodeGen's sinusoidal table) moves a cached
+    key to the key the model itself computes ``delta`` positions later."""
+    model = extra_model(family)
+    cache = SlidingWindowKVCache(model, window=4, sinks=2)
+    assert cache.rotary is not None, "rerotate=True must find the model's rotation, never drop it silently"
+    full = [i for i, s in enumerate(cache.layer_specs) if s.layer_type == "full_attention" and s.uses_rope][0]
+    ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(0))
+    for delta in (1, 37):
+        moved = rerotate(_keys_at(model, ids, 0, full), delta, cache.rotary)
+        torch.testing.assert_close(moved, _keys_at(model, ids, delta, full), rtol=1e-4, atol=1e-5)
+
+
+def test_config_only_gptj_rotation_matches_the_model_table():
+    model = extra_model("gptj")
+    from_config = SlidingWindowKVCache(model.config, window=4, sinks=2).rotary
+    from_model = SlidingWindowKVCache(model, window=4, sinks=2).rotary
+    assert from_config.rotary_dim == from_model.rotary_dim == 8 and from_config.interleaved
+    torch.testing.assert_close(from_config.inv_freq, from_model.inv_freq)
+
+
+def test_nope_layers_are_not_rerotated():
+    """SmolLM3's NoPE layers carry no rotation: an all-NoPE model scores the same with and without re-rotation."""
+    model = extra_model("smollm3_nope")
+    outs = [
+        _generate(model, SlidingWindowKVCache(model, window=6, sinks=2, rerotate=flag), "single")
+        for flag in (True, False)
+    ]
+    torch.testing.assert_close(outs[0].sequences, outs[1].sequences, rtol=0, atol=0)
+    for a, b in zip(outs[0].logits, outs[1].logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    mixed = SlidingWindowKVCache(extra_model("smollm3"), window=6, sinks=2)
+    assert [layer.rotary is not None for layer in mixed.layers] == [True, False, True]
+
+
+def test_llama4_full_layers_are_nope_and_need_no_rotation():
+    cache = SlidingWindowKVCache(extra_model("llama4"), window=6, sinks=2)
+    assert cache.rotary is None  # its full-attention layers are the NoPE ones; chunked layers keep their own window
+
+
+def test_latent_attention_widths_come_from_the_config():
+    model = extra_model("deepseek_v3")
+    cache = QuantizedKVCache(model)
+    spec = cache.layer_specs[0]
+    assert (spec.num_kv_heads, spec.key_dim, spec.value_dim) == (1, 32, 8)
+    from hf_kvcache import dynamic_bytes_per_token
+
+    with torch.no_grad():
+        paged, dynamic = PagedKVCache(model), DynamicCache(config=model.config)
+        for c in (paged, dynamic):
+            model(**prompt("single"), past_key_values=c)
+    assert dynamic_bytes_per_token(model.config, torch.float32) * 12 == sum(
+        layer.keys.nbytes + layer.values.nbytes for layer in dynamic.layers
+    )
+
+
+def test_a_model_that_passes_other_widths_than_its_config_is_a_clear_error():
+    cache = QuantizedKVCache(tiny_model("llama").config)
+    with pytest.raises(ValueError, match=r"built from a config whose layer passes keys \(B, 2, T, 16\)"):
+        cache.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), 0)
+
+
+@pytest.mark.parametrize(
+    "spec", ["int8", "int4:group_size=8:residual_length=4", "sink:window=64:sinks=2", "paged:block_size=4"]
+)
+@pytest.mark.parametrize("indices", [(0, 2), [2], torch.tensor([1, 2]), torch.tensor([True, False, True])])
+def test_batch_select_indices_accepts_what_dynamic_cache_accepts(spec, indices):
+    model = tiny_model("llama")
+    ids = torch.randint(3, 100, (3, 12), generator=torch.Generator().manual_seed(0))
+    nxt = torch.randint(3, 100, (3, 1), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for cache in (DynamicCache(config=model.config), make_cache(spec, model)):
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache)
+            cache.batch_select_indices(indices)
+            keep = torch.as_tensor(indices)
+            keep = keep.nonzero().flatten() if keep.dtype == torch.bool else keep
+            logits.append(model(input_ids=nxt[keep], past_key_values=cache).logits)
+    tolerance = {"int8": 0.06, "int4": 0.25}.get(spec[:4], 1e-5 / logits[0].std()) * logits[0].std()
+    assert (logits[1] - logits[0]).abs().max() <= tolerance
