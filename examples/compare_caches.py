@@ -1,10 +1,11 @@
-"""Compare caches from Python with the evaluation harness: perplexity through each cache, bytes, decode speed.
+"""Compare caches from Python with the evaluation harness: perplexity and copying through each cache, bytes, speed.
 
-The same measurement as ``hf-kvcache eval``, called as a library: an ``EvalConfig`` names the caches (spec strings,
-as ``make_cache`` takes them) and the text; ``run_eval`` scores the text through each cache on the reference model
-(windows of ``--context`` tokens: the first ``--prefill`` go in with one forward, the rest one token at a time
-through the cache, scored). The script prints the markdown table and writes ``results.json``, ``report.md`` and
-plots into ``--output``.
+The same measurement as ``hf-kvcache eval``, called as a library: an ``EvalConfig`` names the tasks, the caches (spec
+strings, as ``make_cache`` takes them) and the text; ``run_eval`` runs each task through each cache on the reference
+model. ``perplexity`` scores the text in windows of ``--context`` tokens (the first ``--prefill`` go in with one
+forward, the rest one token at a time through the cache); ``repeat`` shows a passage, other text, then the passage
+again, and scores the second copy through the cache: what the cache kept of the first copy is all the model can copy
+from. The script prints one table per task and writes ``results.json``, ``report.md`` and plots into ``--output``.
 
 Run it with::
 
@@ -39,11 +40,14 @@ def main() -> None:
     args = parser.parse_args()
 
     config = EvalConfig(
+        task=("perplexity", "repeat"),
         caches=tuple(spec.strip() for spec in args.caches.split(",")),
         max_tokens=args.max_tokens,
         context=args.context,
         prefill=args.prefill,
-        quiet=True,  # no progress bars: the table is the output
+        distances=(0, 256) if SMALL else (0, 512, 1500),  # tokens of other text between the two copies
+        samples=2 if SMALL else 8,
+        quiet=True,  # no progress bars: the tables are the output
     )
     start = time.perf_counter()
     results = run_eval(config)  # model=None, dataset=None: the reference model and text

@@ -1,16 +1,31 @@
 """``hf-kvcache`` command line: ``list`` the cache kinds, ``demo``, ``eval`` and ``bench`` them.
 
 Every subcommand defaults to the embedded reference model and runs offline; ``eval`` and ``bench`` need the ``eval``
-extra (``hf_kvcache.eval``).
+extra (``hf_kvcache.eval``). ``eval`` and ``bench`` take flags generated from their config dataclasses. Expected
+failures (a bad flag value, a missing model or dataset, no CUDA) print one line and exit with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
+
+from ._validate import check_int
+
+EXIT_USAGE = 2
+
+
+class _UsageError(ValueError):
+    """A flag argparse could not take (unknown flag, bad value, missing argument)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors raised so that :func:`main` prints them on one line like every expected failure."""
+
+    def error(self, message: str):
+        raise _UsageError(f"{message} (see {self.prog} --help)")
 
 
 def _list(args) -> int:
@@ -22,72 +37,74 @@ def _list(args) -> int:
     return 0
 
 
+def _split(text: str) -> list[str]:
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
 def _demo(args) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from .demo import run_demo
 
-    from .compare import analytic_ratio, compare_caches, format_table
-    from .eval.runner import tokenize
-    from .reference import reference_model_path, reference_text
-    from .registry import check_spec
-
-    specs = [s.strip() for s in args.caches.split(",") if s.strip()]
-    for spec in specs:  # fail on a bad spec before loading anything
-        check_spec(spec)
-    torch.set_num_threads(args.threads)
-    path = args.model or reference_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    text = reference_text()
-    ids = tokenize(tokenizer, text[: 16 * args.prompt_tokens])[: args.prompt_tokens]
-    if ids.numel() < args.prompt_tokens:
-        raise ValueError(f"--prompt-tokens {args.prompt_tokens} is longer than the demo text ({ids.numel()} tokens)")
-    ids = ids.view(1, -1).repeat(args.batch, 1)
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    name = "the embedded reference model (4-layer Llama trained on Jane Austen)" if args.model is None else path
-    threads = f"{args.threads} thread" + ("s" if args.threads != 1 else "")
-    print(
-        f"Greedy generation with {name}, float32 on CPU ({threads}): a {args.prompt_tokens}-token prompt "
-        f"from the held-out text x batch {args.batch}, {args.new_tokens} new tokens, median of {args.repeats}.\n"
+    for name in ("prompt_tokens", "new_tokens", "batch", "repeats", "threads"):
+        check_int(f"--{name.replace('_', '-')}", getattr(args, name), 1)
+    run_demo(
+        _split(args.caches),
+        args.model,
+        args.prompt_tokens,
+        args.new_tokens,
+        args.batch,
+        args.repeats,
+        args.threads,
+        as_json=args.json,
     )
-    rows = compare_caches(model, inputs, specs, max_new_tokens=args.new_tokens, repeats=args.repeats)
-    print(format_table(rows))
-    print("\nAnalytic bytes per stored token vs a bf16 cache (residual excluded; bounded caches stop growing):")
-    for spec in specs:
-        ratio = analytic_ratio(model, spec, torch.bfloat16)
-        print(f"  {spec:<24} " + ("bounded: stops at sinks + window tokens" if ratio != ratio else f"{ratio:.3f}"))
-    with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=args.new_tokens, do_sample=False)
-    continuation = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-    print(f"\n...{tokenizer.decode(ids[0, -24:])!s}[{continuation.strip()}]")
-    if args.json:
-        print(json.dumps([r.as_dict() for r in rows], indent=2))
     return 0
 
 
-def _eval(args) -> int:
-    from .eval.report import format_eval_table, write_report
-    from .eval.runner import EvalConfig, run_eval_distributed
+def _eval_groups() -> list[tuple[str, type, tuple[str, ...]]]:
+    """(title, options dataclass, the tasks whose run reads it) for the flags of ``eval``."""
+    from .eval.config import ModelOptions, RunOptions
+    from .eval.tasks import TASKS
 
-    config = EvalConfig(
-        model=args.model,
-        dataset=args.dataset,
-        caches=tuple(s.strip() for s in args.caches.split(",") if s.strip()),
-        max_tokens=args.max_tokens,
-        context=args.context,
-        prefill=args.prefill,
-        chunk=args.chunk,
-        batch_size=args.batch_size,
-        stream_tokens=args.stream_tokens,
-        bucket=args.bucket,
-        device=args.device,
-        dtype=args.dtype,
-        device_map=args.device_map,
-        load_in_8bit=args.load_in_8bit,
-        load_in_4bit=args.load_in_4bit,
-        seed=args.seed,
-        threads=args.threads,
-        quiet=args.quiet,
+    groups = [("model", ModelOptions, ()), ("run", RunOptions, ())]
+    return groups + [(f"{name} task", task.options, (name,)) for name, task in TASKS.items()]
+
+
+def _output_flag(parser, what: str) -> None:
+    parser.add_argument("--output", default=None, metavar="DIR", help=f"directory for {what} (default: none)")
+
+
+def _add_eval_parser(sub) -> None:
+    from .eval.flags import add_flags
+
+    p = sub.add_parser(
+        "eval",
+        help="what each cache costs: perplexity, passkey retrieval and copying through the cache, bytes and speed",
+        description="Run --task through each of --caches on --model (default: the embedded reference model, "
+        "offline): perplexity of a text in windows scored through the cache, a long stream through one cache, passkey "
+        "retrieval, and copying a repeated passage. Prints one table per task; --output adds results.json, "
+        "report.md and plots.",
     )
+    owners: dict[str, tuple[str, ...]] = {}
+    for title, cls, tasks in _eval_groups():
+        for name in add_flags(p.add_argument_group(f"{title} options"), cls):
+            owners[name] = tasks
+    owners["samples"] = ("passkey", "repeat")  # --samples sets both tasks' documents per cell
+    _output_flag(p, "results.json, report.md and plots")
+    p.set_defaults(func=_eval, owners=owners)
+
+
+def _eval(args) -> int:
+    from .eval.config import EvalConfig
+    from .eval.flags import given_fields
+    from .eval.report import format_eval_table, write_report
+    from .eval.runner import run_eval_distributed
+
+    given = given_fields(args, list(args.owners))
+    config = EvalConfig(**given)
+    for name in given:
+        tasks = args.owners[name]
+        if tasks and not set(tasks) & set(config.task):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} is an option of --task {' or '.join(tasks)}, which this run does not include")
     results = run_eval_distributed(config)  # plain run_eval unless started by `accelerate launch`
     if results is None:  # a non-main process of a data-parallel run
         return 0
@@ -99,139 +116,99 @@ def _eval(args) -> int:
     return 0
 
 
-def _bench(args) -> int:
-    from .eval.bench import run_bench
-    from .eval.report import format_bench_table, write_bench_report
-    from .eval.runner import EvalConfig, load_model
-    from .registry import check_spec, make_cache
-
-    config = EvalConfig(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads)
-    config.validate()
-    caches = [s.strip() for s in args.caches.split(",") if s.strip()]
-    if not caches:
-        raise ValueError("--caches must name at least one cache spec")
-    for spec in caches:  # unknown kinds and options fail before the model loads
-        check_spec(spec)
-    try:
-        contexts = [int(c) for c in args.contexts.split(",")]
-    except ValueError:
-        raise ValueError(f"--contexts must be comma-separated integers, got {args.contexts!r}") from None
-    if min(contexts) < 1:
-        raise ValueError(f"--contexts must all be >= 1, got {args.contexts!r}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model, _ = load_model(config)
-    for spec in caches:  # bad option values fail before any timing
-        make_cache(spec, model.config)
-    budget = int(args.memory_budget_gib * 2**30) if args.memory_budget_gib else None
-    bench = run_bench(model, caches, contexts, args.new_tokens, args.batch, args.repeats, budget)
-    print(format_bench_table(bench))
-    if args.output:
-        print(f"\nwrote {', '.join(write_bench_report(bench, args.output))} to {args.output}")
-    return 0
-
-
 def _add_bench_parser(sub) -> None:
+    from .eval.bench import BenchConfig
+    from .eval.config import ModelOptions
+    from .eval.flags import add_flags
+
     p = sub.add_parser(
         "bench",
         help="time to first token and decode speed at several context lengths, side by side",
         description="Generate from random prompts of each --contexts length with each cache: warm-up, then "
         "--repeats timed runs; medians and spread. On CUDA also peak memory and the largest context per budget.",
     )
-    p.add_argument("--model", default=None, help="hub id or local path (default: the embedded reference model)")
-    p.add_argument("--caches", default="dynamic,int8,int4,sink:window=256:sinks=4,paged:block_size=16")
-    p.add_argument("--contexts", default="256,1024,4096", help="comma-separated prompt lengths")
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--memory-budget-gib", type=float, default=None, help="CUDA: report the largest context per cache")
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--output", default=None, help="directory for bench.json, bench.md and bench.png")
-    p.set_defaults(func=_bench)
+    names = add_flags(p.add_argument_group("model options"), ModelOptions)
+    names += add_flags(p.add_argument_group("bench options"), BenchConfig)
+    _output_flag(p, "bench.json, bench.md and bench.png")
+    p.set_defaults(func=_bench, names=names)
 
 
-def _add_eval_parser(sub) -> None:
-    from .eval.data import DATASET_HELP
-    from .eval.runner import DEFAULT_CACHES, EvalConfig
+def _bench(args) -> int:
+    from .eval.bench import BenchConfig, default_contexts, run_bench, trained_context
+    from .eval.flags import given_fields
+    from .eval.report import format_bench_table, write_bench_report
+    from .eval.runner import load_model
+    from .registry import make_cache
 
-    d = EvalConfig()
-    p = sub.add_parser(
-        "eval",
-        help="perplexity through each cache, bytes and decode speed, side by side",
-        description="Score a text through each cache (windows of --context tokens: --prefill tokens in one forward, "
-        "the rest --chunk tokens per forward, scored). Defaults run offline on the embedded reference model.",
+    config = BenchConfig(**given_fields(args, args.names))
+    config.validate()  # bad specs, contexts and counts fail before the model loads
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    model, _ = load_model(config)
+    for spec in config.caches:  # bad option values fail before any timing
+        make_cache(spec, model.config)
+    contexts = config.contexts or default_contexts(model.config, config.new_tokens)
+    limit = trained_context(model.config)
+    beyond = [c for c in contexts if limit and c + config.new_tokens > limit]
+    if beyond:
+        print(
+            f"note: contexts {', '.join(map(str, beyond))} (+{config.new_tokens} new tokens) run past the model's "
+            f"trained context ({limit} tokens): positions there are out of distribution; speed is still measured.",
+            file=sys.stderr,
+        )
+    budget = int(config.memory_budget_gib * 2**30) if config.memory_budget_gib else None
+    bench = run_bench(
+        model, list(config.caches), list(contexts), config.new_tokens, config.batch, config.repeats, budget
     )
-    p.add_argument("--model", default=None, help="hub id or local path (default: the embedded reference model)")
-    p.add_argument("--dataset", default=None, help=DATASET_HELP)
-    p.add_argument(
-        "--caches",
-        default=",".join(DEFAULT_CACHES),
-        help="comma-separated make_cache specs; the first is the baseline of the change columns",
-    )
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="cut the text to this many tokens")
-    p.add_argument("--context", type=int, default=d.context, help="tokens per window")
-    p.add_argument("--prefill", type=int, default=d.prefill, help="unscored tokens per window, one forward")
-    p.add_argument("--chunk", type=int, default=d.chunk, help="tokens per scored forward (1: pure decode)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="windows scored together")
-    p.add_argument(
-        "--stream-tokens",
-        type=int,
-        default=0,
-        help="also score one stream of this many tokens through "
-        "one cache per kind and report perplexity per --bucket positions (long-stream mode)",
-    )
-    p.add_argument("--bucket", type=int, default=d.bucket, help="positions per bucket in long-stream mode")
-    p.add_argument("--device", default=d.device, help="cpu, cuda or auto")
-    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device-map", default=None, help="'auto': accelerate splits the model across devices")
-    p.add_argument("--load-in-8bit", action="store_true", help="bitsandbytes 8-bit weights (with any KV cache)")
-    p.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes 4-bit weights (with any KV cache)")
-    p.add_argument("--output", default=None, help="directory for results.json, report.md and plots")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=_eval)
+    print(format_bench_table(bench))
+    if args.output:
+        print(f"\nwrote {', '.join(write_bench_report(bench, args.output))} to {args.output}")
+    return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-kvcache", description=__doc__.splitlines()[0].replace("``", ""))
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="list the registered cache kinds and their options").set_defaults(func=_list)
+def _add_demo_parser(sub) -> None:
+    from .demo import DEMO_CACHES
+
     demo = sub.add_parser(
-        "demo", help="offline side-by-side generation with several caches on the embedded reference model"
+        "demo",
+        help="offline side-by-side generation with several caches on the embedded reference model",
+        description="Greedy generation from one prompt of the held-out text with each cache: the continuations, "
+        "where each leaves dynamic's tokens, bytes held and speed.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     demo.add_argument(
         "--caches",
-        default="dynamic,int8,int4,int2,sink:window=128:sinks=4,paged",
+        default=",".join(DEMO_CACHES),
         help="comma-separated make_cache specs; the first is the reference the others are compared with",
     )
     demo.add_argument("--model", default=None, help="local path or hub id (default: the embedded reference model)")
-    demo.add_argument("--prompt-tokens", type=int, default=384)
-    demo.add_argument("--new-tokens", type=int, default=64)
-    demo.add_argument("--batch", type=int, default=1)
-    demo.add_argument("--repeats", type=int, default=3)
-    demo.add_argument("--threads", type=int, default=1)
+    demo.add_argument("--prompt-tokens", type=int, default=384, help="prompt length, from the held-out text")
+    demo.add_argument("--new-tokens", type=int, default=64, help="tokens generated greedily")
+    demo.add_argument("--batch", type=int, default=1, help="copies of the prompt per batch")
+    demo.add_argument("--repeats", type=int, default=3, help="timed repeats (median and spread)")
+    demo.add_argument("--threads", type=int, default=1, help="CPU threads")
     demo.add_argument("--json", action="store_true", help="also print the rows as JSON")
     demo.set_defaults(func=_demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hf-kvcache", description=__doc__.splitlines()[0].replace("``", ""))
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="list the registered cache kinds and their options").set_defaults(func=_list)
+    _add_demo_parser(sub)
     _add_eval_parser(sub)
     _add_bench_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    for name in ("prompt_tokens", "new_tokens", "batch", "repeats", "threads"):
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            print(f"hf-kvcache: error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return 2
     try:
+        args = build_parser().parse_args(argv)
         return args.func(args)
-    except ValueError as err:
-        print(f"hf-kvcache: error: {err}", file=sys.stderr)
-        return 2
+    except (ValueError, ImportError, OSError) as err:  # expected failures: one line, no traceback
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"hf-kvcache: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

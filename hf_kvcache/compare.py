@@ -24,16 +24,22 @@ from transformers import (
 )
 from transformers.cache_utils import Cache
 
-from .memory import cache_nbytes, dynamic_bytes_per_token
+from .memory import cache_nbytes
 from .registry import make_cache
 
+# Bounds the shared test matrix asserts for the lossy kinds: max |logit error| / std(reference logits) under teacher
+# forcing (tests/matrix.py reads them from here; the demo quotes them).
+LOGIT_BOUNDS = {"int8": 0.06, "int4": 0.25, "int2": 1.0}
+
 __all__ = [
+    "LOGIT_BOUNDS",
     "TINY_FAMILIES",
     "TINY_VOCAB",
     "CompareRow",
     "compare_caches",
     "format_table",
     "synchronize",
+    "time_decode",
     "timed_generate",
     "tiny_llama",
 ]
@@ -75,6 +81,7 @@ class CompareRow:
     ttft_s: float  # median time to first token (prefill + 1 token)
     decode_tokens_per_s: float  # median decode tokens/s after the first token, all rows together
     spread: float  # (max - min) / median of the decode rate over repeats
+    continuation: list[int] | None = None  # the first row's generated tokens
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -115,6 +122,50 @@ def timed_generate(model, inputs, cache: Cache, max_new_tokens: int, **generate_
     return out, time.perf_counter() - start
 
 
+@dataclass
+class DecodeTiming:
+    """Timings of :func:`time_decode`: medians over repeats, and the last full generation's cache and output."""
+
+    ttft_s: float  # median time to first token (prefill + 1 token)
+    rates: list[float]  # decode tokens/s of each repeat, all rows together
+    cache: Cache
+    output: torch.Tensor
+    peak_memory_bytes: int | None  # CUDA max_memory_allocated of the last full generation; None elsewhere
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return statistics.median(self.rates)
+
+    @property
+    def spread(self) -> float:
+        """``(max - min) / median`` of the decode rates."""
+        return (max(self.rates) - min(self.rates)) / self.decode_tokens_per_s
+
+
+def time_decode(
+    model, inputs: dict, make_cache: Callable[[], Cache], new_tokens: int, repeats: int = 3, **generate_kwargs
+) -> DecodeTiming:
+    """One warm-up, then ``repeats`` pairs of synchronized generations of 1 and ``new_tokens`` tokens, each through a
+    fresh cache. Decode rate = the tokens after the first, all rows, over the time beyond the first token."""
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens must be >= 2 (decode speed needs a token after the first), got {new_tokens}")
+    generate_kwargs = {"do_sample": False, "min_new_tokens": new_tokens} | generate_kwargs
+    rows = inputs["input_ids"].shape[0] * generate_kwargs.get("num_return_sequences", 1)
+    device = model.device
+    timed_generate(model, inputs, make_cache(), 2, **(generate_kwargs | {"min_new_tokens": 2}))
+    ttft, rates, peak = [], [], None
+    for _ in range(repeats):
+        ttft.append(timed_generate(model, inputs, make_cache(), 1, **(generate_kwargs | {"min_new_tokens": 1}))[1])
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        cache = make_cache()
+        out, seconds = timed_generate(model, inputs, cache, new_tokens, **generate_kwargs)
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+        rates.append(rows * (new_tokens - 1) / max(seconds - ttft[-1], 1e-9))
+    return DecodeTiming(statistics.median(ttft), rates, cache, out, peak)
+
+
 def compare_caches(
     model,
     inputs: dict[str, torch.Tensor],
@@ -132,26 +183,15 @@ def compare_caches(
         caches = {spec: (lambda spec=spec: make_cache(spec, model)) for spec in caches}
     if reference not in caches:
         reference = next(iter(caches))
-    batch = inputs["input_ids"].shape[0]
-    results, sequences = {}, {}
-    with torch.inference_mode():
-        for label, factory in caches.items():
-            timed_generate(model, inputs, factory(), 2, do_sample=False)  # warm-up
-            ttft, rates = [], []
-            for _ in range(repeats):
-                _, t1 = timed_generate(model, inputs, factory(), 1, do_sample=False)
-                cache = factory()
-                out, tn = timed_generate(model, inputs, cache, max_new_tokens, do_sample=False)
-                ttft.append(t1)
-                rates.append(batch * (max_new_tokens - 1) / max(tn - t1, 1e-9))
-            sequences[label] = out[:, inputs["input_ids"].shape[1] :]
-            results[label] = (cache_nbytes(cache), statistics.median(ttft), rates)
-    ref_tokens, ref_bytes = sequences[reference], results[reference][0]
+    timings = {label: time_decode(model, inputs, factory, max_new_tokens, repeats) for label, factory in caches.items()}
+    prompt = inputs["input_ids"].shape[1]
+    ref_tokens = timings[reference].output[:, prompt:]
+    ref_bytes = cache_nbytes(timings[reference].cache)
     rows = []
-    for label, (nbytes, ttft, rates) in results.items():
-        diff = (sequences[label] != ref_tokens).any(0).nonzero()
+    for label, timing in timings.items():
+        diff = (timing.output[:, prompt:] != ref_tokens).any(0).nonzero()
         first = int(diff[0]) if len(diff) else None
-        rate = statistics.median(rates)
+        nbytes = cache_nbytes(timing.cache)
         rows.append(
             CompareRow(
                 cache=label,
@@ -159,32 +199,30 @@ def compare_caches(
                 first_divergence=first,
                 cache_bytes=nbytes,
                 bytes_ratio=nbytes / ref_bytes if ref_bytes else float("nan"),
-                ttft_s=ttft,
-                decode_tokens_per_s=rate,
-                spread=(max(rates) - min(rates)) / rate,
+                ttft_s=timing.ttft_s,
+                decode_tokens_per_s=timing.decode_tokens_per_s,
+                spread=timing.spread,
+                continuation=timing.output[0, prompt:].tolist(),
             )
         )
     return rows
 
 
-def format_table(rows: list[CompareRow]) -> str:
-    """Markdown table of :func:`compare_caches` rows."""
-    lines = [
-        "| cache | same tokens | cache bytes | x reference | TTFT ms | decode tok/s | spread |",
-        "|---|---|---|---|---|---|---|",
+def format_table(rows: list[CompareRow], baseline: str = "reference") -> str:
+    """Markdown table of :func:`compare_caches` rows; ``baseline`` names the cache the ratios are against."""
+    from tabulate import tabulate
+
+    body = [
+        [
+            r.cache,
+            str(r.same_tokens),
+            f"{r.cache_bytes:,}",
+            f"{r.bytes_ratio:.3f}",
+            f"{1000 * r.ttft_s:.1f}",
+            f"{r.decode_tokens_per_s:.1f}",
+            f"{100 * r.spread:.0f}%",
+        ]
+        for r in rows
     ]
-    for r in rows:
-        lines.append(
-            f"| {r.cache} | {r.same_tokens} | {r.cache_bytes:,} | {r.bytes_ratio:.3f} | {1000 * r.ttft_s:.1f} "
-            f"| {r.decode_tokens_per_s:.1f} | {100 * r.spread:.0f}% |"
-        )
-    return "\n".join(lines)
-
-
-def analytic_ratio(model, spec: str, dtype: torch.dtype) -> float:
-    """Stored bytes per token of ``spec`` over the full-precision cache's, from the config alone."""
-    cache = make_cache(spec, model.config)
-    if getattr(cache, "max_stored_tokens", None):
-        return float("nan")  # bounded: bytes stop growing once the window is full
-    per_token = cache.bytes_per_token(dtype) if hasattr(cache, "bytes_per_token") else None
-    return per_token / dynamic_bytes_per_token(model.config, dtype) if per_token else 1.0
+    headers = ["cache", "same tokens", "cache bytes", f"x {baseline}", "TTFT ms", "decode tok/s", "spread"]
+    return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)

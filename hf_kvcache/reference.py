@@ -25,8 +25,8 @@ __all__ = [
     "reference_model_path",
     "reference_text",
     "reference_training_summary",
-    "window_nll",
-    "window_perplexity",
+    "full_forward_nll",
+    "full_forward_perplexity",
 ]
 
 _ASSETS = Path(__file__).resolve().parent / "assets"
@@ -66,7 +66,7 @@ def load_reference_model(dtype: torch.dtype = torch.float32, device: str | torch
 
 
 @torch.no_grad()
-def window_nll(
+def full_forward_nll(
     model, input_ids: torch.Tensor, context: int, batch_size: int = 8, max_windows: int | None = None
 ) -> tuple[float, int]:
     """Total negative log-likelihood and scored-token count of a 1-D token stream, without a KV cache.
@@ -101,7 +101,7 @@ def window_nll(
     return total, count
 
 
-def window_perplexity(model, input_ids: torch.Tensor, context: int, **kwargs) -> float:
-    """``exp(NLL / tokens)`` of :func:`window_nll`."""
-    nll, count = window_nll(model, input_ids, context, **kwargs)
+def full_forward_perplexity(model, input_ids: torch.Tensor, context: int, **kwargs) -> float:
+    """``exp(NLL / tokens)`` of :func:`full_forward_nll` (no cache: the model card's protocol)."""
+    nll, count = full_forward_nll(model, input_ids, context, **kwargs)
     return math.exp(nll / count)

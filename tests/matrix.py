@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import pytest
 from models import ATTENTION, FAMILIES
 
+from hf_kvcache.compare import LOGIT_BOUNDS
+
 
 @dataclass(frozen=True)
 class CacheCase:
@@ -32,10 +34,17 @@ VARIANT = ("llama", "gemma3")
 
 # 4/2-bit cases use a small residual and groups so that tokens really are quantized within short test sequences.
 CACHE_CASES = [
-    CacheCase("int8", "int8", lossless=False, logit_bound=0.06, greedy_exact=True),
-    CacheCase("int8-g8", "int8:group_size=8", lossless=False, logit_bound=0.06, greedy_exact=True, families=VARIANT),
-    CacheCase("int4", "int4:residual_length=4:group_size=8", lossless=False, logit_bound=0.25),
-    CacheCase("int2", "int2:residual_length=4:group_size=8", lossless=False, logit_bound=1.0),
+    CacheCase("int8", "int8", lossless=False, logit_bound=LOGIT_BOUNDS["int8"], greedy_exact=True),
+    CacheCase(
+        "int8-g8",
+        "int8:group_size=8",
+        lossless=False,
+        logit_bound=LOGIT_BOUNDS["int8"],
+        greedy_exact=True,
+        families=VARIANT,
+    ),
+    CacheCase("int4", "int4:residual_length=4:group_size=8", lossless=False, logit_bound=LOGIT_BOUNDS["int4"]),
+    CacheCase("int2", "int2:residual_length=4:group_size=8", lossless=False, logit_bound=LOGIT_BOUNDS["int2"]),
     # A residual longer than the whole text: nothing is ever quantized, so the cache must be exact.
     CacheCase("int4-resid", "int4:group_size=8:residual_length=1000", lossless=True, families=VARIANT),
     # sinks + window larger than the text: nothing is evicted, so the sink cache must be exact (eviction is tested
@@ -49,7 +58,7 @@ CACHE_CASES = [
         "sink-int8",
         "sink:window=256:sinks=4:bits=8",
         lossless=False,
-        logit_bound=0.06,
+        logit_bound=LOGIT_BOUNDS["int8"],
         greedy_exact=True,
         families=VARIANT,
     ),

@@ -9,14 +9,17 @@ import sys
 
 import pytest
 from models import tiny_model
+from tables import table_rows
 
 from hf_kvcache.cli import main
 from hf_kvcache.eval import EvalConfig, load_text, merge_results, metric_path, run_bench, run_eval
 from hf_kvcache.reference import load_reference_model
 
-SMALL = ["--max-tokens", "1024", "--context", "256", "--prefill", "128", "--quiet", "--threads", "1"]
+SMALL = ["--task", "perplexity", "--max-tokens", "1024", "--context", "256", "--prefill", "128", "--quiet"]
+SMALL += ["--threads", "1"]
 RESULT_KEYS = {
-    "cache",
+    "task",
+    "summary",
     "perplexity",
     "tokens_scored",
     "nll",
@@ -37,28 +40,30 @@ def reference():
 def test_eval_writes_results_report_and_plots(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["eval", *SMALL, "--caches", "dynamic,int8,sink:window=64:sinks=4", "--output", str(out)]) == 0
-    assert "| int8 |" in capsys.readouterr().out
+    assert "int8" in table_rows(capsys.readouterr().out)
     results = json.loads((out / "results.json").read_text())
     assert {"config", "versions", "results", "device"} <= set(results)
     assert results["config"]["model"] == "reference" and results["config"]["dataset"] == "reference"
     assert {"transformers", "torch", "hf_kvcache"} <= set(results["versions"])
     for entry in results["results"]:
-        assert RESULT_KEYS <= set(entry), RESULT_KEYS - set(entry)
-        assert entry["peak_memory_bytes"] is None  # CPU: not measured, not invented
-    assert (out / "report.md").read_text().count("| sink:window=64:sinks=4 |") == 1
+        assert RESULT_KEYS <= set(entry["perplexity"]), RESULT_KEYS - set(entry["perplexity"])
+        assert entry["perplexity"]["peak_memory_bytes"] is None  # CPU: not measured, not invented
+    report = (out / "report.md").read_text()
+    assert report.count("| sink:window=64:sinks=4 ") == 1 and "sink:window=64:sinks=4" in table_rows(report)
     assert (out / "perplexity_bytes.png").stat().st_size > 1000
 
 
 def test_the_cache_matters_on_the_reference_model(reference):
     model, tokenizer = reference
     config = EvalConfig(
+        task=("perplexity",),
         caches=("dynamic", "paged:block_size=16", "int8", "int2:residual_length=0"),
         max_tokens=2048,
         context=512,
         prefill=256,
         quiet=True,
     )
-    ppl = {r["cache"]: r["perplexity"] for r in run_eval(config, model, tokenizer)["results"]}
+    ppl = {r["cache"]: r["perplexity"]["perplexity"] for r in run_eval(config, model, tokenizer)["results"]}
     assert ppl["paged:block_size=16"] == pytest.approx(ppl["dynamic"], rel=1e-6)
     assert ppl["int2:residual_length=0"] > ppl["int8"] >= ppl["dynamic"] * (1 - 1e-4)
     assert ppl["int8"] < ppl["dynamic"] * 1.005
@@ -67,13 +72,7 @@ def test_the_cache_matters_on_the_reference_model(reference):
 def test_long_stream_mode_reports_buckets(reference, tmp_path):
     model, tokenizer = reference
     config = EvalConfig(
-        caches=("dynamic", "sink:window=128:sinks=4"),
-        max_tokens=600,
-        context=300,
-        prefill=100,
-        stream_tokens=700,
-        bucket=200,
-        quiet=True,
+        task=("stream",), caches=("dynamic", "sink:window=128:sinks=4"), stream_tokens=700, bucket=200, quiet=True
     )
     results = run_eval(config, model, tokenizer)
     for entry in results["results"]:
@@ -84,11 +83,20 @@ def test_long_stream_mode_reports_buckets(reference, tmp_path):
 
 def test_sharded_windows_merge_to_the_single_process_result(reference):
     model, tokenizer = reference
-    config = EvalConfig(caches=("dynamic", "int4"), max_tokens=1500, context=256, prefill=128, batch_size=3, quiet=True)
+    config = EvalConfig(
+        task=("perplexity",),
+        caches=("dynamic", "int4"),
+        max_tokens=1500,
+        context=256,
+        prefill=128,
+        batch_size=3,
+        quiet=True,
+    )
     whole = run_eval(config, model, tokenizer)
     parts = [run_eval(config, model, tokenizer, shard=(i, 2)) for i in range(2)]
     merged = merge_results(parts)
     for a, b in zip(merged["results"], whole["results"]):
+        a, b = a["perplexity"], b["perplexity"]
         assert a["tokens_scored"] == b["tokens_scored"] and a["windows"] == b["windows"]
         assert a["nll"] == pytest.approx(b["nll"], rel=1e-6)
 
@@ -125,8 +133,8 @@ def test_accelerate_two_cpu_processes_equal_one(tmp_path):
     one = json.loads((tmp_path / "one" / "results.json").read_text())
     assert dp["processes"] == 2
     for a, b in zip(dp["results"], one["results"]):
-        assert a["tokens_scored"] == b["tokens_scored"]
-        assert a["perplexity"] == pytest.approx(b["perplexity"], rel=1e-6)
+        assert a["perplexity"]["tokens_scored"] == b["perplexity"]["tokens_scored"]
+        assert a["perplexity"]["perplexity"] == pytest.approx(b["perplexity"]["perplexity"], rel=1e-6)
 
 
 def test_evaluate_metric_loads_by_path(reference):
@@ -170,14 +178,18 @@ def test_load_text_sources(tmp_path):
         (["--device", "tpu"], "--device must be cpu, cuda or auto"),
         (["--load-in-8bit", "--load-in-4bit"], "exclusive"),
         (["--caches", "int8:bogus=1"], "has no option bogus"),
-        (["--stream-tokens", "-1"], "--stream-tokens must be >= 0"),
-        (["--bucket", "0"], "--bucket must be an integer >= 1"),
+        (["--task", "stream", "--stream-tokens", "-1"], "--stream-tokens must be an integer >= 17"),
+        (["--task", "stream", "--bucket", "0"], "--bucket must be an integer >= 1"),
         (["--device-map", "balanced"], "--device-map must be 'auto'"),
     ],
 )
-def test_bad_flags_give_clear_errors(args, message, capsys):
+def test_bad_flags_give_clear_errors(args, message, capsys, monkeypatch):
+    import hf_kvcache.eval.runner as runner
+
+    monkeypatch.setattr(runner, "load_model", lambda config: pytest.fail("the model was loaded"))
     assert main(["eval", "--quiet", *args]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
 def test_bench_rejects_too_few_new_tokens():
@@ -190,8 +202,10 @@ def test_bench_rejects_too_few_new_tokens():
     [
         (["--caches", "int9"], "unknown cache kind"),
         (["--caches", "int4:group=3"], "group"),
-        (["--contexts", "1k"], "--contexts must be comma-separated integers"),
+        (["--contexts", "1k"], "--contexts must be comma-separated int values"),
         (["--contexts", "0,16"], "--contexts must all be >= 1"),
+        (["--new-tokens", "1"], "--new-tokens must be an integer >= 2"),
+        (["--model", "/nope"], "no such directory"),
     ],
 )
 def test_bench_checks_its_flags_before_loading_the_model(args, message, capsys, monkeypatch):

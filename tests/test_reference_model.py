@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_kvcache import QuantizedKVCache, load_reference_model, reference_model_path, reference_text
-from hf_kvcache.reference import reference_training_summary, window_perplexity
+from hf_kvcache.reference import full_forward_perplexity, reference_training_summary
 
 # The held-out perplexity recomputed here may differ from the value recorded at training time only by float
 # summation order (other CPU kernels, thread counts, torch versions): 0.5% relative.
@@ -46,7 +46,7 @@ def test_heldout_perplexity_matches_the_documented_value(reference):
     summary = reference_training_summary()["heldout_eval"]
     ids = torch.tensor(tokenizer(reference_text())["input_ids"])
     context = reference_training_summary()["model"]["context"]
-    ppl = window_perplexity(model, ids, context)
+    ppl = full_forward_perplexity(model, ids, context)
     assert ppl == pytest.approx(summary["perplexity"], rel=PPL_TOLERANCE)
     assert ppl < 100, "the reference model should be a genuinely trained LM"
 

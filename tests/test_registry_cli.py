@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from models import tiny_model
+from tables import table_rows
 from transformers import DynamicCache
 
 from hf_kvcache import QuantizedKVCache, available_caches, make_cache, parse_spec
@@ -36,6 +37,11 @@ def test_make_cache_builds_each_kind():
         ("dynamic:bits=4", "has no option bits; its options: none"),
         ("", "non-empty string"),
         ("int4:group_size=7", "group_size must divide head_dim"),
+        ("int8:group_size=32:group_size=64", "option 'group_size' is given twice"),
+        ("int4:bits=4", "has no option bits"),
+        ("int4:group_size=8.0", "group_size must be an integer"),
+        ("sink:window=64.0", "window must be an integer"),
+        ("sink:bits=8.0", "bits must be None"),
     ],
 )
 def test_bad_specs_are_value_errors(spec, match):
@@ -53,7 +59,9 @@ def test_cli_demo_runs_offline(capsys):
     args = ["demo", "--prompt-tokens", "32", "--new-tokens", "4", "--repeats", "1"]
     assert main([*args, "--caches", "dynamic,int8,int4:group_size=8:residual_length=4,sink:window=8:sinks=2"]) == 0
     out = capsys.readouterr().out
-    assert "| int8 |" in out and "| dynamic | 4 |" in out and "| sink:window=8:sinks=2 |" in out
+    rows = table_rows(out)
+    assert "int8" in rows and rows["dynamic"][1] == "4" and "sink:window=8:sinks=2" in rows
+    assert "Columns: same tokens" in out and "Continuations of the prompt" in out
 
 
 def test_cli_reports_bad_spec(capsys):

@@ -1,15 +1,21 @@
-"""The evaluation harness: perplexity through a cache, memory and speed, reports (``pip install hf-kvcache[eval]``).
+"""The evaluation harness: tasks through a cache (perplexity, stream, passkey, repeat), memory and speed, reports
+(``pip install hf-kvcache[eval]``).
 
 The core package never imports this subpackage.
 """
 
 from pathlib import Path
 
-from .bench import run_bench
+from .bench import BenchConfig, run_bench
+from .config import DEFAULT_CACHES, DEFAULT_TASKS, EvalConfig
 from .data import load_text
-from .perplexity import PerplexityResult, StreamResult, stream_perplexity, window_perplexity, windows
 from .report import format_bench_table, format_eval_table, write_bench_report, write_report
-from .runner import DEFAULT_CACHES, EvalConfig, load_model, merge_results, run_eval, run_eval_distributed
+from .runner import load_model, merge_results, run_eval, run_eval_distributed
+from .tasks import TASKS, get_task, register_task
+from .tasks.passkey import PasskeyOptions, build_passkey_document
+from .tasks.perplexity import PerplexityOptions, PerplexityResult, window_perplexity, windows
+from .tasks.repeat import RepeatOptions, repeat_nll
+from .tasks.stream import StreamOptions, StreamResult, stream_perplexity
 
 
 def metric_path() -> str:
@@ -19,15 +25,26 @@ def metric_path() -> str:
 
 __all__ = [
     "DEFAULT_CACHES",
+    "DEFAULT_TASKS",
+    "TASKS",
+    "BenchConfig",
     "EvalConfig",
+    "PasskeyOptions",
+    "PerplexityOptions",
     "PerplexityResult",
+    "RepeatOptions",
+    "StreamOptions",
     "StreamResult",
+    "build_passkey_document",
     "format_bench_table",
     "format_eval_table",
+    "get_task",
     "load_model",
     "load_text",
     "merge_results",
     "metric_path",
+    "register_task",
+    "repeat_nll",
     "run_bench",
     "run_eval",
     "run_eval_distributed",

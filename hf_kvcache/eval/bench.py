@@ -1,26 +1,79 @@
 """``hf-kvcache bench``: time to first token and decode speed at several context lengths, side by side.
 
 Per context length and cache: a random prompt of that length, one warm-up generation, then ``repeats`` pairs of
-generations of 1 and ``new_tokens`` tokens (synchronized on CUDA). TTFT is the 1-token time; decode tokens/s is the
-extra tokens over the extra time, all rows together. Medians and spread ((max - min) / median) over the repeats. On
-CUDA also the peak allocated memory of the long generation, and, per cache, the largest context that fits in
-``memory_budget`` bytes, extrapolated linearly from the measured peaks (stated as an estimate).
+generations of 1 and ``new_tokens`` tokens (synchronized on CUDA; :func:`hf_kvcache.compare.time_decode`). TTFT is the
+1-token time; decode tokens/s is the extra tokens over the extra time, all rows together. Medians and spread
+((max - min) / median) over the repeats. On CUDA also the peak allocated memory of the long generation, and, per
+cache, the largest context that fits in ``memory_budget`` bytes, extrapolated linearly from the measured peaks (stated
+as an estimate).
 """
 
 from __future__ import annotations
 
-import statistics
+from dataclasses import dataclass, field
 
 import torch
 
-from ..compare import timed_generate
+from .._validate import check_int
+from ..compare import time_decode
+from .config import ModelOptions
 
-__all__ = ["run_bench"]
+__all__ = ["BenchConfig", "default_contexts", "run_bench"]
+
+BENCH_CACHES = ("dynamic", "int8", "int4", "sink:window=256:sinks=4", "paged:block_size=16")
+CANDIDATE_CONTEXTS = (256, 1024, 4096)
 
 
-def _timed(model, ids, cache, new_tokens) -> float:
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    return timed_generate(model, inputs, cache, new_tokens, min_new_tokens=new_tokens, do_sample=False)[1]
+@dataclass
+class BenchConfig(ModelOptions):
+    """Everything ``hf-kvcache bench`` takes."""
+
+    caches: tuple[str, ...] = field(default=BENCH_CACHES, metadata={"help": "make_cache specs, comma-separated"})
+    contexts: tuple[int, ...] | None = field(
+        default=None,
+        metadata={
+            "help": "prompt lengths, comma-separated (default: those of 256, 1024, 4096 within the model's trained "
+            "context, else the trained context)"
+        },
+    )
+    new_tokens: int = field(default=32, metadata={"help": "tokens generated per timed run (>= 2)"})
+    batch: int = field(default=1, metadata={"help": "prompts per batch"})
+    repeats: int = field(default=3, metadata={"help": "timed repeats per measurement (median and spread)"})
+    memory_budget_gib: float | None = field(
+        default=None, metadata={"help": "CUDA: report the largest context per cache within this many GiB"}
+    )
+
+    def validate(self) -> None:
+        from ..registry import check_spec
+
+        self.validate_model()
+        if not self.caches:
+            raise ValueError("--caches must name at least one cache spec")
+        for spec in self.caches:
+            check_spec(spec)
+        if self.contexts is not None:
+            if not self.contexts or min(self.contexts) < 1:
+                raise ValueError(f"--contexts must all be >= 1, got {self.contexts!r}")
+        check_int("--new-tokens", self.new_tokens, 2)
+        check_int("--batch", self.batch, 1)
+        check_int("--repeats", self.repeats, 1)
+        if self.memory_budget_gib is not None and self.memory_budget_gib <= 0:
+            raise ValueError(f"--memory-budget-gib must be > 0, got {self.memory_budget_gib}")
+
+
+def trained_context(config) -> int | None:
+    """The model's trained context (``max_position_embeddings``), when its config states one."""
+    value = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def default_contexts(config, new_tokens: int) -> tuple[int, ...]:
+    """256, 1024 and 4096 where prompt plus new tokens stay within the trained context, else the longest that does."""
+    limit = trained_context(config)
+    if limit is None:
+        return CANDIDATE_CONTEXTS
+    fits = tuple(c for c in CANDIDATE_CONTEXTS if c + new_tokens <= limit)
+    return fits or (max(limit - new_tokens, 1),)
 
 
 def run_bench(
@@ -46,28 +99,18 @@ def run_bench(
     rows = []
     for context in contexts:
         ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=gen).to(device)
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         for spec in caches:
-            _timed(model, ids, make_cache(spec, model), 2)
-            ttft, rates, peak = [], [], None
-            for _ in range(repeats):
-                ttft.append(_timed(model, ids, make_cache(spec, model), 1))
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                cache = make_cache(spec, model)
-                total = _timed(model, ids, cache, new_tokens)
-                if device.type == "cuda":
-                    peak = torch.cuda.max_memory_allocated(device)
-                rates.append(batch * (new_tokens - 1) / max(total - ttft[-1], 1e-9))
-            rate = statistics.median(rates)
+            timing = time_decode(model, inputs, lambda spec=spec: make_cache(spec, model), new_tokens, repeats)
             rows.append(
                 {
                     "cache": spec,
                     "context": context,
-                    "ttft_s": statistics.median(ttft),
-                    "decode_tokens_per_s": rate,
-                    "spread": (max(rates) - min(rates)) / rate,
-                    "cache_bytes": cache_nbytes(cache),
-                    "peak_memory_bytes": peak,
+                    "ttft_s": timing.ttft_s,
+                    "decode_tokens_per_s": timing.decode_tokens_per_s,
+                    "spread": timing.spread,
+                    "cache_bytes": cache_nbytes(timing.cache),
+                    "peak_memory_bytes": timing.peak_memory_bytes,
                 }
             )
             if progress is not None:

@@ -1,4 +1,7 @@
-"""Reports of an evaluation: a markdown table, ``results.json``, ``report.md`` and PNG plots."""
+"""Reports of an evaluation: markdown tables (through ``tabulate``), ``results.json``, ``report.md`` and PNG plots.
+
+Each task formats and plots its own results (:mod:`hf_kvcache.eval.tasks`); this module assembles them.
+"""
 
 from __future__ import annotations
 
@@ -8,115 +11,96 @@ from pathlib import Path
 __all__ = [
     "format_bench_table",
     "format_eval_table",
-    "format_stream_table",
+    "markdown_table",
     "render_saved_run",
     "write_bench_report",
     "write_report",
 ]
 
-
-def _fmt(value, spec: str, none: str = "n/a") -> str:
-    return none if value is None else format(value, spec)
-
-
-def format_eval_table(results: dict) -> str:
-    """Markdown table of ``run_eval`` results, one row per cache."""
-    lines = [
-        "| cache | perplexity | change | tokens scored | cache bytes | bytes/token | x baseline | decode tok/s | "
-        "peak memory |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results["results"]:
-        peak = _fmt(r["peak_memory_bytes"] and r["peak_memory_bytes"] / 2**20, ".0f") + (
-            " MiB" if r["peak_memory_bytes"] else ""
-        )
-        lines.append(
-            f"| {r['cache']} | {r['perplexity']:.3f} | {100 * r['perplexity_change']:+.2f}% | {r['tokens_scored']:,} | "
-            f"{r['cache_bytes']:,} | {r['bytes_per_token']:.0f} | {_fmt(r['bytes_ratio'], '.3f')} | "
-            f"{r['decode_tokens_per_s']:.1f} | {peak} |"
-        )
-    return "\n".join(lines)
+TASK_TITLES = {
+    "perplexity": "Perplexity through the cache (windows)",
+    "stream": "Long stream through one cache, perplexity per bucket of positions",
+    "passkey": "Passkey retrieval through the cache (exact match)",
+    "repeat": "Repeated passage: second-copy perplexity through the cache",
+}
 
 
-def format_stream_table(results: dict) -> str | None:
-    """Markdown table of perplexity per bucket of positions, one column per cache (None without a stream)."""
-    streams = [(r["cache"], r["stream"]) for r in results["results"] if "stream" in r]
-    if not streams:
-        return None
-    size = streams[0][1]["bucket_size"]
-    n = max(len(s["perplexity"]) for _, s in streams)
-    lines = ["| positions | " + " | ".join(c for c, _ in streams) + " |", "|---|" + "---|" * len(streams)]
-    for i in range(n):
-        cells = [f"{s['perplexity'][i]:.2f}" if i < len(s["perplexity"]) else "" for _, s in streams]
-        lines.append(f"| {i * size}-{(i + 1) * size - 1} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    """A GitHub-style markdown table (cells are used as given: format numbers before)."""
+    from tabulate import tabulate
+
+    return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
 
 
-def _plots(results: dict, out: Path) -> list[str]:
+def mib(nbytes: int | None) -> str:
+    return "n/a" if not nbytes else f"{nbytes / 2**20:.0f} MiB"
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return []
-    rows = results["results"]
-    names = [r["cache"] for r in rows]
-    written = []
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.bar(names, [r["perplexity"] for r in rows], color="tab:blue")
-    left.set_ylabel("perplexity")
-    left.set_ylim(min(r["perplexity"] for r in rows) * 0.98, max(r["perplexity"] for r in rows) * 1.01)
-    right.bar(names, [r["bytes_per_token"] for r in rows], color="tab:orange")
-    right.set_ylabel("cache bytes per token")
-    for ax in (left, right):
-        ax.tick_params(axis="x", rotation=30)
-        for label in ax.get_xticklabels():
-            label.set_horizontalalignment("right")
-    fig.suptitle(f"{results['config']['model']} on {results['config']['dataset']}")
-    fig.tight_layout()
-    fig.savefig(out / "perplexity_bytes.png", dpi=120)
-    plt.close(fig)
-    written.append("perplexity_bytes.png")
-    streams = [(r["cache"], r["stream"]) for r in rows if "stream" in r]
-    if streams:
-        fig, ax = plt.subplots(figsize=(8, 4))
-        for name, s in streams:
-            centers = [(i + 0.5) * s["bucket_size"] for i in range(len(s["perplexity"]))]
-            ax.plot(centers, s["perplexity"], marker=".", label=name)
-        ax.set_xlabel("position in the stream")
-        ax.set_ylabel(f"perplexity per {streams[0][1]['bucket_size']} positions")
-        ax.set_yscale("log")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "perplexity_vs_position.png", dpi=120)
-        plt.close(fig)
-        written.append("perplexity_vs_position.png")
-    return written
+        return None
+    return plt
+
+
+def _tasks(results: dict) -> list:
+    from .tasks import get_task
+
+    return [get_task(name) for name in results["config"]["task"]]
+
+
+def format_eval_table(results: dict) -> str:
+    """Markdown tables of ``run_eval`` results: one per task, each with a title line, one row per cache."""
+    blocks = []
+    for task in _tasks(results):
+        blocks.append(f"**{TASK_TITLES.get(task.name, task.name)}**\n\n{task.table(results)}")
+    return "\n\n".join(blocks)
+
+
+def _setup_line(results: dict) -> str:
+    cfg = results["config"]
+    parts = [f"Device {results['device']}, dtype {cfg['dtype']}."]
+    if "perplexity" in cfg["task"]:
+        parts.append(
+            f"perplexity: windows of {cfg['context']} tokens, {cfg['prefill']} prefilled, then scored {cfg['chunk']} "
+            f"token(s) per forward through the cache; text cut to {cfg['max_tokens']} tokens."
+        )
+    if "repeat" in cfg["task"]:
+        parts.append(
+            f"repeat: {cfg['samples']} passages of {cfg['passage']} tokens per distance, the second copy scored "
+            f"{cfg['repeat_chunk']} token(s) per forward through the cache."
+        )
+    if "passkey" in cfg["task"]:
+        parts.append(
+            f"passkey: {cfg['samples']} documents per (length, depth), {cfg['key_digits']}-digit keys; the document "
+            "is prefilled, the question goes through the cache, the answer is decoded greedily."
+        )
+    if "stream" in cfg["task"]:
+        parts.append(f"stream: {cfg['stream_tokens']} tokens through one cache, buckets of {cfg['bucket']}.")
+    parts.append(
+        "Peak memory is CUDA's max_memory_allocated; on CPU it is not measured (n/a). Versions: "
+        + ", ".join(f"{k} {v}" for k, v in results["versions"].items())
+        + "."
+    )
+    return " ".join(parts)
 
 
 def write_report(results: dict, output: str | Path, command: str | None = None) -> list[str]:
-    """Write ``results.json``, ``report.md`` and the plots into ``output``; returns the file names."""
+    """Write ``results.json``, ``report.md`` and the tasks' plots into ``output``; returns the file names."""
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    plots = _plots(results, out)
+    plots = [name for task in _tasks(results) for name in task.plots(results, out)]
     cfg = results["config"]
-    lines = [
-        f"# hf-kvcache eval: {cfg['model']} on {cfg['dataset']}",
-        "",
-        f"Device {results['device']}, dtype {cfg['dtype']}; windows of {cfg['context']} tokens, {cfg['prefill']} "
-        f"prefilled, then scored {cfg['chunk']} token(s) per forward through the cache; text cut to "
-        f"{cfg['max_tokens']} tokens. Versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items()) + ".",
-        "",
-    ]
+    lines = [f"# hf-kvcache eval: {cfg['model']} on {cfg['dataset']}", "", _setup_line(results), ""]
     if command:
         lines += ["```bash", command, "```", ""]
     lines += [format_eval_table(results), ""]
-    stream = format_stream_table(results)
-    if stream:
-        lines += [f"Long stream of {cfg['stream_tokens']} tokens through one cache, perplexity per bucket:", "", stream]
-        lines.append("")
     lines += [f"![{p}]({p})" for p in plots]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return ["results.json", "report.md", *plots]
@@ -124,22 +108,26 @@ def write_report(results: dict, output: str | Path, command: str | None = None) 
 
 def format_bench_table(bench: dict) -> str:
     """Markdown table of ``run_bench`` rows, with decode speed relative to the first cache at each context."""
-    lines = [
-        "| context | cache | TTFT ms | decode tok/s | x first | spread | cache bytes | peak memory |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    first: dict[int, float] = {}
+    rows, first = [], {}
     for r in bench["rows"]:
         base = first.setdefault(r["context"], r["decode_tokens_per_s"])
-        peak = f"{r['peak_memory_bytes'] / 2**20:.0f} MiB" if r["peak_memory_bytes"] else "n/a"
-        lines.append(
-            f"| {r['context']} | {r['cache']} | {1000 * r['ttft_s']:.1f} | {r['decode_tokens_per_s']:.1f} | "
-            f"{r['decode_tokens_per_s'] / base:.2f} | {100 * r['spread']:.0f}% | {r['cache_bytes']:,} | {peak} |"
+        rows.append(
+            [
+                str(r["context"]),
+                r["cache"],
+                f"{1000 * r['ttft_s']:.1f}",
+                f"{r['decode_tokens_per_s']:.1f}",
+                f"{r['decode_tokens_per_s'] / base:.2f}",
+                f"{100 * r['spread']:.0f}%",
+                f"{r['cache_bytes']:,}",
+                mib(r["peak_memory_bytes"]),
+            ]
         )
+    headers = ["context", "cache", "TTFT ms", "decode tok/s", "x first", "spread", "cache bytes", "peak memory"]
+    lines = [markdown_table(headers, rows)]
     if bench.get("max_context_estimate"):
         budget = bench["memory_budget_bytes"] / 2**30
-        lines.append("")
-        lines.append(f"Largest context within {budget:.1f} GiB (linear estimate from the measured peaks):")
+        lines += ["", f"Largest context within {budget:.1f} GiB (linear estimate from the measured peaks):"]
         for spec, context in bench["max_context_estimate"].items():
             lines.append(f"- {spec}: {context:,} tokens" if context else f"- {spec}: n/a")
     return "\n".join(lines)
@@ -152,12 +140,8 @@ def write_bench_report(bench: dict, output: str | Path) -> list[str]:
     (out / "bench.json").write_text(json.dumps(bench, indent=1) + "\n")
     (out / "bench.md").write_text(format_bench_table(bench) + "\n")
     written = ["bench.json", "bench.md"]
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return written
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for spec in dict.fromkeys(r["cache"] for r in bench["rows"]):
@@ -189,10 +173,6 @@ def render_saved_run(record: dict) -> str:
     lines = ["```bash", record["command"], "```", ""]
     if record["kind"] == "bench":
         lines.append(format_bench_table(record["results"]))
-        return "\n".join(lines)
-    results = record["results"]
-    stream = format_stream_table(results)
-    if stream:
-        lines += [stream, "", "The windows part of the same run:", ""]
-    lines.append(format_eval_table(results))
+    else:
+        lines.append(format_eval_table(record["results"]))
     return "\n".join(lines)

@@ -16,8 +16,9 @@ import datasets
 import evaluate
 import torch
 
-from hf_kvcache.eval.perplexity import window_perplexity
-from hf_kvcache.eval.runner import EvalConfig, load_model, tokenize
+from hf_kvcache.eval.config import EvalConfig
+from hf_kvcache.eval.runner import load_model, tokenize
+from hf_kvcache.eval.tasks.perplexity import window_perplexity
 from hf_kvcache.registry import make_cache
 
 _DESCRIPTION = __doc__
@@ -57,7 +58,10 @@ class KVCachePerplexity(evaluate.Metric):
         device="auto",
         dtype="float32",
     ):
-        config = EvalConfig(model=model_id, device=device, dtype=dtype, context=context, prefill=prefill, chunk=chunk)
+        config = EvalConfig(
+            model=model_id, device=device, dtype=dtype, task=("perplexity",), caches=(cache,), context=context,
+            prefill=prefill, chunk=chunk, quiet=True,
+        )  # fmt: skip
         config.validate()
         model, tokenizer = load_model(config)
         perplexities, total_nll, total_tokens = [], 0.0, 0

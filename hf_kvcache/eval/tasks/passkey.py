@@ -1,0 +1,196 @@
+"""``passkey``: can the model still find a number stated once, far back, through the cache?
+
+Document (the passkey-retrieval format of Mohtashami & Jaggi, https://arxiv.org/abs/2305.16300, as used by KIVI and
+LongLoRA): an instruction, filler text from the dataset, the needle ``The pass key is 48213. Remember it. 48213 is
+the pass key.`` at a chosen depth of the filler, more filler, then ``What is the pass key? The pass key is``. Each
+document is ``length`` tokens long.
+
+Protocol, through the cache (the question-agnostic protocol of kvpress): the document up to the question goes into a
+fresh cache with one forward; the question then goes through the cache (it attends to what the cache kept: quantized,
+evicted or exact) and the answer is decoded greedily through the same cache. Exact match: the first run of digits in
+the answer equals the key. Accuracy per (length, depth) cell over ``samples`` documents, each with its own key and
+filler. Works for any causal LM with a tokenizer: the pieces are tokenized separately (no special tokens, except the
+tokenizer's own BOS at the start) and concatenated.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from ..._validate import check_int
+from .base import EvalData, Task, register_task
+
+__all__ = ["PasskeyOptions", "build_passkey_document"]
+
+INSTRUCTION = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there.\n\n"
+)
+QUESTION = "\n\nWhat is the pass key? The pass key is"
+ANSWER_TOKENS = 8  # greedy tokens decoded for the answer
+
+
+def needle(key: str) -> str:
+    return f" The pass key is {key}. Remember it. {key} is the pass key. "
+
+
+@dataclass
+class PasskeyOptions:
+    """Options of the ``passkey`` task."""
+
+    lengths: tuple[int, ...] = field(
+        default=(512, 1024, 1900), metadata={"help": "passkey: document lengths in tokens, comma-separated"}
+    )
+    depths: tuple[float, ...] = field(
+        default=(0.0, 0.25, 0.5, 0.75, 1.0),
+        metadata={"help": "passkey: needle depths in the filler, 0 (start) to 1 (end), comma-separated"},
+    )
+    samples: int = field(default=2, metadata={"help": "passkey / repeat: documents per cell"})
+    key_digits: int = field(default=5, metadata={"help": "passkey: digits of the key"})
+
+    def validate_passkey(self) -> None:
+        for length in self.lengths:
+            check_int("--lengths", length, 64)
+        for depth in self.depths:
+            if not isinstance(depth, (int, float)) or isinstance(depth, bool) or not 0 <= depth <= 1:
+                raise ValueError(f"--depths must be numbers from 0 to 1, got {depth!r}")
+        check_int("--samples", self.samples, 1)
+        check_int("--key-digits", self.key_digits, 1, 12)
+
+
+def _encode(tokenizer, text: str, special: bool = False) -> list[int]:
+    return tokenizer(text, add_special_tokens=special)["input_ids"]
+
+
+@dataclass
+class PasskeyDocument:
+    context: list[int]  # everything before the question
+    question: list[int]
+    key: str
+    needle_start: int  # token index of the needle in ``context``
+
+
+def build_passkey_document(tokenizer, filler: torch.Tensor, length: int, depth: float, key: str) -> PasskeyDocument:
+    """A ``length``-token document with ``key`` at ``depth`` of its filler, which comes from ``filler`` (a token
+    stream, read from its start). Raises ``ValueError`` if ``length`` leaves no room for filler."""
+    head = _encode(tokenizer, INSTRUCTION, special=True)
+    middle = _encode(tokenizer, needle(key))
+    question = _encode(tokenizer, QUESTION)
+    n_fill = length - len(head) - len(middle) - len(question)
+    if n_fill < 1:
+        raise ValueError(
+            f"--lengths {length} is too short for a passkey document: its fixed parts take "
+            f"{length - n_fill} tokens with this tokenizer"
+        )
+    if filler.numel() < n_fill:
+        raise ValueError(f"the dataset has {filler.numel()} tokens, fewer than the {n_fill} of filler needed")
+    fill = filler[:n_fill].tolist()
+    cut = round(depth * n_fill)
+    context = head + fill[:cut] + middle + fill[cut:]
+    return PasskeyDocument(context, question, key, len(head) + cut)
+
+
+def _answer_key(text: str) -> str | None:
+    match = re.search(r"\d+", text)
+    return match.group(0) if match else None
+
+
+@torch.inference_mode()
+def passkey_answer(model, tokenizer, document: PasskeyDocument, cache) -> str:
+    """Greedy answer of ``model`` to ``document`` through ``cache`` (see the module docstring)."""
+    device = next(model.parameters()).device
+    context = torch.tensor([document.context], device=device)
+    model(input_ids=context, attention_mask=torch.ones_like(context), past_key_values=cache)
+    full = torch.tensor([document.context + document.question], device=device)
+    out = model.generate(
+        input_ids=full,
+        attention_mask=torch.ones_like(full),
+        past_key_values=cache,
+        max_new_tokens=ANSWER_TOKENS,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+    )
+    return tokenizer.decode(out[0, full.shape[1] :], skip_special_tokens=True)
+
+
+@register_task
+class PasskeyTask(Task):
+    name = "passkey"
+    options = PasskeyOptions
+    summary_keys = ("accuracy",)
+
+    def tokens_needed(self, config) -> int:
+        return max(config.lengths) * config.samples * 2
+
+    def run(self, data: EvalData, spec: str, config, progress=None) -> dict:
+        from ...registry import make_cache
+
+        generator = torch.Generator().manual_seed(config.seed)
+        span = data.ids.numel() - max(config.lengths)
+        cells = []
+        for length in config.lengths:
+            for depth in config.depths:
+                correct = 0
+                for sample in range(config.samples):
+                    # The same keys and filler for every cache: the cell's documents depend on the seed only.
+                    generator.manual_seed(config.seed + 1000 * length + 10 * round(100 * depth) + sample)
+                    key = "".join(
+                        str(d) for d in torch.randint(0, 10, (config.key_digits,), generator=generator).tolist()
+                    )
+                    start = int(torch.randint(0, max(span, 1), (1,), generator=generator))
+                    doc = build_passkey_document(data.tokenizer, data.ids[start:], length, depth, key)
+                    answer = passkey_answer(data.model, data.tokenizer, doc, make_cache(spec, data.model))
+                    correct += _answer_key(answer) == key
+                    if progress is not None:
+                        progress(1)
+                cells.append({"length": length, "depth": depth, "correct": correct, "samples": config.samples})
+        accuracy = sum(c["correct"] for c in cells) / sum(c["samples"] for c in cells)
+        return {"task": self.name, "cells": cells, "summary": {"accuracy": accuracy}}
+
+    def table(self, results: dict) -> str:
+        from ..report import markdown_table
+
+        entries = results["results"]
+        cells = entries[0][self.name]["cells"]
+        lengths = list(dict.fromkeys(c["length"] for c in cells))
+        headers = ["cache", "accuracy", *(f"{n} tok" for n in lengths)]
+        rows = []
+        for entry in entries:
+            by_length = {n: [0, 0] for n in lengths}
+            for c in entry[self.name]["cells"]:
+                by_length[c["length"]][0] += c["correct"]
+                by_length[c["length"]][1] += c["samples"]
+            rows.append(
+                [entry["cache"], f"{100 * entry[self.name]['summary']['accuracy']:.0f}%"]
+                + [f"{100 * ok / n:.0f}%" for ok, n in by_length.values()]
+            )
+        return markdown_table(headers, rows)
+
+    def plots(self, results: dict, out) -> list[str]:
+        from ..report import pyplot
+
+        plt = pyplot()
+        if plt is None:
+            return []
+        entries = results["results"]
+        cells = entries[0][self.name]["cells"]
+        lengths = list(dict.fromkeys(c["length"] for c in cells))
+        depths = list(dict.fromkeys(c["depth"] for c in cells))
+        fig, axes = plt.subplots(1, len(entries), figsize=(2.6 * len(entries) + 1, 3), squeeze=False)
+        for ax, entry in zip(axes[0], entries):
+            grid = torch.zeros(len(lengths), len(depths))
+            for c in entry[self.name]["cells"]:
+                grid[lengths.index(c["length"]), depths.index(c["depth"])] = c["correct"] / c["samples"]
+            image = ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
+            ax.set_title(entry["cache"], fontsize=8)
+            ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
+            ax.set_yticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
+            ax.set_xlabel("needle depth", fontsize=8)
+        axes[0][0].set_ylabel("document tokens", fontsize=8)
+        fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="exact match")
+        fig.savefig(out / "passkey_heatmap.png", dpi=120, bbox_inches="tight")
+        plt.close(fig)
+        return ["passkey_heatmap.png"]

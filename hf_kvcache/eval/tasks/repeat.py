@@ -1,0 +1,159 @@
+"""``repeat``: a passage, other text, then the same passage again; how well does the model copy it through the cache?
+
+A model that uses its context predicts the second copy of a passage far better than the first (induction). That is
+where a quantized or evicted history shows its cost most sharply: the second copy can only be predicted from what the
+cache kept of the first.
+
+Protocol, per distance ``d`` and sample: a ``passage``-token passage ``P`` and ``d`` tokens of other text ``G``, both
+from the dataset. ``P + G`` goes into a fresh cache with one forward (the first copy is scored from those logits: no
+cache is read yet); then the second ``P`` is fed ``chunk`` tokens per forward through the cache and scored. Positions
+``1 .. passage-1`` of each copy are scored (a copy's first token cannot be predicted from the other copy).
+Reported per distance: first- and second-copy perplexity and their ratio; the summary pools every distance.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..._validate import check_int
+from .base import EvalData, Task, register_task
+from .perplexity import token_nll
+
+__all__ = ["RepeatOptions", "repeat_nll"]
+
+
+@dataclass
+class RepeatOptions:
+    """Options of the ``repeat`` task (documents per distance: ``--samples``)."""
+
+    distances: tuple[int, ...] = field(
+        default=(0, 512, 1500), metadata={"help": "repeat: tokens of other text between the copies, comma-separated"}
+    )
+    passage: int = field(default=128, metadata={"help": "repeat: tokens per copy of the passage"})
+    repeat_chunk: int = field(default=1, metadata={"help": "repeat: second-copy tokens per forward (1: pure decode)"})
+
+    def validate_repeat(self) -> None:
+        for distance in self.distances:
+            check_int("--distances", distance, 0)
+        check_int("--passage", self.passage, 2)
+        check_int("--repeat-chunk", self.repeat_chunk, 1)
+
+
+@torch.inference_mode()
+def repeat_nll(
+    model, passages: torch.Tensor, gaps: torch.Tensor, cache, chunk: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token NLL ``(first copy, second copy)``, each ``(B, passage - 1)``, for rows ``P + G + P`` with the second
+    copy scored through ``cache`` after ``P + G`` went into it (see the module docstring)."""
+    device = next(model.parameters()).device
+    passages, gaps = passages.to(device), gaps.to(device)
+    prefix = torch.cat([passages, gaps], dim=1)  # (B, P + G)
+    mask = torch.ones_like(prefix)
+    logits = model(input_ids=prefix, attention_mask=mask, past_key_values=cache).logits
+    n = passages.shape[1]
+    first = token_nll(logits[:, : n - 1], passages[:, 1:])
+    second = []
+    for start in range(0, n - 1, chunk):
+        stop = min(start + chunk, n - 1)
+        mask = torch.ones(prefix.shape[0], prefix.shape[1] + stop, dtype=torch.long, device=device)
+        step = model(input_ids=passages[:, start:stop], attention_mask=mask, past_key_values=cache).logits
+        second.append(token_nll(step, passages[:, start + 1 : stop + 1]))
+    return first.cpu(), torch.cat(second, dim=1).cpu()
+
+
+@register_task
+class RepeatTask(Task):
+    name = "repeat"
+    options = RepeatOptions
+    summary_keys = ("second_copy_perplexity", "ratio")
+
+    def tokens_needed(self, config) -> int:
+        return (config.passage + max(config.distances)) * config.samples * 2
+
+    def run(self, data: EvalData, spec: str, config, progress=None) -> dict:
+        from ...registry import make_cache
+
+        generator = torch.Generator()
+        cells, first_all, second_all = [], [], []
+        for distance in config.distances:
+            span = data.ids.numel() - config.passage - distance
+            if span < 1:
+                raise ValueError(
+                    f"the dataset has {data.ids.numel()} tokens, too few for --passage {config.passage} plus "
+                    f"--distances {distance}"
+                )
+            generator.manual_seed(config.seed + distance)  # the same passages for every cache
+            starts = torch.randint(0, span, (2, config.samples), generator=generator)
+            passages = torch.stack([data.ids[s : s + config.passage] for s in starts[0].tolist()])
+            gaps = torch.stack(
+                [data.ids[s + config.passage : s + config.passage + distance] for s in starts[1].tolist()]
+            )
+            first, second = repeat_nll(data.model, passages, gaps, make_cache(spec, data.model), config.repeat_chunk)
+            first_all.append(first)
+            second_all.append(second)
+            cells.append(
+                {
+                    "distance": distance,
+                    "first_copy_perplexity": math.exp(first.mean().item()),
+                    "second_copy_perplexity": math.exp(second.mean().item()),
+                    "ratio": math.exp(second.mean().item() - first.mean().item()),
+                    "tokens": second.numel(),
+                }
+            )
+            if progress is not None:
+                progress(1)
+        first, second = torch.cat(first_all).mean().item(), torch.cat(second_all).mean().item()
+        summary = {
+            "first_copy_perplexity": math.exp(first),
+            "second_copy_perplexity": math.exp(second),
+            "ratio": math.exp(second - first),
+        }
+        return {"task": self.name, "cells": cells, "summary": summary}
+
+    def finish(self, entries: list[dict]) -> None:
+        base = entries[0]["summary"]["second_copy_perplexity"]
+        for entry in entries:
+            entry["second_copy_change"] = entry["summary"]["second_copy_perplexity"] / base - 1
+
+    def table(self, results: dict) -> str:
+        from ..report import markdown_table
+
+        entries = results["results"]
+        distances = [c["distance"] for c in entries[0][self.name]["cells"]]
+        headers = ["cache", "second copy ppl", "change", "ratio to first", *(f"d={d}" for d in distances)]
+        rows = []
+        for entry in entries:
+            r = entry[self.name]
+            rows.append(
+                [
+                    entry["cache"],
+                    f"{r['summary']['second_copy_perplexity']:.3f}",
+                    f"{100 * r['second_copy_change']:+.1f}%",
+                    f"{r['summary']['ratio']:.3f}",
+                ]
+                + [f"{c['second_copy_perplexity']:.2f}" for c in r["cells"]]
+            )
+        return markdown_table(headers, rows)
+
+    def plots(self, results: dict, out) -> list[str]:
+        from ..report import pyplot
+
+        plt = pyplot()
+        if plt is None:
+            return []
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for entry in results["results"]:
+            cells = entry[self.name]["cells"]
+            ax.plot([c["distance"] for c in cells], [c["ratio"] for c in cells], marker="o", label=entry["cache"])
+        ax.set_xlabel("tokens between the two copies")
+        ax.set_ylabel("second-copy / first-copy perplexity")
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+        ax.set_title("repeat: copying a passage through the cache (lower is better)")
+        fig.tight_layout()
+        fig.savefig(out / "repeat_ratio.png", dpi=120)
+        plt.close(fig)
+        return ["repeat_ratio.png"]
