@@ -1,82 +1,63 @@
-"""Train the embedded reference model: a small Llama on five Jane Austen novels.
+"""Train the embedded reference model: a small Llama on five Jane Austen novels that uses its context.
 
 This script is the provenance of ``hf_kvcache/assets/reference_model`` and ``hf_kvcache/assets/persuasion.txt``.
 It uses only the project's own dependencies (torch, transformers, tokenizers) plus Debian's ``apt-get`` and
-``dpkg`` to fetch the corpus.
+``dpkg`` to fetch the corpus. Two stages:
 
-Corpus
-    Jane Austen's six novels (public domain; Project Gutenberg transcriptions with the Gutenberg boilerplate removed)
-    as packaged by Julia Silge's R package ``janeaustenr`` (MIT), shipped by Debian as ``r-cran-janeaustenr``. The
-    package is fetched with ``apt-get download r-cran-janeaustenr`` and unpacked with ``dpkg -x``; the novels sit in
-    R's lazy-load database ``data/Rdata.rdb`` (indexed by ``Rdata.rdx``) as zlib-compressed R serializations of
-    character vectors, one element per printed line. :func:`read_r_lazyload` decodes them without R.
+``--stage prose`` (from scratch)
+    Corpus: Jane Austen's six novels as packaged in ``r-cran-janeaustenr`` (:mod:`reference_corpus`); train on Emma,
+    Mansfield Park, Northanger Abbey, Pride and Prejudice and Sense and Sensibility; Persuasion is held out and
+    shipped as the reference text. Tokenizer: byte-level BPE, vocabulary 4096, trained on the five training novels
+    only. Model: ``LlamaForCausalLM``, 4 layers, hidden 256, 4 query heads and 2 KV heads (GQA, head_dim 64), SiLU
+    MLP 704, RoPE theta 10000, tied embeddings; about 4M parameters, saved in float32. Training: float32, AdamW
+    (betas 0.9/0.95, weight decay 0.1), peak learning rate 3e-3 with warmup and cosine decay, batches of 8 random
+    512-token windows, attention dropout 0.1, gradient clipping at 1.0; the last 5% of each training novel is a
+    validation split, and the weights with the best validation perplexity are kept (a 4M model memorizes 0.83M
+    tokens after a few epochs).
 
-Cleaning
-    Lines are joined into paragraphs (a blank line ends a paragraph), whitespace runs become one space, the
-    ``_emphasis_`` underscores are dropped, and paragraphs are separated by a blank line. The title page lines stay:
-    they are part of the text. Train on Emma, Mansfield Park, Northanger Abbey, Pride and Prejudice and Sense and
-    Sensibility; Persuasion is held out and shipped as the reference text.
+``--stage context`` (from the prose model, ``--init``)
+    The curriculum of :mod:`reference_context`: periodic random segments to bootstrap copying (induction), then
+    documents with passages written twice at random distances, passkey documents and training prose, at sequence
+    lengths 128, 256, 512 and 2048; the trained context becomes 2048 tokens. Afterwards the model card's targets are
+    measured on the held-out novel with the harness's own code and written to ``training.json``.
 
-Tokenizer
-    Byte-level BPE (``tokenizers``), vocabulary 4096, trained on the five training novels only, with ``<unk>``,
-    ``<s>`` (bos) and ``</s>`` (eos) special tokens; no bos is added when encoding.
-
-Model
-    ``LlamaForCausalLM``: 4 layers, hidden 256, 4 query heads and 2 KV heads (GQA, head_dim 64), SiLU MLP 704, RoPE
-    theta 10000, tied embeddings, context 512; about 4M parameters, saved in float32.
-
-Training
-    float32 (bf16 matmuls are far slower on CPUs without AMX), AdamW (betas 0.9/0.95, weight decay 0.1), peak
-    learning rate 3e-3 with a linear warmup and a cosine decay to a tenth of it, batches of 8 random 512-token windows
-    of the training stream, attention dropout 0.1, gradient clipping at 1.0, a fixed number of steps. The last 5% of
-    each training novel is a validation split, never trained on; it is scored every 200 steps and the weights with
-    the best validation perplexity are kept. Why: the corpus is small (0.83M tokens) and a 4M-parameter model
-    memorizes it. A first run of 3600 steps (17 epochs) without dropout or validation saw the held-out perplexity of
-    its first 48 windows fall to 85 at step 1000 and rise to 106 at step 2000 while the training loss kept falling.
-    Everything is seeded, but CPU kernels are not bit-reproducible across machines: the shipped weights are the
-    artefact, the script is the record of how they were made.
+Everything is seeded, but CPU kernels are not bit-reproducible across machines: the shipped weights are the
+artefact, the script is the record of how they were made.
 
 Evaluation
     Held-out perplexity: Persuasion is tokenized as one stream and cut into consecutive non-overlapping windows of
     512 tokens (the last, partial window is dropped); each window gets one full forward without a cache and
-    positions 1..511 are scored. Perplexity = exp(total NLL / scored tokens). The same number is recomputed by the
-    test suite (``tests/test_reference_model.py``) with the same function, :func:`hf_kvcache.reference.window_nll`.
+    positions 1..511 are scored (:func:`hf_kvcache.reference.full_forward_nll`, which the tests call too).
 
 Usage::
 
-    python scripts/train_reference_model.py --steps 1500 --threads 2
-    python scripts/train_reference_model.py --steps 20 --out /tmp/ref-smoke  # smoke test
+    python scripts/train_reference_model.py --stage prose --steps 1500 --threads 2 --out /tmp/prose
+    python scripts/train_reference_model.py --stage context --init /tmp/prose --threads 2
+    python scripts/train_reference_model.py --stage prose --steps 20 --out /tmp/ref-smoke  # smoke test
 
-The run writes the model folder (config, weights, tokenizer, generation config, ``training.json`` with the loss curve
-and the final held-out perplexity) and the held-out text.
+Each stage writes a model folder (config, weights, tokenizer, generation config, ``training.json``); the prose stage
+also writes the held-out text.
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import random
-import re
 import shutil
-import struct
-import subprocess
 import sys
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import torch
+from reference_corpus import HELDOUT_NOVEL, TRAIN_NOVELS, clean, fetch_novels
 
-from hf_kvcache.reference import window_nll
+from hf_kvcache.reference import full_forward_nll
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT / "hf_kvcache" / "assets"
-TRAIN_NOVELS = ("emma", "mansfieldpark", "northangerabbey", "prideprejudice", "sensesensibility")
-HELDOUT_NOVEL = "persuasion"
-RDATA = "usr/lib/R/site-library/janeaustenr/data/Rdata"
 
 HELDOUT_HEADER = """\
 Persuasion, by Jane Austen (1818). Public domain.
@@ -87,145 +68,6 @@ _emphasis_ underscores removed. This novel is held out: the reference model neve
 The text starts after the line of equals signs below.
 ==========
 """
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Corpus: R lazy-load database decoding
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class _RUnserializer:
-    """Reads R's XDR serialization format (versions 2 and 3), enough of it for data packages.
-
-    Handles vectors (logical, integer, double, character, list), pairlists with tags and attributes, symbols,
-    environments and references. Character vectors come back as lists of str (None for NA); a vector with a
-    ``names`` attribute comes back as a dict.
-    """
-
-    _NIL_LIKE = {254, 253, 252, 251, 250, 242, 241}  # NILVALUE, GLOBALENV, UNBOUND, MISSINGARG, BASENS, (BASE/EMPTY)ENV
-
-    def __init__(self, data: bytes):
-        if data[:2] != b"X\n":
-            raise ValueError(f"not an XDR R serialization (starts with {data[:2]!r})")
-        self._data = data
-        self._pos = 2
-        self._refs: list = []
-        version = self._int()
-        self._int(), self._int()  # writer and minimal reader R versions
-        if version == 3:
-            n = self._int()
-            self._pos += n  # native encoding name
-
-    def _int(self) -> int:
-        (value,) = struct.unpack_from(">i", self._data, self._pos)
-        self._pos += 4
-        return value
-
-    def _length(self) -> int:
-        n = self._int()
-        if n == -1:  # long vector
-            n = (self._int() << 32) + self._int()
-        return n
-
-    def read(self):
-        flags = self._int()
-        kind, has_attr, has_tag = flags & 0xFF, flags & (1 << 9), flags & (1 << 10)
-        if kind in self._NIL_LIKE:
-            return None
-        if kind == 255:  # REFSXP
-            index = flags >> 8 or self._int()
-            return self._refs[index - 1]
-        if kind == 1:  # SYMSXP
-            symbol = ("symbol", self.read())
-            self._refs.append(symbol)
-            return symbol
-        if kind in (247, 248, 249):  # PERSIST, PACKAGE, NAMESPACE: a string vector
-            self._int()
-            value = [self.read() for _ in range(self._int())]
-            self._refs.append(value)
-            return value
-        if kind == 4:  # ENVSXP
-            self._int()  # locked
-            env: dict = {}
-            self._refs.append(env)
-            for part in ("enclos", "frame", "hashtab", "attributes"):
-                env[part] = self.read()
-            return env
-        if kind in (2, 3, 5, 6, 17, 239, 240):  # pairlist-like cells
-            if has_attr:
-                self.read()
-            tag = self.read() if has_tag else None
-            cells = [(tag, self.read())]
-            rest = self.read()
-            return cells + rest if isinstance(rest, list) and rest and isinstance(rest[0], tuple) else cells
-        if kind == 9:  # CHARSXP
-            n = self._int()
-            if n == -1:
-                return None
-            raw = self._data[self._pos : self._pos + n]
-            self._pos += n
-            return raw.decode("latin-1") if flags & (1 << 13) else raw.decode("utf-8")
-        if kind == 238:  # ALTREP: class info, state, attributes
-            self.read()
-            state = self.read()
-            self.read()
-            return state
-        if kind in (10, 13):
-            n = self._length()
-            value = list(struct.unpack_from(f">{n}i", self._data, self._pos))
-            self._pos += 4 * n
-        elif kind == 14:
-            n = self._length()
-            value = list(struct.unpack_from(f">{n}d", self._data, self._pos))
-            self._pos += 8 * n
-        elif kind in (16, 19, 20):
-            value = [self.read() for _ in range(self._length())]
-        else:
-            raise ValueError(f"unsupported R SEXP type {kind} at byte {self._pos}")
-        if has_attr:
-            names = [v for tag, v in self.read() if tag == ("symbol", "names")]
-            if names:
-                return dict(zip(names[0], value, strict=True))
-        return value
-
-
-def read_r_lazyload(prefix: Path) -> dict:
-    """All objects of an R lazy-load database ``prefix.rdb`` / ``prefix.rdx`` (zlib-compressed entries)."""
-    index = _RUnserializer(gzip.decompress(prefix.with_suffix(".rdx").read_bytes())).read()
-    if index.get("compressed", [True])[0] not in (True, 1):
-        raise ValueError("only zlib-compressed lazy-load databases are supported")
-    blob = prefix.with_suffix(".rdb").read_bytes()
-    objects = {}
-    for name, (offset, size) in index["variables"].items():
-        entry = blob[offset : offset + size]  # 4-byte big-endian raw length, then zlib data
-        objects[name] = _RUnserializer(zlib.decompress(entry[4:])).read()
-    return objects
-
-
-def fetch_novels(deb: Path | None, work: Path) -> dict[str, list[str]]:
-    """The six novels as lists of printed lines, from ``deb`` or a fresh ``apt-get download``."""
-    work.mkdir(parents=True, exist_ok=True)
-    if deb is None:
-        subprocess.run(["apt-get", "download", "r-cran-janeaustenr"], cwd=work, check=True, capture_output=True)
-        deb = next(work.glob("r-cran-janeaustenr_*.deb"))
-    unpacked = work / "unpacked"
-    subprocess.run(["dpkg", "-x", str(deb), str(unpacked)], check=True)
-    return read_r_lazyload(unpacked / RDATA)
-
-
-def clean(lines: list[str]) -> str:
-    """Printed lines to paragraphs separated by blank lines, without emphasis underscores."""
-    paragraphs, current = [], []
-    for line in lines + [""]:
-        line = (line or "").strip()
-        if line:
-            current.append(line)
-        elif current:
-            paragraphs.append(" ".join(current))
-            current = []
-    text = "\n\n".join(paragraphs)
-    text = text.replace("_", "")
-    return re.sub(r"[ \t]+", " ", text) + "\n"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -284,11 +126,8 @@ def build_model(tokenizer, context: int, seed: int, attention_dropout: float = 0
     return LlamaForCausalLM(config)
 
 
-def train(args) -> None:
-    torch.set_num_threads(args.threads)
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    out = Path(args.out)
+def load_corpus(args) -> tuple[list[str], str]:
+    """The five training novels and the held-out one, cleaned."""
     with tempfile.TemporaryDirectory() as tmp:
         novels = fetch_novels(Path(args.deb) if args.deb else None, Path(tmp))
     train_texts = [clean(novels[name]) for name in TRAIN_NOVELS]
@@ -298,16 +137,17 @@ def train(args) -> None:
         f"held out {len(heldout) / 1e3:.0f} KB ({HELDOUT_NOVEL})",
         flush=True,
     )
+    return train_texts, heldout
 
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    tokenizer = train_tokenizer(train_texts, args.vocab_size, out)
+
+def encode_corpus(tokenizer, train_texts: list[str], heldout: str, val_fraction: float):
+    """``(train, validation, held-out)`` token streams: the last ``val_fraction`` of each training novel is the
+    validation split; each novel ends with eos."""
     encode = tokenizer.backend_tokenizer.encode  # whole novels at once, without the max-length warning
     stream, validation = [], []
     for text in train_texts:
         ids = encode(text).ids + [tokenizer.eos_token_id]
-        cut = int(len(ids) * (1 - args.val_fraction))
+        cut = int(len(ids) * (1 - val_fraction))
         stream += ids[:cut]
         validation += ids[cut:]
     train_ids = torch.tensor(stream, dtype=torch.long)
@@ -318,6 +158,21 @@ def train(args) -> None:
         f"({len(heldout.encode()) / heldout_ids.numel():.2f} bytes/token)",
         flush=True,
     )
+    return train_ids, val_ids, heldout_ids
+
+
+def train_prose(args) -> None:
+    """Stage 1: the prose model from scratch (see the module docstring)."""
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    train_texts, heldout = load_corpus(args)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    tokenizer = train_tokenizer(train_texts, args.vocab_size, out)
+    train_ids, val_ids, heldout_ids = encode_corpus(tokenizer, train_texts, heldout, args.val_fraction)
 
     model = build_model(tokenizer, args.context, args.seed, args.attention_dropout)
     n_params = sum(p.numel() for p in model.parameters())
@@ -361,7 +216,7 @@ def train(args) -> None:
             tok_s = (step + 1) * args.batch * args.context / elapsed
             print(f"step {step + 1}/{args.steps} loss {running:.3f} lr {lr_at(step):.2e} {tok_s:.0f} tok/s", flush=True)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            nll, count = window_nll(model, val_ids, args.context)
+            nll, count = full_forward_nll(model, val_ids, args.context)
             val_ppl = math.exp(nll / count)
             evals.append({"step": step + 1, "validation_ppl": round(val_ppl, 2)})
             print(f"  validation ppl: {val_ppl:.2f}", flush=True)
@@ -372,9 +227,11 @@ def train(args) -> None:
     # on 0.8M tokens a 4M-parameter model starts to memorize after a few epochs.
     model.load_state_dict(best[2])
     print(f"best validation perplexity {best[0]:.2f} at step {best[1]}", flush=True)
-    nll, count = window_nll(model, heldout_ids, args.context)
+    nll, count = full_forward_nll(model, heldout_ids, args.context)
     ppl = math.exp(nll / count)
-    train_nll, train_count = window_nll(model, train_ids, args.context, max_windows=heldout_ids.numel() // args.context)
+    train_nll, train_count = full_forward_nll(
+        model, train_ids, args.context, max_windows=heldout_ids.numel() // args.context
+    )
     print(f"final held-out perplexity {ppl:.3f} over {count} tokens; train {math.exp(train_nll / train_count):.2f}")
 
     model.generation_config.bos_token_id = tokenizer.bos_token_id
@@ -427,6 +284,57 @@ def train(args) -> None:
     print(f"saved to {out}")
 
 
+def train_context(args) -> None:
+    """Stage 2: from the prose model at ``--init``, the curriculum of :mod:`reference_context`, then the targets."""
+    from reference_context import PHASES, DocumentMaker, measure_targets, targets_met, train_phase
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not args.init:
+        raise SystemExit("--stage context needs --init, the prose model folder to start from")
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    init, out = Path(args.init), Path(args.out)
+    summary = json.loads((init / "training.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(init)
+    train_texts, heldout = load_corpus(args)
+    train_ids, val_ids, heldout_ids = encode_corpus(tokenizer, train_texts, heldout, args.val_fraction)
+    context = max(p.length for p in PHASES)
+    model = AutoModelForCausalLM.from_pretrained(init, attention_dropout=0.0, max_position_embeddings=context)
+    names = args.phases.split(",") if args.phases else [p.name for p in PHASES]
+    unknown = sorted(set(names) - {p.name for p in PHASES})
+    if unknown:
+        raise SystemExit(f"unknown phases {unknown}; phases: {[p.name for p in PHASES]}")
+    stages = summary.setdefault("stages", {})
+    if "prose" not in stages:  # a prose-stage folder: its summary is the prose stage
+        stages["prose"] = {k: summary.pop(k) for k in list(summary) if k not in ("corpus", "model", "stages")}
+    done = stages.setdefault("context", {"phases": []})
+    maker = DocumentMaker(train_ids, tokenizer, args.seed)
+    for phase in PHASES:
+        if phase.name not in names:
+            continue
+        log = train_phase(model, phase, maker, val_ids, tokenizer, args.eval_every)
+        done["phases"].append({"phase": log.phase, "minutes": log.minutes, "loss_curve": log.curve, "evals": log.evals})
+        _save(model, tokenizer, out, summary)  # after every phase: a later run can resume with --init out
+    measured = measure_targets(model, tokenizer, heldout_ids, args.seed)
+    summary["model"] |= {"context": context}
+    summary["targets"] = {"measured": measured, "met": targets_met(measured)}
+    summary["heldout_eval"] = {
+        "protocol": "consecutive 512-token windows of the held-out text, full forward, positions 1..511 scored",
+        "perplexity": measured["heldout_perplexity"],
+    }
+    _save(model, tokenizer, out, summary)
+    print(f"targets: {json.dumps(summary['targets']['met'])} measured: {json.dumps(measured)[:400]}", flush=True)
+    print(f"saved to {out}")
+
+
+def _save(model, tokenizer, out: Path, summary: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--deb", help="path to r-cran-janeaustenr_*.deb (default: apt-get download it)")
@@ -434,9 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--heldout-out", default=str(ASSETS / "persuasion.txt"), help="held-out text to write ('' to skip)"
     )
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=1500, help="prose stage: training steps")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--context", type=int, default=512, help="prose stage: tokens per training window")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--weight-decay", type=float, default=0.1)
@@ -449,8 +357,16 @@ def main(argv: list[str] | None = None) -> int:
         "--val-fraction", type=float, default=0.05, help="tail of each training novel held for validation"
     )
     parser.add_argument("--attention-dropout", type=float, default=0.1)
+    parser.add_argument("--stage", choices=("prose", "context"), default="context", help="which stage to run")
+    parser.add_argument("--init", default=None, help="context stage: the prose model folder to start from")
+    parser.add_argument(
+        "--phases", default=None, help="context stage: comma-separated phase names to run (default: all, in order)"
+    )
     args = parser.parse_args(argv)
-    train(args)
+    if args.stage == "prose":
+        train_prose(args)
+    else:
+        train_context(args)
     return 0
 
 
