@@ -1,5 +1,6 @@
 """hf_kvcache: KV caches for Hugging Face transformers' ``generate()``, and the evidence to choose between them."""
 
+from .attention import ATTENTION, register_attention
 from .caches import PagedKVCache, QuantizedKVCache, SlidingWindowKVCache
 from .memory import cache_nbytes, dynamic_bytes_per_token
 from .reference import load_reference_model, reference_model_path, reference_text
@@ -7,7 +8,10 @@ from .registry import available_caches, make_cache, parse_spec, register_cache
 
 __version__ = "0.1.0"
 
+register_attention()  # attn_implementation="hf_kvcache" works once hf_kvcache is imported
+
 __all__ = [
+    "ATTENTION",
     "PagedKVCache",
     "QuantizedKVCache",
     "SlidingWindowKVCache",

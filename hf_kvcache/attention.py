@@ -1,157 +1,120 @@
-"""Paged attention for :class:`~hf_kvcache.PagedKVCache`: attention that reads K/V through the block tables.
+"""The ``hf_kvcache`` attention implementation: decode attention that reads our caches' storage in place.
 
-With the gather path (any attention implementation) a paged layer copies every row's blocks into contiguous K/V on
-each forward. Under the ``"hf_kvcache_paged"`` implementation, registered here with transformers'
-``AttentionInterface`` (and its mask function with ``AttentionMaskInterface``), the layer hands attention a reference
-to its block storage instead, and :func:`paged_attention_forward` walks the blocks a page group at a time with an
-online softmax (flash-decoding style), so no full-length copy of the history is ever made.
+``import hf_kvcache`` registers it with transformers' ``AttentionInterface`` (and its mask function with
+``AttentionMaskInterface``), so either of these works::
 
-:func:`attend_page_group` is the inner loop: a pure-torch reference that runs anywhere, written so that a CUDA kernel
-(Triton) can replace it with the same inputs and outputs.
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="hf_kvcache")
+    model.set_attn_implementation("hf_kvcache")
 
->>> from hf_kvcache import PagedKVCache
->>> from hf_kvcache.attention import use_paged_attention
->>> # use_paged_attention(model); model.generate(**inputs, past_key_values=PagedKVCache(model))
+Under it, a layer of :class:`~hf_kvcache.QuantizedKVCache`, :class:`~hf_kvcache.SlidingWindowKVCache` or
+:class:`~hf_kvcache.PagedKVCache` answers a decode forward (1 to :data:`MAX_DECODE_QUERY` new tokens: decoding,
+assisted and prompt-lookup verification) with a :class:`~hf_kvcache.kernels.KVHandle`: typed views of its codes,
+scales, zero points, residual, block tables and the new tokens, instead of a dequantized or gathered copy. This
+function hands the handle to the kernels of :mod:`hf_kvcache.kernels` (Triton on CUDA, the pure-torch reference
+elsewhere), which never build a full-length full-precision copy of the history. Everything else (a prefill, another
+cache, no cache, a hybrid model's own sliding layers, latent-attention models whose attention reads expanded K/V)
+arrives as plain tensors and goes to sdpa, or, when the layer asks for logit softcapping (Gemma 2) or learned sinks
+(GPT-OSS ``s_aux``), which sdpa cannot do, to the reference kernel over those tensors. The attention never calls
+back into the cache.
+
+``"hf_kvcache_paged"``, the name of the earlier paged-only implementation, is the same function.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from .kernels import DenseSegment, KVHandle, decode_attention
+
 __all__ = [
+    "ATTENTION",
+    "MAX_DECODE_QUERY",
     "PAGED_ATTENTION",
-    "PagedKV",
-    "attend_page_group",
-    "paged_attention_forward",
+    "hf_kvcache_attention",
+    "is_hf_kvcache_attention",
+    "register_attention",
     "register_paged_attention",
     "use_paged_attention",
 ]
 
-PAGED_ATTENTION = "hf_kvcache_paged"
+ATTENTION = "hf_kvcache"
+PAGED_ATTENTION = "hf_kvcache_paged"  # the earlier name, kept working
+MAX_DECODE_QUERY = 16  # new tokens per forward that the kernels serve; longer forwards get materialized K/V
 
 
 def is_hf_kvcache_attention(name: str | None) -> bool:
     """Whether an ``attn_implementation`` name is ours (layers then hand attention their storage)."""
-    return name == PAGED_ATTENTION
+    return name in (ATTENTION, PAGED_ATTENTION)
 
 
-PAGE_GROUP_TOKENS = 512  # tokens of history attended per inner-loop call (rounded to whole blocks)
+def _causal_mask(batch: int, q: int, total: int, device: torch.device) -> torch.Tensor:
+    """``(B, 1, q, total)``: query ``i`` (the ``total - q + i``-th token) sees every token up to itself."""
+    columns = torch.arange(total, device=device)
+    rows = torch.arange(total - q, total, device=device)
+    return (columns[None, :] <= rows[:, None]).expand(batch, 1, q, total)
 
 
-@dataclass
-class PagedKV:
-    """What a paged layer hands attention in place of contiguous K/V: its storage and the slots of each row."""
-
-    storage: object  # the layer's PagedStorage: .read(slots) -> (K, V) of those slots, (B, H, n, D)
-    slots: torch.Tensor  # (B, T) storage slot of every token of every row, in order
-    block_size: int
-
-
-def attend_page_group(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor | None,
-    scaling: float,
-    running: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fold one group of pages into a running softmax.
-
-    Args:
-        query: ``(B, H_kv, G, q, D)`` float32, G query heads per KV head.
-        keys: ``(B, H_kv, n, D)`` of the group's tokens.
-        values: ``(B, H_kv, n, D)`` of the group's tokens.
-        mask: ``(B, 1, q, n)`` bool (True attends) or None.
-        scaling: the softmax scale, usually ``head_dim ** -0.5``.
-        running: ``(row max (B, H_kv, G, q), denominator (same), accumulator (B, H_kv, G, q, D))`` or None.
-
-    Returns:
-        The updated ``(row max, denominator, accumulator)``; the output is ``accumulator / denominator``.
-    """
-    scores = torch.einsum("bhgqd,bhnd->bhgqn", query, keys.float()) * scaling
-    if mask is not None:
-        scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))  # (B, 1, 1, q, n)
-    block_max = scores.amax(-1)
-    if running is None:
-        row_max = block_max
-        denominator = torch.zeros_like(block_max)
-        accumulator = torch.zeros((*block_max.shape, values.shape[-1]), dtype=torch.float32, device=query.device)
-    else:
-        old_max, denominator, accumulator = running
-        row_max = torch.maximum(old_max, block_max)
-    safe_max = torch.where(torch.isinf(row_max), 0.0, row_max)  # rows masked so far stay at zero weight
-    if running is not None:
-        rescale = torch.exp(old_max - safe_max)
-        denominator = denominator * rescale
-        accumulator = accumulator * rescale.unsqueeze(-1)
-    weights = torch.exp(scores - safe_max.unsqueeze(-1))
-    denominator = denominator + weights.sum(-1)
-    accumulator = accumulator + torch.einsum("bhgqn,bhnd->bhgqd", weights, values.float())
-    return row_max, denominator, accumulator
-
-
-def paged_attention_forward(
+def hf_kvcache_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    key,
+    value,
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """An ``AttentionInterface`` function: block-wise attention over a paged layer, sdpa for anything else.
+    """An ``AttentionInterface`` function: our kernels for a cache's storage handle, sdpa for anything else."""
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if isinstance(key, KVHandle):
+        if dropout and module.training:
+            raise ValueError("the hf_kvcache attention reads a cache at inference: dropout must be 0")
+        mask = attention_mask
+        if mask is None:
+            mask = _causal_mask(query.shape[0], query.shape[2], key.length, query.device)
+        elif mask.dtype != torch.bool:
+            mask = mask == 0  # an additive float mask: 0 attends
+        return decode_attention(query, key, mask, scaling, softcap or 0.0, s_aux), None
+    if softcap or s_aux is not None:  # sdpa has neither: the reference over the plain tensors
+        mask = attention_mask
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask == 0
+        if mask is None and query.shape[2] > 1:
+            mask = _causal_mask(query.shape[0], query.shape[2], key.shape[2], query.device)
+        handle = KVHandle((DenseSegment(key, value),))
+        return decode_attention(query, handle, mask, scaling, softcap or 0.0, s_aux), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    Layers that are not paged (a hybrid model's sliding layers, another cache, no cache) return ordinary K/V, which
-    go to transformers' sdpa function unchanged.
-    """
-    pages = key if isinstance(key, PagedKV) else None
-    if pages is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )
-    if dropout and module.training:
-        raise ValueError("paged attention is for inference: dropout must be 0")
-    b, hq, q, d = query.shape
-    dv = pages.storage.spec.value_dim
-    scaling = d**-0.5 if scaling is None else scaling
-    slots = pages.slots
-    hkv = pages.storage.spec.num_kv_heads
-    grouped = query.float().view(b, hkv, hq // hkv, q, d)  # (B, H_kv, G, q, D)
-    step = max(1, PAGE_GROUP_TOKENS // pages.block_size) * pages.block_size
-    running = None
-    for start in range(0, slots.shape[1], step):
-        keys, values = pages.storage.read(slots[:, start : start + step])
-        mask = None if attention_mask is None else attention_mask[..., start : start + step].bool()
-        running = attend_page_group(grouped, keys, values, mask, scaling, running)
-    _, denominator, accumulator = running
-    out = torch.where(denominator.unsqueeze(-1) > 0, accumulator / denominator.clamp_min(1e-30).unsqueeze(-1), 0.0)
-    # (B, H_kv, G, q, D) -> (B, q, H, D), the layout attention functions return
-    return out.view(b, hq, q, dv).transpose(1, 2).to(query.dtype).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
-def _paged_mask(*args, **kwargs):
-    """sdpa's boolean mask, always materialized: the paged function has no ``is_causal`` shortcut."""
+def _mask(*args, **kwargs):
+    """sdpa's boolean mask, always materialized: the kernels have no ``is_causal`` shortcut."""
     from transformers.masking_utils import sdpa_mask
 
     kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, **kwargs)
 
 
-def register_paged_attention() -> str:
-    """Register the paged attention function and its mask with transformers (idempotent); returns its name."""
+def register_attention() -> str:
+    """Register ``hf_kvcache`` (and its earlier name) and their mask function with transformers (idempotent)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(PAGED_ATTENTION, paged_attention_forward)
-    AttentionMaskInterface.register(PAGED_ATTENTION, _paged_mask)
+    for name in (ATTENTION, PAGED_ATTENTION):
+        AttentionInterface.register(name, hf_kvcache_attention)
+        AttentionMaskInterface.register(name, _mask)
+    return ATTENTION
+
+
+def register_paged_attention() -> str:
+    """The earlier entry point: registers the implementation, returns its earlier name."""
+    register_attention()
     return PAGED_ATTENTION
 
 
 def use_paged_attention(model) -> None:
-    """Switch ``model`` to paged attention: a :class:`~hf_kvcache.PagedKVCache` then skips the gather."""
-    model.set_attn_implementation(register_paged_attention())
+    """Switch ``model`` to the ``hf_kvcache`` attention (kept for the earlier paged-only name)."""
+    model.set_attn_implementation(register_attention())

@@ -157,8 +157,9 @@ def _bench(args) -> int:
             file=sys.stderr,
         )
     budget = int(config.memory_budget_gib * 2**30) if config.memory_budget_gib else None
+    attns = list(config.attn) if config.attn else None
     bench = run_bench(
-        model, list(config.caches), list(contexts), config.new_tokens, config.batch, config.repeats, budget
+        model, list(config.caches), list(contexts), config.new_tokens, config.batch, config.repeats, budget, attns=attns
     )
     print(format_bench_table(bench))
     if args.output:

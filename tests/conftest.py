@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors; it must be chosen before any kernel is
+# decorated, so before hf_kvcache.kernels.triton_decode is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Two threads on two cores made tiny-model generation ~100x slower (thread contention).
 torch.set_num_threads(1)

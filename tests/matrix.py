@@ -53,13 +53,43 @@ CACHE_CASES = [
     # Paged: blocks of 4 tokens so that short tests cross blocks, share prompt blocks and copy on write.
     CacheCase("paged", "paged:block_size=4", lossless=True),
     CacheCase("paged-fixed", "paged:block_size=5:num_blocks=64", lossless=True, families=VARIANT),
-    CacheCase("paged-attn", "paged:block_size=4", lossless=True, attn="hf_kvcache_paged"),
+    # The same kinds under the hf_kvcache attention: decode steps read the storage through the kernels (the
+    # pure-torch reference on CPU), and must agree with the sdpa reference as the plain cases do.
+    CacheCase("paged-hf", "paged:block_size=4", lossless=True, attn="hf_kvcache"),
+    CacheCase(
+        "int8-hf", "int8", lossless=False, logit_bound=LOGIT_BOUNDS["int8"], greedy_exact=True, attn="hf_kvcache"
+    ),
+    CacheCase(
+        "int4-hf",
+        "int4:residual_length=4:group_size=8",
+        lossless=False,
+        logit_bound=LOGIT_BOUNDS["int4"],
+        attn="hf_kvcache",
+    ),
+    CacheCase(
+        "int2-hf",
+        "int2:residual_length=4:group_size=8",
+        lossless=False,
+        logit_bound=LOGIT_BOUNDS["int2"],
+        attn="hf_kvcache",
+        families=VARIANT,
+    ),
+    CacheCase("sink-hf", "sink:window=256:sinks=4", lossless=True, attn="hf_kvcache"),
     CacheCase(
         "sink-int8",
         "sink:window=256:sinks=4:bits=8",
         lossless=False,
         logit_bound=LOGIT_BOUNDS["int8"],
         greedy_exact=True,
+        families=VARIANT,
+    ),
+    CacheCase(
+        "sink-int8-hf",
+        "sink:window=256:sinks=4:bits=8",
+        lossless=False,
+        logit_bound=LOGIT_BOUNDS["int8"],
+        greedy_exact=True,
+        attn="hf_kvcache",
         families=VARIANT,
     ),
 ]

@@ -7,10 +7,8 @@ from functools import cache
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_kvcache.attention import register_paged_attention
+import hf_kvcache  # noqa: F401  (registers the hf_kvcache attention implementation)
 from hf_kvcache.compare import TINY_FAMILIES, TINY_VOCAB
-
-register_paged_attention()  # tiny_model(family, "hf_kvcache_paged")
 
 VOCAB = TINY_VOCAB
 PAD = 0
@@ -93,9 +91,15 @@ def _extra_families() -> dict:
             num_local_experts=2,
             **small,
         ),  # fmt: skip
+        # A softcap small enough to change a tiny random model's scores (the default 50 would not).
         "gemma2": lambda: Gemma2Config(
-            num_hidden_layers=2, num_key_value_heads=2, head_dim=16, sliding_window=8, **small
-        ),
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=8,
+            attn_logit_softcapping=0.01,
+            **small,
+        ),  # fmt: skip
         "gpt_oss": lambda: GptOssConfig(
             num_hidden_layers=2,
             num_key_value_heads=2,

@@ -168,3 +168,37 @@ def test_batch_select_indices_accepts_what_dynamic_cache_accepts(spec, indices):
             logits.append(model(input_ids=nxt[keep], past_key_values=cache).logits)
     tolerance = {"int8": 0.06, "int4": 0.25}.get(spec[:4], 1e-5 / logits[0].std()) * logits[0].std()
     assert (logits[1] - logits[0]).abs().max() <= tolerance
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+@pytest.mark.parametrize("spec", ["dynamic", "int8", "sink:window=256:sinks=4", "paged:block_size=4"])
+def test_softcap_and_learned_sinks_are_honoured_under_hf_kvcache(family, spec):
+    """Gemma 2's logit softcapping and GPT-OSS's learned attention sinks (``s_aux``) under the hf_kvcache attention
+    equal eager attention (which implements both), whether a layer hands over storage or plain tensors."""
+    eager, ours = extra_model(family, "eager"), extra_model(family, "hf_kvcache")
+    ref = _generate(eager, make_cache(spec, eager), "padded")
+    out = _generate(ours, make_cache(spec, ours), "padded")
+    torch.testing.assert_close(out.sequences, ref.sequences, rtol=0, atol=0)
+    for got, want in zip(out.logits, ref.logits):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family, attribute", [("gemma2", "attn_logit_softcapping"), ("gpt_oss", "sinks")])
+def test_softcap_and_sinks_change_the_outputs_of_these_models(family, attribute):
+    """The previous test can fail: without softcapping / with the sinks zeroed the model scores differently."""
+    import copy
+
+    model = extra_model(family, "eager")
+    other = copy.deepcopy(model)
+    if attribute == "sinks":
+        for module in other.modules():
+            if hasattr(module, "sinks"):
+                module.sinks.data.fill_(-1e4)
+    else:
+        other.config.attn_logit_softcapping = None
+        for module in other.modules():
+            if hasattr(module, "attn_logit_softcapping"):
+                module.attn_logit_softcapping = None
+    ids = prompt("single")["input_ids"]
+    with torch.no_grad():
+        assert (model(ids).logits - other(ids).logits).abs().max() > 1e-3

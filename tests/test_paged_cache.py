@@ -167,21 +167,28 @@ def test_bad_arguments_raise_value_error(kwargs, match):
         PagedKVCache(tiny_model("llama").config, **kwargs)
 
 
-def test_paged_attention_reads_pages_without_a_full_gather(monkeypatch):
+def test_hf_kvcache_attention_reads_pages_in_place_when_decoding(monkeypatch):
+    """Under the hf_kvcache attention a decode step reads the pool through the block table (the paged kernel), never
+    a gather; only the 40-token prefill, too long for the decode kernels, takes the gather path."""
     from hf_kvcache import attention
+    from hf_kvcache.kernels import PagedSegment, reference
 
-    monkeypatch.setattr(attention, "PAGE_GROUP_TOKENS", 8)
-    reads, groups = [], []
-    real_read, real_attend = PagedStorage.read, attention.attend_page_group
+    reads, kernel_calls = [], []
+    real_read, real_partial = PagedStorage.read, reference.partial
     monkeypatch.setattr(
         PagedStorage, "read", lambda self, slots: reads.append(slots.shape[1]) or real_read(self, slots)
     )
-    monkeypatch.setattr(attention, "attend_page_group", lambda *a: groups.append(1) or real_attend(*a))
+
+    def counting_partial(query, segment, *args, **kwargs):
+        kernel_calls.append(isinstance(segment, PagedSegment))
+        return real_partial(query, segment, *args, **kwargs)
+
+    monkeypatch.setattr(reference, "partial", counting_partial)
     inputs = {"input_ids": _ids(2, 40), "attention_mask": torch.ones(2, 40, dtype=torch.long)}
     inputs["attention_mask"][1, :7] = 0
     outs = []
-    for attn in ("sdpa", attention.PAGED_ATTENTION):
-        reads.clear()  # the gather path reads through the same method: count the paged run only
+    for attn in ("sdpa", attention.ATTENTION):
+        reads.clear()  # the gather path reads through the same method: count the hf_kvcache run only
         model = tiny_model("llama", attn)
         cache = PagedKVCache(model, block_size=4)
         outs.append(
@@ -194,7 +201,9 @@ def test_paged_attention_reads_pages_without_a_full_gather(monkeypatch):
                 return_dict_in_generate=True,
             )
         )
-    assert groups and reads and max(reads) <= 8
+    layers = tiny_model("llama").config.num_hidden_layers
+    assert reads == [40] * layers  # the prefill's gather, once per layer; no decode step gathers
+    assert sum(kernel_calls) == 5 * layers  # every decode step of every layer through the paged kernel
     torch.testing.assert_close(outs[1].sequences, outs[0].sequences, rtol=0, atol=0)
     for got, want in zip(outs[1].logits, outs[0].logits):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -256,3 +256,22 @@ def test_layers_split_across_devices_keep_storage_on_their_device():
     dispatched.generate(ids, past_key_values=cache, max_new_tokens=20)
     assert cache.layers[0].store.view("k").device.type == "cuda"
     assert cache.layers[1].store.view("k").device.type == "cpu"
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4:group_size=8:residual_length=4"])
+def test_hf_kvcache_decode_allocates_no_history_sized_workspace(spec):
+    """Under the hf_kvcache attention decode steps hand the kernels views of the storage: the full-precision
+    workspace the sdpa path decodes into is never allocated (memory_report shows it)."""
+    from hf_kvcache import make_cache
+
+    outputs = {}
+    for attn in ("sdpa", "hf_kvcache"):
+        model = tiny_model("llama", attn)
+        cache = make_cache(spec, model)
+        ids = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(0))
+        outputs[attn] = model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
+        report = cache.memory_report()
+        assert report["workspace_nbytes"] == (0 if attn == "hf_kvcache" else cache.workspace_nbytes)
+        if attn == "sdpa":
+            assert report["workspace_nbytes"] > 0
+    torch.testing.assert_close(outputs["hf_kvcache"], outputs["sdpa"], rtol=0, atol=0)

@@ -5,6 +5,8 @@ Without eviction the cache is in the shared matrix (``tests/matrix.py``), where 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from models import PAD, VOCAB, prompt, tiny_model
@@ -70,11 +72,12 @@ def _full_mask(inputs, sequences):
 
 
 @pytest.mark.parametrize("batch", ["single", "padded"])
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa", "hf_kvcache"])
 @pytest.mark.parametrize("family", EVICTING)
 @pytest.mark.parametrize("mode", ["greedy", "sample", "sample-nrs"])
 def test_eviction_matches_explicit_mask(family, attn, batch, mode):
-    """rerotate=False: every generated step's logits equal a no-cache forward under the sinks + window mask."""
+    """rerotate=False: every generated step's logits equal a no-cache forward under the sinks + window mask (under
+    hf_kvcache, decode steps read the window through the kernels)."""
     model = tiny_model(family, attn)
     inputs = prompt(batch)
     kwargs = {"greedy": {}, "sample": {"do_sample": True}, "sample-nrs": {"do_sample": True, "num_return_sequences": 2}}
@@ -83,7 +86,8 @@ def test_eviction_matches_explicit_mask(family, attn, batch, mode):
     out = _generate(model, inputs, cache, **kwargs[mode])
     assert max(layer.stored_tokens for layer in cache.layers) == WINDOW + SINKS
     prefill = inputs["input_ids"].shape[1]
-    ref = _reference_logits(model, out.sequences[:, :-1], _full_mask(inputs, out.sequences)[:, :-1], prefill)
+    reference = tiny_model(family, "sdpa") if attn == "hf_kvcache" else model
+    ref = _reference_logits(reference, out.sequences[:, :-1], _full_mask(inputs, out.sequences)[:, :-1], prefill)
     for step, logits in enumerate(out.logits):
         torch.testing.assert_close(logits, ref[:, prefill - 1 + step], rtol=1e-4, atol=1e-4)
 
@@ -243,22 +247,25 @@ ROTARY = {
 
 @pytest.mark.parametrize("rotary", list(ROTARY))
 @pytest.mark.parametrize("batch", ["single", "padded"])
-def test_rerotated_sinks_equal_shifted_positions(rotary, batch):
+@pytest.mark.parametrize("attn", ["eager", "hf_kvcache"])
+def test_rerotated_sinks_equal_shifted_positions(rotary, batch, attn):
     """One layer: K/V depend only on token and position, so a decode step with re-rotated sinks equals a fresh
     forward over [sinks, window, query] with the sinks placed right before the window."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(ROTARY[rotary](), attn_implementation="eager").eval()
+    cached = copy.deepcopy(model)
+    cached.set_attn_implementation(attn)
     inputs = prompt(batch)
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
     steps = torch.randint(3, VOCAB, (ids.shape[0], 14), generator=torch.Generator().manual_seed(5))
-    cache = SlidingWindowKVCache(model, window=WINDOW, sinks=SINKS, rerotate=True)
+    cache = SlidingWindowKVCache(cached, window=WINDOW, sinks=SINKS, rerotate=True)
     with torch.no_grad():
-        model(ids, attention_mask=mask, position_ids=_positions(mask), past_key_values=cache, use_cache=True)
+        cached(ids, attention_mask=mask, position_ids=_positions(mask), past_key_values=cache, use_cache=True)
         for t in range(steps.shape[1]):
             seq = torch.cat([ids, steps[:, :t]], 1)
             full_mask = torch.cat([mask, torch.ones(ids.shape[0], t + 1, dtype=mask.dtype)], 1)
             pos = _positions(full_mask)[:, -1:]
-            got = model(
+            got = cached(
                 steps[:, t : t + 1], attention_mask=full_mask, position_ids=pos, past_key_values=cache, use_cache=True
             ).logits[:, -1]
             for r in range(ids.shape[0]):

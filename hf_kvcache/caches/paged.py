@@ -6,9 +6,9 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
-from .._config import layer_specs, resolve_config
+from .._config import is_latent_attention, layer_specs, resolve_config
 from .._validate import check_int
-from ..layers._common import PaddingTracker
+from ..layers._common import AttentionMode, PaddingTracker
 from ..layers.paged import PagedLayer, PagedState
 from ..layers.window import ModelSlidingWindowLayer
 from ..registry import register_cache
@@ -75,11 +75,12 @@ class PagedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         self.block_size, self.num_blocks, self.grow_blocks = block_size, num_blocks, grow_blocks
         self.layer_specs = specs
         self.padding = PaddingTracker()
-        self.state = PagedState(block_size, num_blocks, grow_blocks, config, self.padding)
+        self.state = PagedState(block_size, num_blocks, grow_blocks, self.padding)
+        self.attention_mode = AttentionMode(config, fusable=not is_latent_attention(config))
         owner, layers, rank = type(self).__name__, [], 0
         for i, spec in enumerate(specs):
             if spec.layer_type == "full_attention":
-                layers.append(PagedLayer(spec, i, owner, self.state, rank))
+                layers.append(PagedLayer(spec, i, owner, self.state, rank, self.attention_mode))
                 rank += 1
             else:
                 layers.append(ModelSlidingWindowLayer(spec, i, owner))

@@ -8,9 +8,10 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
 from .. import quant
-from .._config import LayerSpec, layer_specs, resolve_config
+from .._config import LayerSpec, is_latent_attention, layer_specs, resolve_config
 from .._validate import check_choice, check_int, dtype_from_name
 from ..layers._codecs import Int8Codec, KiviCodec
+from ..layers._common import AttentionMode
 from ..layers._storage import Workspace
 from ..layers.quantized import QuantizedLayer, QuantizedSlidingWindowLayer
 from ..registry import register_cache
@@ -105,6 +106,7 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
         self.backend, self.scale_dtype = backend, scale_dtype
         self.layer_specs = specs
         self.workspace = Workspace()
+        self.attention_mode = AttentionMode(config, fusable=not is_latent_attention(config))
         super().__init__(layers=[self._make_layer(i, spec) for i, spec in enumerate(specs)])
 
     def _codec(self):
@@ -114,7 +116,8 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
 
     def _make_layer(self, layer_idx: int, spec: LayerSpec) -> QuantizedLayer:
         cls = QuantizedLayer if spec.layer_type == "full_attention" else QuantizedSlidingWindowLayer
-        return cls(spec, layer_idx, type(self).__name__, self._codec(), self.residual_length, self.workspace)
+        owner, codec = type(self).__name__, self._codec()
+        return cls(spec, layer_idx, owner, codec, self.residual_length, self.workspace, self.attention_mode)
 
     def bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> float:
         """Analytic stored bytes per quantized token, summed over layers, for K/V of ``dtype``.

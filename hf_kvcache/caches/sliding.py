@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache
 from .._config import LayerSpec, is_latent_attention, layer_specs, model_type, resolve_config, uses_alibi
 from .._validate import check_bool, check_int
 from ..layers._codecs import Int8Codec
-from ..layers._common import PaddingTracker
+from ..layers._common import AttentionMode, PaddingTracker
 from ..layers._storage import Workspace
 from ..layers.quantized import QuantizedSlidingWindowLayer
 from ..layers.sliding import SinkWindowLayer
@@ -107,6 +107,7 @@ class SlidingWindowKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         self.layer_specs = specs
         self.padding = PaddingTracker()
         self.workspace = Workspace()
+        self.attention_mode = AttentionMode(config, fusable=not is_latent_attention(config))
         self.rotary = None
         if rerotate and sinks and any(s.layer_type == "full_attention" and s.uses_rope for s in specs):
             self.rotary = rotary_spec(model if model is not None else config, config, "full_attention")
@@ -132,10 +133,19 @@ class SlidingWindowKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         if spec.layer_type == "full_attention":
             rotary = self.rotary if spec.uses_rope else None
             return SinkWindowLayer(
-                spec, layer_idx, owner, self.window, self.sinks, rotary, self.padding, int8, self.workspace
+                spec,
+                layer_idx,
+                owner,
+                self.window,
+                self.sinks,
+                rotary,
+                self.padding,
+                int8,
+                self.workspace,
+                self.attention_mode,
             )
         if int8 is not None:
-            return QuantizedSlidingWindowLayer(spec, layer_idx, owner, int8, 0, self.workspace)
+            return QuantizedSlidingWindowLayer(spec, layer_idx, owner, int8, 0, self.workspace, self.attention_mode)
         return ModelSlidingWindowLayer(spec, layer_idx, owner)
 
     def bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> float:

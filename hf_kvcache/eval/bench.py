@@ -39,6 +39,13 @@ class BenchConfig(ModelOptions):
     new_tokens: int = field(default=32, metadata={"help": "tokens generated per timed run (>= 2)"})
     batch: int = field(default=1, metadata={"help": "prompts per batch"})
     repeats: int = field(default=3, metadata={"help": "timed repeats per measurement (median and spread)"})
+    attn: tuple[str, ...] | None = field(
+        default=None,
+        metadata={
+            "help": "attention implementations to compare, comma-separated, e.g. sdpa,hf_kvcache (default: the "
+            "model's own)"
+        },
+    )
     memory_budget_gib: float | None = field(
         default=None, metadata={"help": "CUDA: report the largest context per cache within this many GiB"}
     )
@@ -85,8 +92,10 @@ def run_bench(
     repeats: int = 3,
     memory_budget: int | None = None,
     progress=None,
+    attns: list[str] | None = None,
 ) -> dict:
-    """Measurements per cache and context; see the module docstring."""
+    """Measurements per cache and context (and attention implementation, when ``attns`` names several: rows then
+    carry an ``attn`` field and the model ends set to the last); see the module docstring."""
     from ..memory import cache_nbytes
     from ..registry import make_cache
 
@@ -97,14 +106,18 @@ def run_bench(
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(0)
     rows = []
+    runs = [(attn, spec) for attn in (attns or [None]) for spec in caches]
     for context in contexts:
         ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=gen).to(device)
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        for spec in caches:
+        for attn, spec in runs:
+            if attn is not None:
+                model.set_attn_implementation(attn)
             timing = time_decode(model, inputs, lambda spec=spec: make_cache(spec, model), new_tokens, repeats)
             rows.append(
                 {
-                    "cache": spec,
+                    "cache": spec if attn is None else f"{spec} [{attn}]",
+                    "attn": attn or model.config._attn_implementation,
                     "context": context,
                     "ttft_s": timing.ttft_s,
                     "decode_tokens_per_s": timing.decode_tokens_per_s,
@@ -117,7 +130,7 @@ def run_bench(
                 progress(1)
     fits = {}
     if memory_budget and device.type == "cuda":
-        for spec in caches:
+        for spec in dict.fromkeys(r["cache"] for r in rows):
             points = [(r["context"], r["peak_memory_bytes"]) for r in rows if r["cache"] == spec]
             if len(points) >= 2 and points[-1][0] != points[0][0]:
                 (c0, m0), (c1, m1) = points[0], points[-1]

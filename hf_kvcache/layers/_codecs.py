@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import quant
+from ..kernels import Int8Segment, KiviSegment
 
 __all__ = ["Int8Codec", "KiviCodec", "kivi_scale_dtype"]
 
@@ -74,6 +75,10 @@ class Int8Codec:
         self._decode_one(parts["k"], parts["ks"], k_out)
         self._decode_one(parts["v"], parts["vs"], v_out)
 
+    def segment(self, parts: Parts, start: int = 0) -> Int8Segment:
+        """The tokens of ``parts`` from ``start`` on, as the kernels read them (views, no copy)."""
+        return Int8Segment(*(parts[name][:, :, start:] for name in ("k", "ks", "v", "vs")))
+
     def bytes_per_token(
         self, num_kv_heads: int, key_dim: int, value_dim: int, kv_dtype: torch.dtype = torch.bfloat16
     ) -> float:
@@ -128,6 +133,12 @@ class KiviCodec:
             "vs": vs.squeeze(-1),  # (B, H, n, Dv/G)
             "vz": vz.squeeze(-1),
         }
+
+    def segment(self, parts: Parts, start: int = 0) -> KiviSegment:
+        """The tokens of ``parts`` (aligned to key groups) from ``start`` on, as the kernels read them."""
+        length = parts["k"].shape[2] - start
+        names = ("k", "ks", "kz", "v", "vs", "vz")
+        return KiviSegment(self.bits, self.group_size, start, length, *(parts[n] for n in names))
 
     def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
         b, h, t, dk = k_out.shape

@@ -20,8 +20,17 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .._config import LayerSpec
+from ..attention import MAX_DECODE_QUERY, is_hf_kvcache_attention
 
-__all__ = ["BatchOpsMixin", "KVLayer", "PaddingTracker", "as_index", "check_same_state", "tokens_to_crop"]
+__all__ = [
+    "AttentionMode",
+    "BatchOpsMixin",
+    "KVLayer",
+    "PaddingTracker",
+    "as_index",
+    "check_same_state",
+    "tokens_to_crop",
+]
 
 
 def tokens_to_crop(tokens_to_remove: int) -> int:
@@ -62,6 +71,25 @@ class BatchOpsMixin:
         self._map_batch(lambda t: t.index_select(0, index.to(t.device)), len(index))
 
 
+class AttentionMode:
+    """Whether a cache's layers answer a forward with a storage handle (:mod:`hf_kvcache.attention`) instead of
+    materialized K/V: when the model's config names the ``hf_kvcache`` attention, the forward brings at most
+    :data:`~hf_kvcache.attention.MAX_DECODE_QUERY` new tokens, there is stored history, and the model's attention
+    reads what the cache returns (``fusable``; not so for latent attention, which expands the latents first)."""
+
+    def __init__(self, config, fusable: bool = True):
+        self.config = config
+        self.fusable = fusable
+
+    def handles(self, new_tokens: int, past_tokens: int) -> bool:
+        return (
+            self.fusable
+            and past_tokens > 0
+            and new_tokens <= MAX_DECODE_QUERY
+            and is_hf_kvcache_attention(getattr(self.config, "_attn_implementation", None))
+        )
+
+
 class KVLayer(BatchOpsMixin, CacheLayerMixin):
     """Base of the hf_kvcache layers: knows its :class:`LayerSpec` and enforces the lifecycle contract above.
 
@@ -71,8 +99,9 @@ class KVLayer(BatchOpsMixin, CacheLayerMixin):
 
     is_croppable = True
 
-    def __init__(self, spec: LayerSpec, layer_idx: int, owner: str):
+    def __init__(self, spec: LayerSpec, layer_idx: int, owner: str, mode: AttentionMode | None = None):
         super().__init__()
+        self.mode = mode or AttentionMode(None, fusable=False)
         self.spec = spec
         self.layer_idx = layer_idx
         self.owner = owner  # the cache's class name, for messages

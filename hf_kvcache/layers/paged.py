@@ -19,7 +19,8 @@ Storage per layer (:class:`PagedStorage`): one ``(num_blocks * block_size, H, D)
 zero-initialized; an on-demand pool grows geometrically (the tensors are reallocated, block ids stay valid). A
 forward returns contiguous ``(B, H, T, D)`` K/V gathered through the block tables, which works with any attention
 implementation; under the ``hf_kvcache`` attention implementation (:mod:`hf_kvcache.attention`) it returns a
-:class:`~hf_kvcache.attention.PagedKV` handle instead and attention reads the blocks in place.
+:class:`~hf_kvcache.kernels.KVHandle` of one :class:`~hf_kvcache.kernels.PagedSegment` (the pool and the block
+table) instead, and the kernels read the blocks in place.
 
 Ownership runs one way: the cache owns its layers and one state; the state owns the allocator, the tables and every
 layer's storage; nothing points back (the allocator's and tables' callbacks hold the state weakly), so a dropped
@@ -33,8 +34,9 @@ import weakref
 import torch
 
 from .._config import LayerSpec
+from ..kernels import KVHandle, PagedSegment
 from ..paging import PAD_BLOCK, BlockAllocator, BlockTables
-from ._common import KVLayer, PaddingTracker, as_index, tokens_to_crop
+from ._common import AttentionMode, KVLayer, PaddingTracker, as_index, tokens_to_crop
 
 
 def _weak_method(method):
@@ -111,10 +113,8 @@ class PagedState:
         block_size: int,
         num_blocks: int | None,
         grow_blocks: int,
-        config=None,
         padding: PaddingTracker | None = None,
     ):
-        self.config = config  # read per forward: under the hf_kvcache attention, layers skip the gather
         self.padding = padding or PaddingTracker()
         self.block_size, self.fixed_blocks, self.grow_blocks = block_size, num_blocks, grow_blocks
         self.storages: dict[int, PagedStorage] = {}  # rank -> storage, created at each layer's first forward
@@ -188,11 +188,9 @@ class PagedState:
             self.read_slots, self.write_keep = slots, None
         self.write_slots = self.read_slots[:, total - q :]
 
-    @property
-    def hf_kvcache_attention(self) -> bool:
-        from ..attention import is_hf_kvcache_attention
-
-        return is_hf_kvcache_attention(getattr(self.config, "_attn_implementation", None))
+    def block_table(self, device: torch.device) -> torch.Tensor:
+        """``(B, blocks)`` int32 block table on ``device`` (PAD_BLOCK entries kept: the kernels mask them)."""
+        return torch.tensor(self.tables.tables, dtype=torch.int32, device=device)
 
     def blocks_in_use(self) -> int:
         return self.allocator.num_used_blocks
@@ -243,8 +241,16 @@ class PagedLayer(KVLayer):
 
     is_sliding = False
 
-    def __init__(self, spec: LayerSpec, layer_idx: int, owner: str, state: PagedState, rank: int):
-        super().__init__(spec, layer_idx, owner)
+    def __init__(
+        self,
+        spec: LayerSpec,
+        layer_idx: int,
+        owner: str,
+        state: PagedState,
+        rank: int,
+        mode: AttentionMode | None = None,
+    ):
+        super().__init__(spec, layer_idx, owner, mode)
         self.state = state
         self.rank = rank  # 0: this layer does the bookkeeping of each forward
 
@@ -276,10 +282,11 @@ class PagedLayer(KVLayer):
                     if not _same_rows(key_states, value_states, row, group[0]):
                         state.unshare(row)
         self.storage.write(state.write_slots, key_states, value_states, state.write_keep)
-        if state.hf_kvcache_attention:
-            from ..attention import PagedKV
-
-            handle = PagedKV(self.storage, state.read_slots, state.block_size)
+        q, total = key_states.shape[-2], state.tables.num_tokens
+        if self.mode.handles(q, total - q):
+            storage, table = self.storage, state.block_table(self.device)
+            segment = PagedSegment(storage.keys, storage.values, table, state.block_size, total)
+            handle = KVHandle((segment,))
             return handle, handle
         return self.storage.read(state.read_slots)
 

@@ -6,7 +6,10 @@ than ``residual_length`` tokens, its oldest tokens are encoded, ``unit`` at a ti
 never holds more than ``residual_length + unit - 1`` tokens, and every token is encoded exactly once.
 
 A forward attends to ``[decoded history ; residual ; new tokens]``, with the new tokens exact: the tokens a forward
-produces are never read back quantized by that same forward (so prefill logits equal ``DynamicCache``'s).
+produces are never read back quantized by that same forward (so prefill logits equal ``DynamicCache``'s). Under the
+``hf_kvcache`` attention a decode forward gets a :class:`~hf_kvcache.kernels.KVHandle` of those three parts (views of
+the codes, scales and residual, taken before the new tokens are stored) and the kernels dequantize in registers;
+otherwise the history is decoded into the shared workspace.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from .._config import LayerSpec
-from ._common import KVLayer, tokens_to_crop
+from ..kernels import DenseSegment, KVHandle
+from ._common import AttentionMode, KVLayer, tokens_to_crop
 from ._storage import TokenBuffers, Workspace
 
 
@@ -23,8 +27,17 @@ class QuantizedLayer(KVLayer):
 
     is_sliding = False
 
-    def __init__(self, spec: LayerSpec, layer_idx: int, owner: str, codec, residual_length: int, workspace: Workspace):
-        super().__init__(spec, layer_idx, owner)
+    def __init__(
+        self,
+        spec: LayerSpec,
+        layer_idx: int,
+        owner: str,
+        codec,
+        residual_length: int,
+        workspace: Workspace,
+        mode: AttentionMode | None = None,
+    ):
+        super().__init__(spec, layer_idx, owner, mode)
         self.codec = codec
         self.residual_length = residual_length
         self.workspace = workspace
@@ -44,7 +57,12 @@ class QuantizedLayer(KVLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._begin_update(key_states, value_states)
-        keys, values = self._attended(key_states, value_states, self._visible_past())
+        visible = self._visible_past()
+        if self.mode.handles(key_states.shape[-2], visible):
+            handle = self._handle(key_states, value_states, visible)
+            keys, values = handle, handle
+        else:
+            keys, values = self._attended(key_states, value_states, visible)
         self._append(key_states, value_states)
         self.cumulative_length += key_states.shape[-2]
         self._evict()
@@ -126,6 +144,20 @@ class QuantizedLayer(KVLayer):
         skip = nq + nr - visible
         return keys[:, :, skip:], values[:, :, skip:]
 
+    def _handle(self, k_new: torch.Tensor, v_new: torch.Tensor, visible: int) -> KVHandle:
+        """``[last `visible` stored tokens ; new tokens]`` as views for the kernels. Taken before the new tokens are
+        stored: a later append writes past these views or into fresh tensors, never over them."""
+        nq, nr = self.store.length, self.residual.length
+        skip = nq + nr - visible
+        segments = []
+        if skip < nq:
+            segments.append(self.codec.segment(self.store.views(), skip))
+        if nr:
+            r0 = max(skip - nq, 0)
+            segments.append(DenseSegment(self.residual.view("k")[:, :, r0:], self.residual.view("v")[:, :, r0:]))
+        segments.append(DenseSegment(k_new, v_new))
+        return KVHandle(tuple(segments))
+
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Add new tokens; encode the oldest residual tokens, ``unit`` at a time, while it exceeds its length."""
         unit = self.codec.unit
@@ -199,8 +231,17 @@ class QuantizedSlidingWindowLayer(QuantizedLayer):
 
     is_sliding = True
 
-    def __init__(self, spec: LayerSpec, layer_idx: int, owner: str, codec, residual_length: int, workspace: Workspace):
-        super().__init__(spec, layer_idx, owner, codec, residual_length, workspace)
+    def __init__(
+        self,
+        spec: LayerSpec,
+        layer_idx: int,
+        owner: str,
+        codec,
+        residual_length: int,
+        workspace: Workspace,
+        mode: AttentionMode | None = None,
+    ):
+        super().__init__(spec, layer_idx, owner, codec, residual_length, workspace, mode)
         self.sliding_window = spec.sliding_window
         self.record_past = False
 

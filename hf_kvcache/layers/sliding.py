@@ -28,9 +28,10 @@ from __future__ import annotations
 import torch
 
 from .._config import LayerSpec
+from ..kernels import DenseSegment, KVHandle
 from ..rope import RotarySpec, rerotate
 from ._codecs import Parts
-from ._common import KVLayer, PaddingTracker, tokens_to_crop
+from ._common import AttentionMode, KVLayer, PaddingTracker, tokens_to_crop
 from ._storage import Workspace, _nbytes
 
 
@@ -45,6 +46,9 @@ class IdentityCodec:
     def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
         k_out.copy_(parts["k"])
         v_out.copy_(parts["v"])
+
+    def segment(self, parts: Parts, start: int = 0) -> DenseSegment:
+        return DenseSegment(parts["k"][:, :, start:], parts["v"][:, :, start:])
 
 
 def _cat(a: Parts | None, b: Parts) -> Parts:
@@ -93,8 +97,9 @@ class SinkWindowLayer(KVLayer):
         padding: PaddingTracker,
         codec=None,
         workspace: Workspace | None = None,
+        mode: AttentionMode | None = None,
     ):
-        super().__init__(spec, layer_idx, owner)
+        super().__init__(spec, layer_idx, owner, mode)
         self.window, self.sinks = window, sinks
         self.capacity = window + sinks
         self.rotary = rotary
@@ -120,7 +125,10 @@ class SinkWindowLayer(KVLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._begin_update(key_states, value_states)
         head, body = self._visible()
-        keys, values = self._attended(head, body, key_states, value_states)
+        if self.mode.handles(key_states.shape[-2], _length(head) + _length(body)):
+            keys = values = self._handle(head, body, key_states, value_states)
+        else:
+            keys, values = self._attended(head, body, key_states, value_states)
         self.body = _cat(self.body, self.codec.encode(key_states, value_states))
         self.cumulative_length += key_states.shape[-2]
         if not self.record_past:
@@ -237,6 +245,32 @@ class SinkWindowLayer(KVLayer):
         if self.stored_tokens > self.capacity:
             self.head, self.body = self._select(self.capacity)
 
+    def _rotate_sinks(self, keys: torch.Tensor, stored: int) -> None:
+        """Re-rotate decoded sink keys in place to sit right before the window (see the module docstring)."""
+        if self.rotary is not None and self.cumulative_length > stored:
+            # Rows with no eviction yet get delta 0, an exact identity rotation: no data-dependent branch, so a
+            # compiled decode step has no graph break here.
+            delta = (self.cumulative_length - stored - self._pads(keys.device)).clamp(min=0)
+            keys.copy_(rerotate(keys, delta, self.rotary))
+
+    def _handle(self, head, body, k_new, v_new) -> KVHandle:
+        """``[sinks ; window ; new]`` for the kernels: the window as views of the storage; the sinks (a few tokens)
+        decoded and re-rotated into a small copy when they need moving."""
+        nh, nb = _length(head), _length(body)
+        segments = []
+        if nh and self.rotary is not None:
+            keys = k_new.new_empty((*k_new.shape[:2], nh, k_new.shape[-1]))  # (B, H, sinks, Dk)
+            values = v_new.new_empty((*v_new.shape[:2], nh, v_new.shape[-1]))
+            self.codec.decode(head, keys, values)
+            self._rotate_sinks(keys, nh + nb)
+            segments.append(DenseSegment(keys, values))
+        elif nh:
+            segments.append(self.codec.segment(head))
+        if nb:
+            segments.append(self.codec.segment(body))
+        segments.append(DenseSegment(k_new, v_new))
+        return KVHandle(tuple(segments))
+
     def _attended(self, head, body, k_new, v_new) -> tuple[torch.Tensor, torch.Tensor]:
         """``[sinks (re-rotated) ; window ; new]`` in full precision."""
         nh, nb, n = _length(head), _length(body), k_new.shape[-2]
@@ -249,11 +283,7 @@ class SinkWindowLayer(KVLayer):
             values = v_new.new_empty((*v_new.shape[:2], nh + nb + n, v_new.shape[-1]))  # (B, H, T, Dv)
         if nh:
             self.codec.decode(head, keys[:, :, :nh], values[:, :, :nh])
-            if self.rotary is not None and self.cumulative_length > nh + nb:
-                # Rows with no eviction yet get delta 0, an exact identity rotation: no data-dependent branch, so a
-                # compiled decode step has no graph break here.
-                delta = (self.cumulative_length - (nh + nb) - self._pads(keys.device)).clamp(min=0)
-                keys[:, :, :nh] = rerotate(keys[:, :, :nh], delta, self.rotary)
+            self._rotate_sinks(keys[:, :, :nh], nh + nb)
         if nb:
             self.codec.decode(body, keys[:, :, nh : nh + nb], values[:, :, nh : nh + nb])
         keys[:, :, nh + nb :].copy_(k_new)

@@ -1,0 +1,164 @@
+"""What a cache layer hands the ``hf_kvcache`` attention instead of materialized K/V: typed views of its storage.
+
+A :class:`KVHandle` is an ordered tuple of segments; attention reads them in order, and column ``j`` of the attention
+mask is token ``j`` of their concatenation. Every segment is a frozen dataclass of plain tensors (views of the
+cache's storage, never copies of its history) and knows how to read a range of its tokens back in float32
+(:meth:`read`), which is what the pure-torch reference kernels use; the Triton kernels read the same tensors in place.
+
+Layouts (``B`` batch, ``H`` KV heads, ``T`` tokens, ``D`` channels):
+
+* :class:`DenseSegment`: keys ``(B, H, T, Dk)`` and values ``(B, H, T, Dv)`` in the model's dtype (residual, new
+  tokens, a full-precision window, re-rotated sinks).
+* :class:`Int8Segment`: int8 codes ``(B, H, T, D)`` and scales ``(B, H, T, D / G)``, ``G`` channels per scale
+  (:class:`~hf_kvcache.layers._codecs.Int8Codec`).
+* :class:`KiviSegment`: KIVI codes packed ``8 / bits`` per byte, low bits first, ``(B, H, T, D * bits / 8)``; keys
+  scale / zero point per (group of ``G`` tokens, channel) ``(B, H, T / G, Dk)``, values per (token, group of ``G``
+  channels) ``(B, H, T, Dv / G)``. The segment covers tokens ``start .. start + length`` of these arrays (a sliding
+  layer may start inside a key group).
+* :class:`PagedSegment`: a block pool ``(slots, H, D)`` addressed through a block table ``(B, blocks)`` (int32 on the
+  pool's device; :data:`~hf_kvcache.paging.PAD_BLOCK` entries are padding and must be masked), ``length`` tokens per
+  row; optionally int8 pages with one scale per token and head, ``(slots, H)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "DenseSegment",
+    "Int8Segment",
+    "KVHandle",
+    "KiviSegment",
+    "PagedSegment",
+    "Segment",
+    "segment_heads",
+    "segment_value_dim",
+]
+
+
+def _group_expand(scale: torch.Tensor, width: int) -> torch.Tensor:
+    """``(..., D / G)`` per-group scales to ``(..., D)`` per-channel."""
+    return scale.float().repeat_interleave(width // scale.shape[-1], dim=-1)
+
+
+@dataclass(frozen=True)
+class DenseSegment:
+    keys: torch.Tensor  # (B, H, T, Dk)
+    values: torch.Tensor  # (B, H, T, Dv)
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[2]
+
+    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[:, :, a:b].float(), self.values[:, :, a:b].float()
+
+
+@dataclass(frozen=True)
+class Int8Segment:
+    k: torch.Tensor  # (B, H, T, Dk) int8
+    ks: torch.Tensor  # (B, H, T, Dk / Gk)
+    v: torch.Tensor  # (B, H, T, Dv) int8
+    vs: torch.Tensor  # (B, H, T, Dv / Gv)
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.k[:, :, a:b].float() * _group_expand(self.ks[:, :, a:b], self.k.shape[-1])
+        v = self.v[:, :, a:b].float() * _group_expand(self.vs[:, :, a:b], self.v.shape[-1])
+        return k, v
+
+
+def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """``(..., D * bits / 8)`` uint8 -> ``(..., D)`` float32 codes."""
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, device=packed.device, dtype=torch.uint8) * bits
+    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # (..., D / k, k)
+    return codes.flatten(-2).float()
+
+
+@dataclass(frozen=True)
+class KiviSegment:
+    bits: int
+    group: int  # G: tokens per key group, channels per value group
+    start: int  # first token of the segment in the arrays' token axis
+    length: int
+    k: torch.Tensor  # (B, H, T, Dk * bits / 8) uint8
+    ks: torch.Tensor  # (B, H, T / G, Dk)
+    kz: torch.Tensor
+    v: torch.Tensor  # (B, H, T, Dv * bits / 8) uint8
+    vs: torch.Tensor  # (B, H, T, Dv / G)
+    vz: torch.Tensor
+
+    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = a + self.start, b + self.start
+        groups = torch.arange(a, b, device=self.k.device) // self.group
+        k = _unpack(self.k[:, :, a:b], self.bits) * self.ks[:, :, groups].float() + self.kz[:, :, groups].float()
+        width = self.v.shape[-1] * 8 // self.bits
+        v = _unpack(self.v[:, :, a:b], self.bits) * _group_expand(self.vs[:, :, a:b], width)
+        return k, v + _group_expand(self.vz[:, :, a:b], width)
+
+
+@dataclass(frozen=True)
+class PagedSegment:
+    keys: torch.Tensor  # (slots, H, Dk): model dtype, or int8 codes with key_scales
+    values: torch.Tensor  # (slots, H, Dv)
+    block_table: torch.Tensor  # (B, blocks) int32; PAD_BLOCK (-1) entries are masked padding
+    block_size: int
+    length: int  # tokens per row
+    key_scales: torch.Tensor | None = None  # (slots, H) for int8 pages
+    value_scales: torch.Tensor | None = None
+
+    def slots(self, a: int, b: int) -> torch.Tensor:
+        """``(B, b - a)`` storage slots of tokens ``a .. b`` (padding entries read slot 0)."""
+        positions = torch.arange(a, b, device=self.block_table.device)
+        blocks = self.block_table[:, positions // self.block_size].long().clamp_min(0)
+        return blocks * self.block_size + positions % self.block_size
+
+    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = self.slots(a, b)
+        batch, n = slots.shape
+        flat = slots.flatten()
+        k = self.keys.index_select(0, flat).float()  # (B * n, H, Dk)
+        v = self.values.index_select(0, flat).float()
+        if self.key_scales is not None:
+            k = k * self.key_scales.index_select(0, flat).float().unsqueeze(-1)
+            v = v * self.value_scales.index_select(0, flat).float().unsqueeze(-1)
+        # (B * n, H, D) -> (B, H, n, D)
+        return k.view(batch, n, *k.shape[1:]).transpose(1, 2), v.view(batch, n, *v.shape[1:]).transpose(1, 2)
+
+
+Segment = DenseSegment | Int8Segment | KiviSegment | PagedSegment
+
+
+def segment_heads(segment: Segment) -> int:
+    """KV heads of a segment."""
+    return segment.keys.shape[1] if isinstance(segment, (DenseSegment, PagedSegment)) else segment.k.shape[1]
+
+
+def segment_value_dim(segment: Segment) -> int:
+    """Channels per head of a segment's values."""
+    if isinstance(segment, (DenseSegment, PagedSegment)):
+        return segment.values.shape[-1]
+    if isinstance(segment, KiviSegment):
+        return segment.v.shape[-1] * 8 // segment.bits
+    return segment.v.shape[-1]
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """What a layer of our caches returns (as both "keys" and "values") under the ``hf_kvcache`` attention."""
+
+    segments: tuple[Segment, ...]
+
+    @property
+    def length(self) -> int:
+        return sum(s.length for s in self.segments)
+
+    @property
+    def value_dim(self) -> int:
+        return segment_value_dim(self.segments[0])

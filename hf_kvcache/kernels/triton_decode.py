@@ -1,0 +1,199 @@
+"""Triton decode-attention kernels: the contract of :mod:`hf_kvcache.kernels.reference`, reading storage in place.
+
+Flash-decoding: the grid is (batch x KV heads, splits); a program takes all query rows of one KV head (``G`` query
+heads x ``q`` query tokens, so K/V are read once per KV head, not once per query head), walks its split of the tokens
+``BLOCK_N`` at a time, dequantizes each tile in registers (int8: code x scale; KIVI: unpack, code x scale + zero;
+paged: slots through the block table) and keeps an online softmax; :func:`~hf_kvcache.kernels.reference.combine`
+reduces the splits. Every load is masked (out-of-range tokens, channels and rows), so the kernels also run under
+``TRITON_INTERPRET=1`` on CPU tensors, which is how the CPU test suite checks them (float32 and float16: the
+interpreter is wrong for bfloat16, which only a GPU run checks).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .segments import DenseSegment, Int8Segment, KiviSegment, PagedSegment, Segment, segment_heads, segment_value_dim
+
+__all__ = ["triton_partial"]
+
+DENSE, INT8, KIVI, PAGED, PAGED_INT8 = 0, 1, 2, 3, 4
+BLOCK_N = 64
+
+
+@triton.jit
+def _load_kv(
+    K, KS, KZ, b, h, t, tok_ok, d, d_ok,
+    s_b, s_h, s_t, s_d, ss_b, ss_h, ss_t, ss_d,
+    TABLE, stab_b, stab_n, START,
+    KIND: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, IS_KEY: tl.constexpr, BS: tl.constexpr,
+):  # fmt: skip
+    """A ``(BLOCK_N, BLOCK_D)`` float32 tile of keys (``IS_KEY``) or values of tokens ``t``, channels ``d``."""
+    ok = tok_ok[:, None] & d_ok[None, :]
+    if KIND == 3 or KIND == 4:  # paged: token -> block table entry -> slot
+        block = tl.load(TABLE + b * stab_b + (t // BS) * stab_n, mask=tok_ok, other=0)
+        slot = tl.maximum(block, 0) * BS + t % BS
+        x = tl.load(K + slot[:, None] * s_t + h * s_h + d[None, :] * s_d, mask=ok, other=0).to(tl.float32)
+        if KIND == 4:
+            scale = tl.load(KS + slot * ss_t + h * ss_h, mask=tok_ok, other=0).to(tl.float32)
+            x = x * scale[:, None]
+        return x
+    base = b * s_b + h * s_h
+    if KIND == 2:  # KIVI: packed codes, low bits first
+        ta = t + START
+        byte = tl.load(K + base + ta[:, None] * s_t + (d[None, :] // (8 // BITS)) * s_d, mask=ok, other=0)
+        code = ((byte.to(tl.int32) >> ((d[None, :] % (8 // BITS)) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        sbase = b * ss_b + h * ss_h
+        if IS_KEY:  # per (group of GROUP tokens, channel)
+            where = sbase + (ta[:, None] // GROUP) * ss_t + d[None, :] * ss_d
+        else:  # per (token, group of GROUP channels)
+            where = sbase + ta[:, None] * ss_t + (d[None, :] // GROUP) * ss_d
+        scale = tl.load(KS + where, mask=ok, other=0).to(tl.float32)
+        zero = tl.load(KZ + where, mask=ok, other=0).to(tl.float32)
+        return code * scale + zero
+    x = tl.load(K + base + t[:, None] * s_t + d[None, :] * s_d, mask=ok, other=0).to(tl.float32)
+    if KIND == 1:  # int8: one scale per token and group of GROUP channels
+        where = b * ss_b + h * ss_h + t[:, None] * ss_t + (d[None, :] // GROUP) * ss_d
+        x = x * tl.load(KS + where, mask=ok, other=0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _partial_kernel(
+    Q, K, V, KS, KZ, VS, VZ, TABLE, MASK, M_OUT, L_OUT, ACC_OUT,
+    sq_b, sq_h, sq_q, sq_d,
+    sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+    sks_b, sks_h, sks_t, sks_d, svs_b, svs_h, svs_t, svs_d,
+    stab_b, stab_n, sm_b, sm_q, sm_t,
+    H, T, START, q_len, G, DK, DV, per_split, scaling, softcap,
+    KIND: tl.constexpr, BITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, BS: tl.constexpr,
+    HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    b = pid // H
+    h = pid % H
+    rows = tl.arange(0, BLOCK_R)
+    row_ok = rows < G * q_len
+    g = rows // q_len
+    i = rows % q_len
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    dk_ok = dk < DK
+    dv_ok = dv < DV
+    q_ptr = Q + b * sq_b + (h * G + g)[:, None] * sq_h + i[:, None] * sq_q + dk[None, :] * sq_d
+    q = tl.load(q_ptr, mask=row_ok[:, None] & dk_ok[None, :], other=0)
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, T)
+    for t0 in range(lo, hi, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        tok_ok = t < hi
+        k = _load_kv(
+            K, KS, KZ, b, h, t, tok_ok, dk, dk_ok, sk_b, sk_h, sk_t, sk_d, sks_b, sks_h, sks_t, sks_d,
+            TABLE, stab_b, stab_n, START, KIND, BITS, GK, True, BS,
+        )  # fmt: skip
+        v = _load_kv(
+            V, VS, VZ, b, h, t, tok_ok, dv, dv_ok, sv_b, sv_h, sv_t, sv_d, svs_b, svs_h, svs_t, svs_d,
+            TABLE, stab_b, stab_n, START, KIND, BITS, GV, False, BS,
+        )  # fmt: skip
+        if DOT_FP32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
+        else:  # the model's 16-bit dtype on tensor cores, accumulated in float32
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        s = s * scaling
+        if SOFTCAP:
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
+        valid = row_ok[:, None] & tok_ok[None, :]
+        if HAS_MASK:
+            allowed = tl.load(MASK + b * sm_b + i[:, None] * sm_q + t[None, :] * sm_t, mask=valid, other=0)
+            valid = valid & (allowed != 0)
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - safe[:, None])
+        alpha = tl.exp(m_i - safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        m_i = m_new
+    R = G * q_len
+    out = (pid * R + rows) * num_splits + split  # (B * H, R, S) row-major
+    tl.store(M_OUT + out, m_i, mask=row_ok)
+    tl.store(L_OUT + out, l_i, mask=row_ok)
+    tl.store(ACC_OUT + out[:, None] * DV + dv[None, :], acc, mask=row_ok[:, None] & dv_ok[None, :])
+
+
+def _block(n: int, minimum: int = 16) -> int:
+    return max(minimum, triton.next_power_of_2(n))
+
+
+def _strides(t: torch.Tensor | None, n: int = 4) -> list[int]:
+    return list(t.stride()) if t is not None else [0] * n
+
+
+def triton_partial(
+    query: torch.Tensor,
+    segment: Segment,
+    mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float,
+    splits: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The contract of :func:`hf_kvcache.kernels.reference.partial`, as one Triton launch."""
+    b, hq, q_len, dk = query.shape
+    hkv = segment_heads(segment)
+    g = hq // hkv
+    dv = segment_value_dim(segment)
+    rows = g * q_len
+    length = segment.length
+    m = torch.empty((b, hkv, rows, splits), dtype=torch.float32, device=query.device)
+    l_ = torch.empty_like(m)
+    acc = torch.empty((b, hkv, rows, splits, dv), dtype=torch.float32, device=query.device)
+    dummy = query.new_empty(0)
+    table, ks, kz, vs, vz, start, bits, gk, gv, bs = None, None, None, None, None, 0, 8, 1, 1, 1
+    if isinstance(segment, DenseSegment):
+        kind, k, v = DENSE, segment.keys, segment.values
+    elif isinstance(segment, Int8Segment):
+        kind, k, v, ks, vs = INT8, segment.k, segment.v, segment.ks, segment.vs
+        gk, gv = k.shape[-1] // ks.shape[-1], v.shape[-1] // vs.shape[-1]
+    elif isinstance(segment, KiviSegment):
+        kind, k, v = KIVI, segment.k, segment.v
+        ks, kz, vs, vz = segment.ks, segment.kz, segment.vs, segment.vz
+        start, bits, gk, gv = segment.start, segment.bits, segment.group, segment.group
+    else:
+        assert isinstance(segment, PagedSegment)
+        kind = PAGED if segment.key_scales is None else PAGED_INT8
+        k, v, table, bs = segment.keys, segment.values, segment.block_table, segment.block_size
+        ks, vs = segment.key_scales, segment.value_scales
+    # Paged pools are (slots, H, D): the token stride is the slot stride and there is no batch stride.
+    k_strides = [0, k.stride(1), k.stride(0), k.stride(2)] if kind >= PAGED else list(k.stride())
+    v_strides = [0, v.stride(1), v.stride(0), v.stride(2)] if kind >= PAGED else list(v.stride())
+    ks_strides = [0, ks.stride(1), ks.stride(0), 0] if kind == PAGED_INT8 else _strides(ks)
+    vs_strides = [0, vs.stride(1), vs.stride(0), 0] if kind == PAGED_INT8 else _strides(vs)
+    mask_u8 = mask.view(torch.uint8) if mask is not None else None
+    per_split = -(-max(length, 1) // splits)
+    per_split = -(-per_split // BLOCK_N) * BLOCK_N
+    _partial_kernel[(b * hkv, splits)](
+        query, k, v,
+        ks if ks is not None else dummy, kz if kz is not None else dummy,
+        vs if vs is not None else dummy, vz if vz is not None else dummy,
+        table if table is not None else dummy, mask_u8 if mask_u8 is not None else dummy,
+        m, l_, acc,
+        *query.stride(), *k_strides, *v_strides, *ks_strides, *vs_strides,
+        *(_strides(table, 2)), *(_strides(mask_u8, 3)),
+        hkv, length, start, q_len, g, k.shape[-1] * (8 // bits if kind == KIVI else 1),
+        dv, per_split, float(scaling), float(softcap or 0.0),
+        KIND=kind, BITS=bits, GK=gk, GV=gv, BS=bs, HAS_MASK=mask is not None, SOFTCAP=bool(softcap),
+        DOT_FP32=query.dtype == torch.float32, BLOCK_R=_block(rows), BLOCK_N=BLOCK_N,
+        BLOCK_DK=_block(dk), BLOCK_DV=_block(dv),
+    )  # fmt: skip
+    return m.view(b, hkv, g, q_len, splits), l_.view(b, hkv, g, q_len, splits), acc.view(b, hkv, g, q_len, splits, dv)

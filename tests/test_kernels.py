@@ -1,0 +1,184 @@
+"""Every decode-attention kernel against its pure-torch reference and against sdpa over the dequantized K/V.
+
+The Triton kernels run here under ``TRITON_INTERPRET=1`` on CPU tensors (conftest sets it when there is no GPU), in
+float32 and float16; on a GPU the same tests compile them for real, bfloat16 included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_kvcache.kernels import DenseSegment, Int8Segment, KiviSegment, KVHandle, PagedSegment, combine, partial
+from hf_kvcache.kernels.ops import decode_attention
+from hf_kvcache.layers._codecs import Int8Codec, KiviCodec
+from hf_kvcache.paging import PAD_BLOCK
+
+triton_decode = pytest.importorskip("hf_kvcache.kernels.triton_decode", reason="needs triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KINDS = ("dense", "int8", "int8-g16", "kivi4", "kivi2", "paged", "paged-int8")
+
+
+def _segment(kind: str, k: torch.Tensor, v: torch.Tensor, start: int = 0, block_size: int = 5):
+    """A segment of ``kind`` holding ``k``/``v`` ``(B, H, T, D)``, and the K/V it really stores (dequantized)."""
+    if kind == "dense":
+        seg = DenseSegment(k, v)
+    elif kind.startswith("int8"):
+        codec = Int8Codec(16 if kind == "int8-g16" else None, torch.float32)
+        p = codec.encode(k.float(), v.float())
+        seg = Int8Segment(p["k"], p["ks"], p["v"], p["vs"])
+    elif kind.startswith("kivi"):
+        group = 16
+        t = k.shape[2] - k.shape[2] % group
+        codec = KiviCodec(int(kind[-1]), group, torch.float32)
+        p = codec.encode(k[:, :, :t].float(), v[:, :, :t].float())
+        seg = KiviSegment(codec.bits, group, start, t - start, p["k"], p["ks"], p["kz"], p["v"], p["vs"], p["vz"])
+    else:
+        seg = _paged(k, v, block_size, int8=kind == "paged-int8")
+    keys, values = seg.read(0, seg.length)
+    return seg, keys, values
+
+
+def _paged(k, v, block_size, int8=False, pad_blocks=0):
+    """Scatter ``k``/``v`` into a shuffled pool with ``pad_blocks`` leading padding entries in row 0."""
+    b, h, t, d = k.shape
+    blocks = -(-t // block_size)
+    ids = torch.randperm(b * blocks + 3, generator=torch.Generator().manual_seed(0))[: b * blocks].view(b, blocks)
+    table = ids.to(torch.int32).clone()
+    table[0, :pad_blocks] = PAD_BLOCK
+    pool_k = torch.zeros(((b * blocks + 3) * block_size, h, d), dtype=k.dtype)
+    pool_v = torch.zeros_like(pool_k)
+    slots = (ids.unsqueeze(-1) * block_size + torch.arange(block_size)).flatten(1)[:, :t]  # (B, T)
+    pool_k[slots.flatten()] = k.transpose(1, 2).reshape(-1, h, d)
+    pool_v[slots.flatten()] = v.transpose(1, 2).reshape(-1, h, d)
+    if not int8:
+        return PagedSegment(pool_k.to(k.device), pool_v.to(k.device), table.to(k.device), block_size, t)
+    kq, ks = Int8Codec(None, torch.float32)._encode_one(pool_k.float().unsqueeze(0))
+    vq, vs = Int8Codec(None, torch.float32)._encode_one(pool_v.float().unsqueeze(0))
+    return PagedSegment(kq[0], vq[0], table, block_size, t, ks[0, ..., 0], vs[0, ..., 0])
+
+
+def _sdpa(query, keys, values, mask, scaling, softcap=0.0):
+    """Plain attention over dense K/V (the independent check): repeat KV heads, mask, softmax."""
+    g = query.shape[1] // keys.shape[1]
+    k, v = keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1)
+    scores = query.float() @ k.transpose(-1, -2) * scaling
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+def _case(kind, length=300, q_len=1, gqa=4, head_dim=64, dtype=torch.float32, padded=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b, hkv = 2, 2
+    query = torch.randn(b, hkv * gqa, q_len, head_dim, generator=g).to(dtype)
+    k = torch.randn(b, hkv, length, head_dim, generator=g).to(dtype)
+    v = torch.randn(b, hkv, length, head_dim, generator=g).to(dtype)
+    seg, keys, values = _segment(kind, k, v)
+    mask = torch.ones(b, q_len, seg.length, dtype=torch.bool)
+    if padded:
+        mask[1, :, : min(7, seg.length - 1)] = False  # a left-padded row
+    # The new tokens' causal mask: query i sees every token but the last q_len - 1 - i.
+    for i in range(q_len - 1):
+        mask[:, i, seg.length - (q_len - 1 - i) :] = False
+    return query, seg, keys, values, mask
+
+
+def _close(a, b, dtype):
+    tol = 2e-3 if dtype == torch.float16 else 2e-5
+    scale = max(1.0, float(b.abs().max()))
+    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * scale)
+
+
+def _run(query, seg, mask, splits, softcap=0.0):
+    ref = combine([partial(query, seg, mask, 0.125, softcap, splits)], dtype=torch.float32)
+    tri = combine([triton_decode.triton_partial(query, seg, mask, 0.125, softcap, splits)], dtype=torch.float32)
+    return ref, tri
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_kernel_equals_reference_and_sdpa(kind, dtype):
+    query, seg, keys, values, mask = _case(kind, dtype=dtype, padded=True)
+    ref, tri = _run(query, seg, mask, splits=3)
+    _close(tri, ref, dtype)
+    _close(ref, _sdpa(query, keys, values, mask, 0.125), dtype)
+
+
+SHAPES = {  # id: (tokens, query tokens, query heads per KV head, head_dim)
+    "1tok": (1, 1, 4, 64),
+    "63tok-mha-d80": (63, 1, 1, 80),
+    "130tok-q5-d96": (130, 5, 2, 96),
+    "300tok-q16-gqa8-d128": (300, 16, 8, 128),
+    "97tok-d256": (97, 3, 4, 256),
+    "3000tok": (3000, 1, 4, 64),
+}
+
+
+@pytest.mark.parametrize(
+    "kind, length, q_len, gqa, head_dim",
+    [
+        pytest.param(kind, *shape, id=f"{kind}-{name}")
+        for kind in ("dense", "int8", "kivi4", "paged")
+        for name, shape in SHAPES.items()
+        if not (kind == "kivi4" and shape[0] < 16)  # a KIVI segment holds whole key groups of 16 tokens
+    ],
+)
+def test_kernel_shapes(kind, length, q_len, gqa, head_dim):
+    query, seg, keys, values, mask = _case(kind, length, q_len, gqa, head_dim, padded=length > 8)
+    ref, tri = _run(query, seg, mask, splits=4 if length > 200 else 1)
+    _close(tri, ref, torch.float32)
+    _close(ref, _sdpa(query, keys, values, mask, 0.125), torch.float32)
+
+
+def test_softcap_and_sinks():
+    query, seg, keys, values, mask = _case("int8", 200, 2)
+    ref, tri = _run(query, seg, mask, splits=2, softcap=3.0)
+    _close(tri, ref, torch.float32)
+    _close(ref, _sdpa(query, keys, values, mask, 0.125, softcap=3.0), torch.float32)
+    sinks = torch.randn(query.shape[1])
+    got = decode_attention(query, KVHandle((seg,)), mask[:, None], 0.125, 0.0, sinks)
+    g = query.shape[1] // keys.shape[1]
+    scores = query @ keys.repeat_interleave(g, 1).transpose(-1, -2) * 0.125
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)], -1)
+    want = (scores.softmax(-1)[..., :-1] @ values.repeat_interleave(g, 1)).transpose(1, 2)
+    _close(got, want, torch.float32)
+
+
+def test_kivi_segment_starting_inside_a_key_group():
+    """A sliding layer's visible tokens may start inside a key group: scales are indexed by absolute token."""
+    k, v = torch.randn(1, 2, 64, 64), torch.randn(1, 2, 64, 64)
+    seg, _, _ = _segment("kivi2", k, v, start=5)
+    query = torch.randn(1, 4, 1, 64)
+    ref, tri = _run(query, seg, None, splits=2)
+    _close(tri, ref, torch.float32)
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_paged_kernel_with_padding_blocks_and_any_block_size(block_size):
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(2, 2, 77, 64, generator=g), torch.randn(2, 2, 77, 64, generator=g)
+    pad = 2 if block_size > 1 else 9
+    seg = _paged(k, v, block_size, pad_blocks=pad)
+    mask = torch.ones(2, 1, 77, dtype=torch.bool)
+    mask[0, :, : pad * block_size] = False  # row 0's padding blocks are masked, as generate() masks left padding
+    query = torch.randn(2, 8, 1, 64, generator=g)
+    ref, tri = _run(query, seg, mask, splits=3)
+    _close(tri, ref, torch.float32)
+    _close(ref, _sdpa(query, k, v, mask, 0.125), torch.float32)
+
+
+def test_reference_scratch_is_bounded_by_its_chunk(monkeypatch):
+    """The reference never dequantizes more than REFERENCE_CHUNK tokens at a time."""
+    from hf_kvcache.kernels import reference
+
+    query, seg, _, _, mask = _case("int8", 2000)
+    widths = []
+    real = Int8Segment.read
+    monkeypatch.setattr(Int8Segment, "read", lambda self, a, b: widths.append(b - a) or real(self, a, b))
+    partial(query, seg, mask, 0.125, 0.0, 1)
+    assert max(widths) <= reference.REFERENCE_CHUNK and sum(widths) == 2000
