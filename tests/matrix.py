@@ -75,6 +75,24 @@ CACHE_CASES = [
         families=VARIANT,
     ),
     CacheCase("sink-hf", "sink:window=256:sinks=4", lossless=True, attn="hf_kvcache"),
+    # int8 pages: the int8 cache's encoding in a block pool (sharing, copy-on-write, beams, crop as with full pages).
+    CacheCase(
+        "paged-int8",
+        "paged:block_size=4:bits=8",
+        lossless=False,
+        logit_bound=LOGIT_BOUNDS["int8"],
+        greedy_exact=True,
+        families=VARIANT,
+    ),
+    CacheCase(
+        "paged-int8-hf",
+        "paged:block_size=4:bits=8",
+        lossless=False,
+        logit_bound=LOGIT_BOUNDS["int8"],
+        greedy_exact=True,
+        attn="hf_kvcache",
+        families=VARIANT,
+    ),
     CacheCase(
         "sink-int8",
         "sink:window=256:sinks=4:bits=8",

@@ -10,7 +10,7 @@ from transformers import DynamicCache
 from hf_kvcache import PagedKVCache, cache_nbytes, make_cache
 from hf_kvcache._config import LayerSpec
 from hf_kvcache.layers.paged import PagedLayer, PagedState, PagedStorage
-from hf_kvcache.paging import PoolExhaustedError
+from hf_kvcache.paging import PAD_BLOCK, PoolExhaustedError
 
 
 def _ids(batch, length, seed=0):
@@ -130,7 +130,7 @@ def test_rows_identical_on_one_layer_only_are_unshared():
     got_k, got_v = second.update(k2, v2)
     torch.testing.assert_close(got_k, k2, rtol=0, atol=0)
     torch.testing.assert_close(got_v, v2, rtol=0, atol=0)
-    again_k, _ = first.storage.read(state.read_slots)
+    again_k, _ = first.storage.read(state.read_slots(first.device))
     torch.testing.assert_close(again_k, k, rtol=0, atol=0)
     state.allocator.check_invariants(state.tables.tables)
 
@@ -252,3 +252,84 @@ def test_a_config_built_cache_stores_padding_unless_told():
         blocks[name] = cache.block_report()["blocks_used"]
         cache.check_invariants()
     assert blocks == {"untold": 2 * 8, "told": 2 + 8, "model": 2 + 8}  # row 0: 55 padding tokens, 6 whole blocks
+
+
+def _device_tables_follow_python(cache: PagedKVCache) -> None:
+    """Every device copy of the block tables equals the Python tables (PAD past each row's end), and the pool's
+    invariants hold."""
+    cache.check_invariants()
+    state = cache.state
+    for device in list(state.device_tables):
+        table = state.block_table(device)
+        assert table.shape[0] == len(state.tables.tables)
+        for r, row in enumerate(state.tables.tables):
+            assert table[r, : len(row)].tolist() == row
+            assert bool((table[r, len(row) :] == PAD_BLOCK).all())
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "hf_kvcache"])
+def test_device_tables_follow_every_operation(attn):
+    model = tiny_model("llama", attn)
+    cache = PagedKVCache(model, block_size=4)
+    ids = _ids(3, 10)
+    mask = torch.ones_like(ids)
+    ids[1, :5], mask[1, :5] = 0, 0  # a left-padded row: its first block is a padding entry
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        _device_tables_follow_python(cache)
+        assert cache.state.tables.tables[1][0] == PAD_BLOCK
+        for step in range(7):  # decode across block boundaries
+            mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
+            model(_ids(3, 1, seed=step), attention_mask=mask, past_key_values=cache, use_cache=True)
+            _device_tables_follow_python(cache)
+        cache.crop(-5)
+        mask = mask[:, :-5]
+        _device_tables_follow_python(cache)
+        cache.reorder_cache(torch.tensor([2, 0, 0]))
+        _device_tables_follow_python(cache)
+        mask = mask[[2, 0, 0]]
+        for step in range(3):  # rows 1 and 2 share every block now: the next write copies the shared tail
+            mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
+            model(_ids(3, 1, seed=10 + step), attention_mask=mask, past_key_values=cache, use_cache=True)
+            _device_tables_follow_python(cache)
+        cache.batch_select_indices((0, 2))
+        _device_tables_follow_python(cache)
+        cache.batch_repeat_interleave(2)
+        _device_tables_follow_python(cache)
+    cache.reset()
+    assert cache.state.device_tables == {} and cache.get_seq_length() == 0
+
+
+def test_int8_pages_share_prompt_blocks_at_about_a_quarter_of_float32_bytes():
+    """bits=8 pages store int8 codes and one float32 scale per token and head: four samples still share the
+    prompt's blocks (copy-on-write as with full-precision pages), in (16 + 4) / 64 of float32 pages' bytes here."""
+    model = tiny_model("llama")
+    inputs = {"input_ids": _ids(1, 23), "attention_mask": torch.ones(1, 23, dtype=torch.long)}
+    caches = {}
+    for spec in ("paged:block_size=4:bits=8", "paged:block_size=4"):
+        caches[spec] = cache = make_cache(spec, model)
+        torch.manual_seed(0)
+        model.generate(**inputs, past_key_values=cache, max_new_tokens=8, do_sample=True, num_return_sequences=4)
+        cache.check_invariants()
+    paged8, paged = caches.values()
+    assert paged8.block_report() == paged.block_report() and paged8.block_report()["blocks_shared"] > 0
+    assert paged8.nbytes / paged.nbytes == pytest.approx((16 + 4) / 64)
+
+
+def test_int8_pages_logits_match_the_int8_cache():
+    """On a full-attention model (a hybrid one keeps its sliding layers in full precision in pages, not in int8)."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 100, (2, 30), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for spec in ("int8", "paged:block_size=4:bits=8"):
+        cache = make_cache(spec, model)
+        with torch.no_grad():
+            model(ids[:, :20], past_key_values=cache)
+            steps = [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(20, 30)]
+        logits.append(torch.cat(steps, 1))
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_bad_bits_is_a_value_error():
+    with pytest.raises(ValueError, match="bits must be None"):
+        PagedKVCache(tiny_model("llama").config, bits=4)

@@ -48,6 +48,9 @@ class PagedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             Running out raises ``PoolExhaustedError`` (a ``RuntimeError``) that says how many blocks to allow,
             and leaves the cache as it was.
         grow_blocks: smallest growth step of an on-demand pool.
+        bits: None (pages in the model's dtype, lossless) or 8: int8 pages with one float32 scale per token and head,
+            as :class:`~hf_kvcache.QuantizedKVCache` ``bits=8`` encodes them (about half the pool of bf16 pages for
+            the same tokens; the model's own sliding layers stay in full precision).
 
     Example:
         >>> from transformers import LlamaConfig
@@ -64,6 +67,7 @@ class PagedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         block_size: int = 16,
         num_blocks: int | None = None,
         grow_blocks: int = 64,
+        bits: int | None = None,
     ):
         model = config if isinstance(config, torch.nn.Module) else None
         config = resolve_config(config)
@@ -71,11 +75,13 @@ class PagedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         if num_blocks is not None:
             check_int("num_blocks", num_blocks, 1)
         check_int("grow_blocks", grow_blocks, 1)
+        if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int) or bits != 8):
+            raise ValueError(f"bits must be None (pages in the model's dtype) or 8 (int8 pages), got {bits!r}")
         specs = layer_specs(config, type(self).__name__)
-        self.block_size, self.num_blocks, self.grow_blocks = block_size, num_blocks, grow_blocks
+        self.block_size, self.num_blocks, self.grow_blocks, self.bits = block_size, num_blocks, grow_blocks, bits
         self.layer_specs = specs
         self.padding = PaddingTracker()
-        self.state = PagedState(block_size, num_blocks, grow_blocks, self.padding)
+        self.state = PagedState(block_size, num_blocks, grow_blocks, self.padding, bits)
         self.attention_mode = AttentionMode(config, fusable=not is_latent_attention(config))
         owner, layers, rank = type(self).__name__, [], 0
         for i, spec in enumerate(specs):
@@ -100,16 +106,23 @@ class PagedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         self.state.allocator.check_invariants(self.state.tables.tables)
 
     def bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> float:
-        """Stored bytes per distinct token (a shared prompt block counts once), summed over layers."""
-        return sum(s.bytes_per_token_factor * dtype.itemsize for s in self.layer_specs)
+        """Stored bytes per distinct token (a shared prompt block counts once), summed over layers. The model's own
+        sliding layers keep full precision, as with ``bits=None``."""
+        total = 0.0
+        for s in self.layer_specs:
+            if self.bits == 8 and s.layer_type == "full_attention":
+                total += s.bytes_per_token_factor + 2 * s.num_kv_heads * 4  # int8 codes + a float32 scale each
+            else:
+                total += s.bytes_per_token_factor * dtype.itemsize
+        return total
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(block_size={self.block_size}, num_blocks={self.num_blocks}, "
+            f"{type(self).__name__}(block_size={self.block_size}, num_blocks={self.num_blocks}, bits={self.bits}, "
             f"layers={len(self.layers)})"
         )
 
 
-register_cache("paged", "PagedKVCache: block pool + block tables, shared prompt blocks, copy-on-write (lossless)")(
+register_cache("paged", "PagedKVCache: block pool + block tables, shared prompt blocks, copy-on-write (bits=8: int8)")(
     PagedKVCache
 )

@@ -34,8 +34,9 @@ import weakref
 import torch
 
 from .._config import LayerSpec
-from ..kernels import KVHandle, PagedSegment
+from ..kernels import DenseSegment, KVHandle, PagedSegment
 from ..paging import PAD_BLOCK, BlockAllocator, BlockTables
+from ._codecs import Int8Codec
 from ._common import AttentionMode, KVLayer, PaddingTracker, as_index, tokens_to_crop
 
 
@@ -51,13 +52,30 @@ def _weak_method(method):
 
 
 class PagedStorage:
-    """One layer's K/V slots: ``(slots, H, Dk)`` and ``(slots, H, Dv)`` tensors, slot ``b * block_size + i`` being
-    token ``i`` of block ``b``."""
+    """One layer's K/V slots, slot ``b * block_size + i`` being token ``i`` of block ``b``: ``keys`` ``(slots, H, Dk)``
+    and ``values`` ``(slots, H, Dv)`` in the model's dtype, or (``bits=8``) int8 codes with one float32 scale per
+    token and head in ``key_scales`` / ``value_scales`` ``(slots, H)``, as the int8 cache encodes them."""
 
-    def __init__(self, spec: LayerSpec, dtype: torch.dtype, device: torch.device, num_slots: int):
-        self.spec = spec
-        self.keys = torch.zeros((num_slots, spec.num_kv_heads, spec.key_dim), dtype=dtype, device=device)
-        self.values = torch.zeros((num_slots, spec.num_kv_heads, spec.value_dim), dtype=dtype, device=device)
+    def __init__(self, spec: LayerSpec, dtype: torch.dtype, device: torch.device, num_slots: int, bits: int | None):
+        self.spec, self.dtype, self.bits = spec, dtype, bits
+        code = torch.int8 if bits == 8 else dtype
+        heads = spec.num_kv_heads
+        self.tensors = {
+            "keys": torch.zeros((num_slots, heads, spec.key_dim), dtype=code, device=device),
+            "values": torch.zeros((num_slots, heads, spec.value_dim), dtype=code, device=device),
+        }
+        if bits == 8:
+            self.tensors["key_scales"] = torch.zeros((num_slots, heads), dtype=torch.float32, device=device)
+            self.tensors["value_scales"] = torch.zeros((num_slots, heads), dtype=torch.float32, device=device)
+        self.codec = Int8Codec(None, torch.float32) if bits == 8 else None
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.tensors["keys"]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.tensors["values"]
 
     @property
     def num_slots(self) -> int:
@@ -67,42 +85,108 @@ class PagedStorage:
         """Cover ``num_slots`` slots; existing slots keep their ids and contents."""
         if num_slots <= self.num_slots:
             return
-        for name in ("keys", "values"):
-            old = getattr(self, name)
+        for name, old in self.tensors.items():
             new = old.new_zeros((num_slots, *old.shape[1:]))
             new[: old.shape[0]].copy_(old)
-            setattr(self, name, new)
+            self.tensors[name] = new
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None) -> None:
         """Store tokens ``(B, H, q, D)`` at ``(B, q)`` ``slots`` (``keep``: the ``(B * q,)`` tokens to store)."""
         flat = slots.to(self.keys.device).flatten()
-        k_rows = k.transpose(1, 2).reshape(-1, *self.keys.shape[1:])  # (B * q, H, Dk)
-        v_rows = v.transpose(1, 2).reshape(-1, *self.values.shape[1:])
+        rows = {
+            "keys": k.transpose(1, 2).reshape(-1, *self.keys.shape[1:]),  # (B * q, H, Dk)
+            "values": v.transpose(1, 2).reshape(-1, *self.values.shape[1:]),
+        }
         if keep is not None:  # tokens in padding blocks are not stored
             keep = keep.to(self.keys.device)
-            flat, k_rows, v_rows = flat[keep], k_rows[keep], v_rows[keep]
-        self.keys.index_copy_(0, flat, k_rows)
-        self.values.index_copy_(0, flat, v_rows)
+            flat, rows = flat[keep], {name: t[keep] for name, t in rows.items()}
+        if self.codec is not None:
+            for name in ("keys", "values"):
+                codes, scales = self.codec._encode_one(rows[name])  # one scale per token and head
+                rows[name], rows[name[:-1] + "_scales"] = codes, scales.squeeze(-1)
+        for name, t in rows.items():
+            self.tensors[name].index_copy_(0, flat, t)
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V ``(B, H, n, D)`` of the ``(B, n)`` ``slots``."""
+        """K/V ``(B, H, n, D)`` of the ``(B, n)`` ``slots``, in the model's dtype."""
         b, t = slots.shape
         flat = slots.to(self.keys.device).flatten()
-        k = self.keys.index_select(0, flat).view(b, t, *self.keys.shape[1:])  # (B, T, H, Dk)
-        v = self.values.index_select(0, flat).view(b, t, *self.values.shape[1:])
-        return k.transpose(1, 2), v.transpose(1, 2)
+        out = []
+        for name in ("keys", "values"):
+            x = self.tensors[name].index_select(0, flat)  # (B * n, H, D)
+            if self.codec is not None:
+                scale = self.tensors[name[:-1] + "_scales"].index_select(0, flat)
+                x = (x.float() * scale.unsqueeze(-1)).to(self.dtype)
+            out.append(x.view(b, t, *x.shape[1:]).transpose(1, 2))  # (B, n, H, D) -> (B, H, n, D)
+        return out[0], out[1]
+
+    def segment(self, block_table: torch.Tensor, block_size: int, length: int) -> PagedSegment:
+        scales = (self.tensors.get("key_scales"), self.tensors.get("value_scales"))
+        return PagedSegment(self.keys, self.values, block_table, block_size, length, *scales)
 
     def copy_block(self, src: int, dst: int, block_size: int) -> None:
-        for t in (self.keys, self.values):
+        for t in self.tensors.values():
             t[dst * block_size : (dst + 1) * block_size].copy_(t[src * block_size : (src + 1) * block_size])
 
     @property
     def block_nbytes_per_slot(self) -> int:
-        return self.keys[0].numel() * self.keys.element_size() + self.values[0].numel() * self.values.element_size()
+        return sum(t[0].numel() * t.element_size() for t in self.tensors.values())
 
     @property
     def reserved_nbytes(self) -> int:
         return self.num_slots * self.block_nbytes_per_slot
+
+
+class DeviceTables:
+    """The block tables as one ``(B, capacity)`` int32 tensor on a device, for the kernels and for computing slots on
+    the device. The Python tables of :mod:`hf_kvcache.paging` stay the source of truth; this copy follows them
+    incrementally: :meth:`sync` compares them with what the device holds from the first column an operation may have
+    changed (``dirty_from``) and uploads only the cells that differ, so a decode step uploads nothing except when a
+    row enters a new block (or copies one on write); row reorders run on the device."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.table = torch.full((0, 0), PAD_BLOCK, dtype=torch.int32, device=device)
+        self.mirror: list[list[int]] = []  # what the device holds, row by row (entries past a row's end are PAD)
+        self.dirty_from = 0  # first column that may differ from the Python tables
+
+    def mark(self, column: int) -> None:
+        self.dirty_from = min(self.dirty_from, column)
+
+    def sync(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max((len(t) for t in tables), default=0)
+        if len(tables) != len(self.mirror) or width > self.table.shape[1]:
+            capacity = max(width, 2 * self.table.shape[1], 1)
+            fresh = torch.full((len(tables), capacity), PAD_BLOCK, dtype=torch.int32, device=self.device)
+            if len(tables) == len(self.mirror):
+                fresh[:, : self.table.shape[1]].copy_(self.table)
+            else:
+                self.mirror, self.dirty_from = [[] for _ in tables], 0
+            self.table = fresh
+        rows, cols, values = [], [], []
+        for r, (table, held) in enumerate(zip(tables, self.mirror)):
+            for c in range(self.dirty_from, max(len(table), len(held))):
+                want = table[c] if c < len(table) else PAD_BLOCK
+                if (held[c] if c < len(held) else PAD_BLOCK) != want:
+                    rows.append(r)
+                    cols.append(c)
+                    values.append(want)
+            if len(held) != len(table) or self.dirty_from < len(table):
+                self.mirror[r] = list(table)
+        if rows:
+            index = torch.tensor([rows, cols], dtype=torch.long).to(self.device, non_blocking=True)
+            update = torch.tensor(values, dtype=torch.int32).to(self.device, non_blocking=True)
+            self.table.index_put_((index[0], index[1]), update)
+        self.dirty_from = width
+        return self.table
+
+    def select_rows(self, rows: list[int]) -> None:
+        """New row ``i`` is old row ``rows[i]``: a gather on the device."""
+        if len(self.mirror) == 0:
+            return
+        index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        self.table = self.table.index_select(0, index)
+        self.mirror = [list(self.mirror[r]) for r in rows]
 
 
 class PagedState:
@@ -114,8 +198,10 @@ class PagedState:
         num_blocks: int | None,
         grow_blocks: int,
         padding: PaddingTracker | None = None,
+        bits: int | None = None,
     ):
         self.padding = padding or PaddingTracker()
+        self.bits = bits
         self.block_size, self.fixed_blocks, self.grow_blocks = block_size, num_blocks, grow_blocks
         self.storages: dict[int, PagedStorage] = {}  # rank -> storage, created at each layer's first forward
         self._new_pool()
@@ -125,9 +211,10 @@ class PagedState:
             self.block_size, self.fixed_blocks, grow_blocks=self.grow_blocks, on_grow=_weak_method(self._on_grow)
         )
         self.tables = BlockTables(self.allocator, _weak_method(self._copy_block))
-        self.write_slots: torch.Tensor | None = None  # (B, q) slots of the tokens of the current forward
-        self.write_keep: torch.Tensor | None = None  # (B * q,) tokens to write (None: all; padding blocks are not)
-        self.read_slots: torch.Tensor | None = None  # (B, T) slots of every token after it
+        self.device_tables: dict[torch.device, DeviceTables] = {}  # one copy per device holding layers
+        self.new_tokens = 0  # tokens of the current forward
+        self.has_padding = False  # a row's table starts with PAD_BLOCK entries
+        self._slots: dict[tuple, torch.Tensor] = {}  # per forward: (device, kind) -> slots, shared by its layers
         self.groups: list[list[int]] = []  # rows found identical at the current prefill
 
     def reset(self) -> None:
@@ -137,7 +224,8 @@ class PagedState:
 
     def storage(self, rank: int, spec: LayerSpec, dtype: torch.dtype, device: torch.device) -> PagedStorage:
         if rank not in self.storages:
-            self.storages[rank] = PagedStorage(spec, dtype, device, self.allocator.num_blocks * self.block_size)
+            num_slots = self.allocator.num_blocks * self.block_size
+            self.storages[rank] = PagedStorage(spec, dtype, device, num_slots, self.bits)
         return self.storages[rank]
 
     def _on_grow(self, num_blocks: int) -> None:
@@ -156,8 +244,18 @@ class PagedState:
         mirror = {row: group[0] for group in self.groups for row in group[1:]}
         pad = self.padding.pad if prefill else None
         pad_blocks = [p // self.block_size for p in pad] if pad is not None and len(pad) == batch else None
+        self._mark(self.tables.num_tokens // self.block_size)  # the last, partly filled block may be copied on write
         self.tables.append_slots(q, batch, mirror, pad_blocks)
-        self._index(q)
+        self.has_padding = any(table and table[0] == PAD_BLOCK for table in self.tables.tables)
+        self._begin(q)
+
+    def _mark(self, column: int) -> None:
+        for tables in self.device_tables.values():
+            tables.mark(column)
+
+    def _begin(self, q: int) -> None:
+        self.new_tokens = q
+        self._slots.clear()
 
     def unshare(self, row: int) -> None:
         """Give ``row`` private copies of all its blocks (a later layer found it differs from its group)."""
@@ -171,26 +269,50 @@ class PagedState:
         self.allocator.decref(real)
         self.tables.tables[row] = new
         self.groups = [[r for r in g if r != row] for g in self.groups]
-        self._index(self.write_slots.shape[1])
+        self._mark(0)
+        self._begin(self.new_tokens)
 
-    def _index(self, q: int) -> None:
-        bs, total = self.block_size, self.tables.num_tokens
-        blocks = torch.tensor(self.tables.tables, dtype=torch.long)  # (B, n_blocks)
-        slots = (blocks.unsqueeze(-1) * bs + torch.arange(bs)).flatten(1)[:, :total]  # (B, T)
-        # Padding entries lead a row's table, so its first entry tells; no (B, T) scan on unpadded batches.
-        if any(table and table[0] == PAD_BLOCK for table in self.tables.tables):
-            padding = slots < 0
-            # Padding positions are masked out of attention: read them from slot 0 (storage is zero-initialized and
-            # only ever holds finite K/V, so a masked weight of 0 times it stays 0) and never write them.
-            self.read_slots = slots.masked_fill(padding, 0)
-            self.write_keep = ~padding[:, total - q :].flatten()
-        else:
-            self.read_slots, self.write_keep = slots, None
-        self.write_slots = self.read_slots[:, total - q :]
+    def truncate(self, n: int) -> None:
+        self.tables.truncate(n)
+        self._mark(self.tables.num_tokens // self.block_size)
+
+    def select_rows(self, rows: list[int]) -> None:
+        self.tables.select_rows(rows)
+        for tables in self.device_tables.values():
+            tables.select_rows(rows)
 
     def block_table(self, device: torch.device) -> torch.Tensor:
-        """``(B, blocks)`` int32 block table on ``device`` (PAD_BLOCK entries kept: the kernels mask them)."""
-        return torch.tensor(self.tables.tables, dtype=torch.int32, device=device)
+        """``(B, capacity)`` int32 block table on ``device``, following the Python tables (PAD_BLOCK entries, and
+        columns past a row's end, are masked by the kernels)."""
+        if device not in self.device_tables:
+            self.device_tables[device] = DeviceTables(device)
+        return self.device_tables[device].sync(self.tables.tables)
+
+    def _slots_of(self, device: torch.device, start: int, stop: int) -> torch.Tensor:
+        """``(B, stop - start)`` storage slots of tokens ``start .. stop`` computed on ``device`` from its block
+        table (negative where a padding entry stands)."""
+        table = self.block_table(device)
+        positions = torch.arange(start, stop, device=device)
+        return table[:, positions // self.block_size].long() * self.block_size + positions % self.block_size
+
+    def write_slots(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Slots ``(B, q)`` of the current forward's tokens, and which of them to store (None: all): tokens in a
+        row's padding blocks (prefill only) are not stored."""
+        key = (device, "write")
+        if key not in self._slots:
+            total = self.tables.num_tokens
+            slots = self._slots_of(device, total - self.new_tokens, total)
+            keep = (slots >= 0).flatten() if self.has_padding else None
+            self._slots[key] = (slots.clamp_min(0), keep)
+        return self._slots[key]
+
+    def read_slots(self, device: torch.device) -> torch.Tensor:
+        """Slots ``(B, T)`` of every token: the gather path. Padding positions are masked out of attention, so they
+        read slot 0 (storage is zero-initialized and only ever holds finite K/V: masked weight 0 times it stays 0)."""
+        key = (device, "read")
+        if key not in self._slots:
+            self._slots[key] = self._slots_of(device, 0, self.tables.num_tokens).clamp_min(0)
+        return self._slots[key]
 
     def blocks_in_use(self) -> int:
         return self.allocator.num_used_blocks
@@ -281,14 +403,18 @@ class PagedLayer(KVLayer):
                 for row in group[1:]:
                     if not _same_rows(key_states, value_states, row, group[0]):
                         state.unshare(row)
-        self.storage.write(state.write_slots, key_states, value_states, state.write_keep)
+        slots, keep = state.write_slots(self.device)
+        self.storage.write(slots, key_states, value_states, keep)
         q, total = key_states.shape[-2], state.tables.num_tokens
+        # The forward's own tokens are attended exactly, as the quantized cache does (int8 pages store them rounded).
         if self.mode.handles(q, total - q):
-            storage, table = self.storage, state.block_table(self.device)
-            segment = PagedSegment(storage.keys, storage.values, table, state.block_size, total)
-            handle = KVHandle((segment,))
+            pages = self.storage.segment(state.block_table(self.device), state.block_size, total - q)
+            handle = KVHandle((pages, DenseSegment(key_states, value_states)))
             return handle, handle
-        return self.storage.read(state.read_slots)
+        keys, values = self.storage.read(state.read_slots(self.device))
+        if self.storage.codec is not None:
+            keys[:, :, total - q :], values[:, :, total - q :] = key_states, value_states
+        return keys, values
 
     def get_seq_length(self) -> int:
         return self.state.tables.num_tokens
@@ -302,13 +428,13 @@ class PagedLayer(KVLayer):
     def crop(self, tokens_to_remove: int) -> None:
         n = tokens_to_crop(tokens_to_remove)
         if self.rank == 0 and n:
-            self.state.tables.truncate(n)
+            self.state.truncate(n)
 
     def _select_rows(self, pick, batch: int | None) -> None:
         """Row bookkeeping happens once, on the first layer: ``pick(rows)`` maps old row ids to the new rows."""
         tables = self.state.tables
         if self.rank == 0 and tables.tables:
-            tables.select_rows(pick(torch.arange(len(tables.tables))).tolist())
+            self.state.select_rows(pick(torch.arange(len(tables.tables))).tolist())
         self._set_batch(batch)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -333,6 +459,10 @@ class PagedLayer(KVLayer):
     @property
     def stored_tokens(self) -> int:
         return self.state.tables.num_tokens
+
+    @property
+    def quantized_tokens(self) -> int:
+        return self.stored_tokens if self.state.bits == 8 else 0
 
     @property
     def nbytes(self) -> int:
