@@ -1,4 +1,4 @@
-"""Stream thousands of tokens past the model's 512-token context with attention sinks and flat memory.
+"""Stream thousands of tokens past the model's trained context with attention sinks and flat memory.
 
 ``SlidingWindowKVCache(model, window=..., sinks=4)`` keeps the first 4 tokens (StreamingLLM's attention sinks) and
 the last ``window`` tokens of each layer, so its memory stops growing once the window is full, however long
@@ -60,7 +60,7 @@ class CacheProbe(BaseStreamer):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--new-tokens", type=int, default=640 if SMALL else 4096)
+    parser.add_argument("--new-tokens", type=int, default=640 if SMALL else 6144)
     parser.add_argument("--window", type=int, default=128 if SMALL else 252)
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
@@ -70,9 +70,10 @@ def main() -> None:
     inputs = tokenizer(PROMPT, return_tensors="pt")
     cache = SlidingWindowKVCache(model, window=args.window, sinks=args.sinks)
     probe = CacheProbe(cache, dynamic_bytes_per_token(model.config, model.dtype), args.new_tokens)
-    print(f"{cache!r}: at most {cache.max_stored_tokens} tokens per layer; the model was trained on 512.\n")
+    trained = model.config.max_position_embeddings
+    print(f"{cache!r}: at most {cache.max_stored_tokens} tokens per layer; the model was trained on {trained}.\n")
 
-    # transformers warns once the sequence passes the model's 512 positions. With re-rotated sinks (the default) no
+    # transformers warns once the sequence passes the model's trained positions. With re-rotated sinks (the default) no
     # query-key distance the model sees exceeds sinks + window, so it stays within what it was trained on.
     torch.manual_seed(args.seed)
     with torch.inference_mode():

@@ -1,10 +1,10 @@
 """The embedded reference model and held-out text: the offline default of the demo, harness, examples and tests.
 
-A small Llama (4 layers, hidden 256, GQA 4 query / 2 KV heads, head_dim 64, RoPE, context 512, about 4M
+A small Llama (4 layers, hidden 256, GQA 4 query / 2 KV heads, head_dim 64, RoPE, context 2048, about 4M
 parameters, byte-level BPE vocabulary 4096) trained by ``scripts/train_reference_model.py`` on five Jane Austen
-novels; *Persuasion*, the sixth, is held out and shipped as the reference text. Both are public domain; see the
-script for how the corpus was obtained and cleaned, and ``training.json`` in the model folder for the loss curve and
-the held-out perplexity.
+novels, then taught to use its context (copying, passkey retrieval); *Persuasion*, the sixth novel, is held out and
+shipped as the reference text. Both are public domain; see the script for how the corpus was obtained and cleaned,
+and ``training.json`` in the model folder for the loss curves, the measured targets and the held-out perplexity.
 
 >>> from transformers import AutoModelForCausalLM, AutoTokenizer
 >>> model = AutoModelForCausalLM.from_pretrained(reference_model_path())

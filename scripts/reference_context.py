@@ -48,12 +48,31 @@ class Phase:
     warmup: int = 50
     prose_segments: float = 0.5  # share of copy segments taken from prose (the rest: random frequent tokens)
     attention_dropout: float = 0.0  # regularizes prose (the corpus is small); copying learns better without it
+    # "all", or "attention": only the attention projections train, so the MLPs and embeddings (where a 4M model
+    # memorizes a 0.8M-token corpus) keep the prose the earlier phases learned.
+    train: str = "all"
 
 
-# The curriculum the shipped weights were trained with (about an hour of a 2-core CPU at full speed).
+# The curriculum, in the order the shipped weights went through it (``training.json`` records each phase's curve).
+# ``bootstrap`` and ``copy`` codify two exploratory runs that preceded this module (their curves are in
+# ``training.json["stages"]["context"]["lineage"]``); the three later phases ran with this script's ``--init``.
+# About 100 minutes of a 2-core CPU. The shipped model meets the passkey target, not the long-distance copy or the
+# held-out perplexity target (model card). EXPERIMENTS are later tries from the shipped weights that did not help and
+# are not in the chain: ``anneal`` (by step 300 of 400: validation perplexity 61.5 -> 59.5, copy ratio unchanged
+# at 0.98) and ``long_attention`` (attention weights only, stopped at step 400 of 800: copy ratio 0.975 -> 0.976
+# at a 1,784-token gap, validation perplexity 61.5 -> 64.0).
 PHASES = (
     Phase("bootstrap", 700, 128, 32, 2e-3, {"prose": 0.3, "periodic": 0.7}),
     Phase("copy", 1000, 256, 16, 2e-3, {"prose": 0.2, "copy": 0.45, "periodic": 0.15, "passkey": 0.2}),
+    Phase(
+        "longer_copy",
+        600,
+        512,
+        8,
+        1.5e-3,
+        {"prose": 0.25, "copy": 0.45, "periodic": 0.05, "passkey": 0.25},
+        prose_segments=0.7,
+    ),
     Phase(
         "longer",
         600,
@@ -72,6 +91,19 @@ PHASES = (
         {"prose": 0.3, "repeat": 0.3, "copy": 0.1, "passkey": 0.3},
         cosine=True,
         prose_segments=0.7,
+    ),
+)
+EXPERIMENTS = (
+    Phase(
+        "long_attention",
+        800,
+        2048,
+        2,
+        1e-3,
+        {"prose": 0.2, "repeat": 0.5, "copy": 0.1, "passkey": 0.2},
+        cosine=True,
+        prose_segments=0.7,
+        train="attention",
     ),
     Phase(
         "anneal",
@@ -213,8 +245,11 @@ class PhaseLog:
 
 def train_phase(model, phase: Phase, maker: DocumentMaker, val: torch.Tensor, tokenizer, eval_every: int) -> PhaseLog:
     """Run one phase on ``model`` in place; returns its loss curve and validation scores."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(phase.train == "all" or ".self_attn." in name)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.ndim >= 2]
+    no_decay = [p for p in trainable if p.ndim < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
         lr=phase.lr,
@@ -247,7 +282,7 @@ def train_phase(model, phase: Phase, maker: DocumentMaker, val: torch.Tensor, to
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
         if (step + 1) % 50 == 0 or step + 1 == phase.steps:
@@ -270,33 +305,45 @@ COPY_PROTOCOL = {"passage": 128, "distance": 1500, "samples": 16}
 PASSKEY_PROTOCOL = {"lengths": (256, 512, 1024, 1900), "depths": (0.0, 0.25, 0.5, 0.75, 1.0), "samples": 2}
 
 
-def measure_targets(model, tokenizer, heldout: torch.Tensor, seed: int = 0) -> dict:
-    """The model card's three numbers on the held-out text, through the harness's own task code."""
+def copy_ratio(model, heldout: torch.Tensor, seed: int = 0) -> dict:
+    """Second-copy / first-copy perplexity of held-out passages repeated after held-out text, via DynamicCache."""
     from transformers import DynamicCache
 
-    from hf_kvcache.eval.config import EvalConfig
-    from hf_kvcache.eval.tasks import EvalData, get_task
     from hf_kvcache.eval.tasks.repeat import repeat_nll
 
-    model.eval()
     generator = torch.Generator().manual_seed(seed)
     p, d, n = COPY_PROTOCOL["passage"], COPY_PROTOCOL["distance"], COPY_PROTOCOL["samples"]
     starts = torch.randint(0, heldout.numel() - p - d, (2, n), generator=generator)
     passages = torch.stack([heldout[s : s + p] for s in starts[0].tolist()])
     gaps = torch.stack([heldout[s + p : s + p + d] for s in starts[1].tolist()])
     first, second = repeat_nll(model, passages, gaps, DynamicCache(config=model.config))
+    return COPY_PROTOCOL | {
+        "first_copy_ppl": round(math.exp(first.mean().item()), 3),
+        "second_copy_ppl": round(math.exp(second.mean().item()), 3),
+        "ratio": round(math.exp(second.mean().item() - first.mean().item()), 4),
+    }
+
+
+def passkey_accuracy(model, tokenizer, heldout: torch.Tensor, seed: int = 0) -> dict:
+    """Exact-match passkey retrieval over held-out filler through the harness's passkey task, via DynamicCache."""
+    from hf_kvcache.eval.config import EvalConfig
+    from hf_kvcache.eval.tasks import EvalData, get_task
+
     config = EvalConfig(task=("passkey",), seed=seed, quiet=True, **PASSKEY_PROTOCOL)
     passkey = get_task("passkey").run(EvalData(model, tokenizer, heldout), "dynamic", config)
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in PASSKEY_PROTOCOL.items()} | {
+        "accuracy": passkey["summary"]["accuracy"],
+        "cells": passkey["cells"],
+    }
+
+
+def measure_targets(model, tokenizer, heldout: torch.Tensor, seed: int = 0) -> dict:
+    """The model card's three numbers on the held-out text, through the harness's own task code."""
+    model.eval()
     nll, count = full_forward_nll(model, heldout, 512)
     return {
-        "copy": COPY_PROTOCOL
-        | {
-            "first_copy_ppl": round(math.exp(first.mean().item()), 3),
-            "second_copy_ppl": round(math.exp(second.mean().item()), 3),
-            "ratio": round(math.exp(second.mean().item() - first.mean().item()), 4),
-        },
-        "passkey": {k: list(v) if isinstance(v, tuple) else v for k, v in PASSKEY_PROTOCOL.items()}
-        | {"accuracy": passkey["summary"]["accuracy"], "cells": passkey["cells"]},
+        "copy": copy_ratio(model, heldout, seed),
+        "passkey": passkey_accuracy(model, tokenizer, heldout, seed),
         "heldout_perplexity": round(math.exp(nll / count), 3),
     }
 

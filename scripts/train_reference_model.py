@@ -286,7 +286,7 @@ def train_prose(args) -> None:
 
 def train_context(args) -> None:
     """Stage 2: from the prose model at ``--init``, the curriculum of :mod:`reference_context`, then the targets."""
-    from reference_context import PHASES, DocumentMaker, measure_targets, targets_met, train_phase
+    from reference_context import EXPERIMENTS, PHASES, DocumentMaker, measure_targets, targets_met, train_phase
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not args.init:
@@ -301,18 +301,18 @@ def train_context(args) -> None:
     train_ids, val_ids, heldout_ids = encode_corpus(tokenizer, train_texts, heldout, args.val_fraction)
     context = max(p.length for p in PHASES)
     model = AutoModelForCausalLM.from_pretrained(init, attention_dropout=0.0, max_position_embeddings=context)
+    tokenizer.model_max_length = context
     names = args.phases.split(",") if args.phases else [p.name for p in PHASES]
-    unknown = sorted(set(names) - {p.name for p in PHASES})
+    known = {p.name: p for p in PHASES + EXPERIMENTS}
+    unknown = sorted(set(names) - set(known))
     if unknown:
-        raise SystemExit(f"unknown phases {unknown}; phases: {[p.name for p in PHASES]}")
+        raise SystemExit(f"unknown phases {unknown}; phases: {list(known)}")
     stages = summary.setdefault("stages", {})
     if "prose" not in stages:  # a prose-stage folder: its summary is the prose stage
         stages["prose"] = {k: summary.pop(k) for k in list(summary) if k not in ("corpus", "model", "stages")}
     done = stages.setdefault("context", {"phases": []})
     maker = DocumentMaker(train_ids, tokenizer, args.seed)
-    for phase in PHASES:
-        if phase.name not in names:
-            continue
+    for phase in (known[name] for name in names):
         log = train_phase(model, phase, maker, val_ids, tokenizer, args.eval_every)
         done["phases"].append({"phase": log.phase, "minutes": log.minutes, "loss_curve": log.curve, "evals": log.evals})
         _save(model, tokenizer, out, summary)  # after every phase: a later run can resume with --init out
@@ -321,6 +321,7 @@ def train_context(args) -> None:
     summary["targets"] = {"measured": measured, "met": targets_met(measured)}
     summary["heldout_eval"] = {
         "protocol": "consecutive 512-token windows of the held-out text, full forward, positions 1..511 scored",
+        "window": 512,
         "perplexity": measured["heldout_perplexity"],
     }
     _save(model, tokenizer, out, summary)

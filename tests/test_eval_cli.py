@@ -65,8 +65,9 @@ def test_the_cache_matters_on_the_reference_model(reference):
     )
     ppl = {r["cache"]: r["perplexity"]["perplexity"] for r in run_eval(config, model, tokenizer)["results"]}
     assert ppl["paged:block_size=16"] == pytest.approx(ppl["dynamic"], rel=1e-6)
-    assert ppl["int2:residual_length=0"] > ppl["int8"] >= ppl["dynamic"] * (1 - 1e-4)
-    assert ppl["int8"] < ppl["dynamic"] * 1.005
+    # int8's rounding moves perplexity by a few 1e-4 either way; int2 without its residual costs clearly more.
+    assert ppl["int2:residual_length=0"] > ppl["int8"] * 1.002
+    assert abs(ppl["int8"] / ppl["dynamic"] - 1) < 1e-3
 
 
 def test_long_stream_mode_reports_buckets(reference, tmp_path):

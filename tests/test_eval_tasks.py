@@ -1,0 +1,114 @@
+"""The harness's long-context tasks: passkey documents, repeat against a full forward, and what caches cost there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_kvcache.cli import main
+from hf_kvcache.eval import EvalConfig, build_passkey_document, repeat_nll, run_eval
+from hf_kvcache.eval.tasks.passkey import needle
+from hf_kvcache.reference import load_reference_model, reference_text
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return load_reference_model()
+
+
+@pytest.fixture(scope="module")
+def ids(reference):
+    _, tokenizer = reference
+    return torch.tensor(tokenizer(reference_text(), add_special_tokens=False)["input_ids"])
+
+
+@pytest.mark.parametrize("length", [128, 512, 1900])
+@pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])
+def test_passkey_document_states_the_key_once_at_its_depth(reference, ids, length, depth):
+    _, tokenizer = reference
+    doc = build_passkey_document(tokenizer, ids[5000:], length, depth, "48213")
+    assert len(doc.context) + len(doc.question) == length
+    text = tokenizer.decode(doc.context + doc.question, skip_special_tokens=True)
+    assert text.count("48213") == 2 and text.count(needle("48213").strip()) == 1  # one needle (it says the key twice)
+    assert text.rstrip().endswith("What is the pass key? The pass key is")
+    middle = tokenizer(needle("48213"), add_special_tokens=False)["input_ids"]
+    assert doc.context[doc.needle_start : doc.needle_start + len(middle)] == middle
+    if depth == 0.0:
+        assert text.index("48213") < 250  # right after the instruction
+    if depth == 1.0:
+        assert len(text) - text.rindex("48213") < 80  # right before the question
+
+
+def test_passkey_document_too_short_is_a_clear_error(reference, ids):
+    _, tokenizer = reference
+    with pytest.raises(ValueError, match="too short for a passkey document"):
+        build_passkey_document(tokenizer, ids, 40, 0.5, "12345")
+
+
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_repeat_through_dynamic_cache_equals_a_full_forward(reference, ids, chunk):
+    model, _ = reference
+    passages = torch.stack([ids[1000:1064], ids[9000:9064]])
+    gaps = torch.stack([ids[3000:3200], ids[20000:20200]])
+    first, second = repeat_nll(model, passages, gaps, DynamicCache(config=model.config), chunk)
+    whole = torch.cat([passages, gaps, passages], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=whole).logits
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), whole[:, 1:], reduction="none")
+    n, g = passages.shape[1], gaps.shape[1]
+    torch.testing.assert_close(first, nll[:, : n - 1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(second, nll[:, n + g : n + g + n - 1], rtol=1e-4, atol=1e-4)
+
+
+def test_int2_costs_more_than_int8_on_repeat(reference):
+    model, tokenizer = reference
+    config = EvalConfig(
+        task=("repeat",), caches=("dynamic", "int8", "int2"), distances=(0, 512), samples=4, passage=128, quiet=True
+    )
+    second = {
+        r["cache"]: r["repeat"]["summary"]["second_copy_perplexity"]
+        for r in run_eval(config, model, tokenizer)["results"]
+    }
+    assert second["int2"] > second["int8"] * 1.002
+    assert abs(second["int8"] / second["dynamic"] - 1) < 0.002
+
+
+def test_a_sink_window_shorter_than_the_key_distance_loses_the_passkey(reference):
+    model, tokenizer = reference
+    config = EvalConfig(
+        task=("passkey",),
+        caches=("dynamic", "sink:window=128:sinks=4"),
+        lengths=(1024,),
+        depths=(0.0, 0.25, 0.5),  # the key is 500 to 1,000 tokens before the question: outside a 128-token window
+        samples=2,
+        quiet=True,
+    )
+    results = {r["cache"]: r["passkey"]["summary"]["accuracy"] for r in run_eval(config, model, tokenizer)["results"]}
+    assert results["dynamic"] >= 5 / 6
+    assert results["sink:window=128:sinks=4"] <= 1 / 6
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--task", "nope"], "--task"),
+        (["--task", "passkey", "--lengths", "32"], "--lengths must be an integer >= 64"),
+        (["--task", "passkey", "--lengths", "a,b"], "--lengths"),
+        (["--task", "passkey", "--depths", "1.5"], "--depths must be numbers from 0 to 1"),
+        (["--task", "passkey", "--samples", "0"], "--samples must be an integer >= 1"),
+        (["--task", "passkey", "--key-digits", "0"], "--key-digits"),
+        (["--task", "repeat", "--distances", "-3"], "--distances must be an integer >= 0"),
+        (["--task", "repeat", "--passage", "1"], "--passage must be an integer >= 2"),
+        (["--task", "repeat", "--repeat-chunk", "0"], "--repeat-chunk must be an integer >= 1"),
+    ],
+)
+def test_task_flags_are_checked_before_the_model_loads(args, message, capsys, monkeypatch):
+    import hf_kvcache.eval.runner as runner
+
+    monkeypatch.setattr(runner, "load_model", lambda config: pytest.fail("the model was loaded"))
+    assert main(["eval", "--quiet", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
