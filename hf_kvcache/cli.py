@@ -1,4 +1,4 @@
-"""``hf-kvcache`` command line: ``list`` the cache kinds, ``demo``, ``eval`` and ``bench`` them.
+"""``hf-kvcache`` command line: ``list`` the cache kinds, ``demo``, ``eval`` and ``bench`` them, ``plan`` memory.
 
 Every subcommand defaults to the embedded reference model and runs offline; ``eval`` and ``bench`` need the ``eval``
 extra (``hf_kvcache.eval``). ``eval`` and ``bench`` take flags generated from their config dataclasses. Expected
@@ -192,6 +192,66 @@ def _add_demo_parser(sub) -> None:
     demo.set_defaults(func=_demo)
 
 
+def _add_plan_parser(sub) -> None:
+    from .plan import DEFAULT_PLAN_CACHES
+
+    p = sub.add_parser(
+        "plan",
+        help="what fits in memory: KV bytes per token, largest context and batch per cache, from the config alone",
+        description="Per cache spec: KV bytes per token, bytes at --batch x --context, and the largest context (at "
+        "--batch) and batch (at --context) that fit in --memory after the weights and a reserve. Reads only the "
+        "model's config: a local folder, a config.json or a hub id (offline: local files).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", default=None, help="folder, config.json or hub id (default: the reference model)")
+    p.add_argument("--memory", required=True, help="device memory, e.g. 24GiB, 80GB")
+    p.add_argument("--context", type=int, default=None, help="tokens per row (default: the model's max positions)")
+    p.add_argument("--batch", type=int, default=1, help="rows")
+    p.add_argument("--dtype", default="bfloat16", help="weights and K/V dtype: bfloat16, float16, float32")
+    p.add_argument("--weights-bits", type=int, default=16, help="16, 8 or 4 (bitsandbytes)")
+    p.add_argument("--reserve", default=None, help="memory kept for activations, CUDA context (1GiB + 5%%)")
+    p.add_argument("--caches", default=",".join(DEFAULT_PLAN_CACHES), help="cache specs, comma-separated")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=_plan)
+
+
+def _plan(args) -> int:
+    import dataclasses
+    import json
+
+    from .plan import plan_memory
+    from .reference import reference_model_path
+
+    if args.weights_bits not in (4, 8, 16):
+        raise ValueError(f"--weights-bits must be 16, 8 or 4, got {args.weights_bits}")
+    if args.context is not None:
+        check_int("--context", args.context, 1)
+    check_int("--batch", args.batch, 1)
+    try:
+        from ._validate import dtype_from_name
+
+        dtype = dtype_from_name("--dtype", args.dtype)
+    except ValueError as err:
+        raise ValueError(str(err)) from err
+    for flag, value in (("--memory", args.memory), ("--reserve", args.reserve)):
+        if value is not None:
+            from .plan import parse_memory
+
+            parse_memory(value, flag)
+    plan = plan_memory(
+        args.model or reference_model_path(),
+        args.memory,
+        context=args.context,
+        batch=args.batch,
+        dtype=dtype,
+        weights_bits=args.weights_bits,
+        caches=_split(args.caches),
+        reserve=args.reserve,
+    )
+    print(json.dumps(dataclasses.asdict(plan), indent=1) if args.json else plan.table())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hf-kvcache", description=__doc__.splitlines()[0].replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True)
@@ -199,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo_parser(sub)
     _add_eval_parser(sub)
     _add_bench_parser(sub)
+    _add_plan_parser(sub)
     return parser
 
 

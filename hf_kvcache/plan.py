@@ -1,0 +1,437 @@
+"""What fits in my GPU: KV bytes per token, the largest context and the largest batch per cache, from a config alone.
+
+``plan_memory(config, memory="24GiB", context=8192, batch=1)`` answers, for each cache spec, how many bytes the
+cache stores for ``batch`` rows of ``context`` tokens, and how far the context (at that batch) and the batch (at that
+context) can grow before the weights, the caches' decode scratch and a reserve for activations fill the memory. It
+reads only the model's config (hybrid layer types, GQA, head_dim, latent attention widths): no weights load, nothing
+is allocated. ``hf-kvcache plan`` prints the same numbers.
+
+The stored bytes follow each cache's storage layout token for token (``tests/test_plan.py`` checks them against the
+caches' ``nbytes`` after real forwards, for every kind and for hybrid models):
+
+* ``dynamic``: every token of a full layer in the K/V dtype; a sliding layer keeps its last ``sliding_window - 1``.
+* ``int8`` / ``int4`` / ``int2``: the most recent ``residual_length`` tokens (and, for KIVI, up to ``group_size - 1``
+  more, until a whole key group can be encoded) in the K/V dtype, the rest as codes with their scales (and zero
+  points); a model's sliding layers the same within their window.
+* ``sink``: at most ``sinks + window`` tokens per full layer, whatever the context.
+* ``paged``: whole blocks of ``block_size`` tokens; with ``share=N`` (a plan option, not a cache option), groups of
+  ``N`` rows share the full blocks of one prompt (``num_return_sequences=N`` sampling or beams) and store only what
+  each generates.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from ._config import LayerSpec, layer_specs, model_type, resolve_config
+from ._validate import check_int, dtype_from_name
+from .layers._codecs import Int8Codec
+from .registry import check_spec, make_cache, parse_spec
+
+__all__ = ["DEFAULT_PLAN_CACHES", "MemoryPlan", "PlanRow", "kv_bytes", "parse_memory", "plan_memory", "weight_bytes"]
+
+DEFAULT_PLAN_CACHES = (
+    "dynamic",
+    "int8",
+    "int4",
+    "int2",
+    "sink:window=1024:sinks=4",
+    "sink:window=4096:sinks=4",
+    "paged",
+    "paged:share=8",
+    "paged:bits=8",
+)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(value: str | int | float, name: str = "memory") -> int:
+    """Bytes of ``"24GiB"``, ``"80GB"``, ``"512MiB"`` or a plain number of bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value!r}")
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match[2].lower() not in _UNITS or float(match[1]) <= 0:
+        raise ValueError(f"{name} must be a positive size such as 24GiB, 80GB or 512MiB, got {value!r}")
+    return int(float(match[1]) * _UNITS[match[2].lower()])
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+# --- stored bytes, per layer -----------------------------------------------------------------------------------
+
+
+def _quantized_split(tokens: int, residual: int, unit: int) -> tuple[int, int]:
+    """(encoded, residual) tokens of a full quantized layer that took ``tokens``, in any number of forwards: the
+    residual encodes its oldest tokens ``unit`` at a time while it holds ``residual + unit`` or more."""
+    encoded = max(0, (tokens - residual) // unit * unit)
+    return encoded, tokens - encoded
+
+
+def _quantized_sliding_split(tokens: int, prompt: int, residual: int, unit: int, window: int) -> tuple[int, int]:
+    """(encoded, residual) tokens a quantized sliding layer stores after a ``prompt``-token forward and one token per
+    forward up to ``tokens``: it encodes as a full layer does, then evicts down to ``window - 1`` tokens, dropping
+    encoded tokens only in whole units (the state is periodic once the window is full: whole periods are skipped)."""
+    q = r = 0
+    seen: dict[tuple[int, int], int] = {}
+    step, n = 0, min(prompt, tokens)
+    while True:
+        overflow = r + n - residual
+        encoded = max(overflow, 0) // unit * unit
+        q, r = q + encoded, r + n - encoded
+        excess = q + r - (window - 1)
+        if excess > 0:
+            if excess >= q:
+                q, r = 0, r - (excess - q)
+            else:
+                q -= excess // unit * unit
+        done = min(prompt, tokens) + step
+        if done >= tokens:
+            return q, r
+        if (q, r) in seen:  # periodic from here: skip whole periods
+            period = step - seen[(q, r)]
+            step += (tokens - done) // period * period
+            seen.clear()
+            if min(prompt, tokens) + step >= tokens:
+                return q, r
+        else:
+            seen[(q, r)] = step
+        step, n = step + 1, 1
+
+
+def _layer_bytes(cache, spec: LayerSpec, tokens: int, itemsize: int, prompt: int | None = None) -> float:
+    """Bytes one row of ``cache``'s layer ``spec`` stores after taking ``tokens`` tokens (``prompt`` of them in the
+    first forward, the rest one per forward; default: all in one)."""
+    full = spec.num_kv_heads * (spec.key_dim + spec.value_dim)  # elements per token
+    sliding = spec.layer_type != "full_attention" and spec.sliding_window
+    kind = type(cache).__name__
+    int8_window = kind == "SlidingWindowKVCache" and cache.bits == 8
+    if kind == "QuantizedKVCache" or (sliding and int8_window):  # the sink cache's int8 keeps sliding layers so too
+        codec = cache._codec() if kind == "QuantizedKVCache" else Int8Codec(None, torch.float32)
+        unit = 1 if codec.unit == 1 else cache.group_size
+        residual_length = cache.residual_length if kind == "QuantizedKVCache" else 0
+        if sliding:
+            prompt = tokens if prompt is None else prompt
+            encoded, residual = _quantized_sliding_split(tokens, prompt, residual_length, unit, spec.sliding_window)
+        else:
+            encoded, residual = _quantized_split(tokens, residual_length, unit)
+        kv_dtype = {1: torch.int8, 2: torch.float16, 4: torch.float32}.get(itemsize, torch.bfloat16)
+        coded = codec.bytes_per_token(spec.num_kv_heads, spec.key_dim, spec.value_dim, kv_dtype)
+        return encoded * coded + residual * full * itemsize
+    if sliding:  # every other cache keeps a model's sliding layers as DynamicCache does
+        return min(tokens, spec.sliding_window - 1) * full * itemsize
+    if kind == "SlidingWindowKVCache":
+        stored = min(tokens, cache.sinks + cache.window)
+        per_token = full + 2 * spec.num_kv_heads * 4 if cache.bits == 8 else full * itemsize
+        return stored * per_token
+    if kind == "PagedKVCache":
+        per_token = full + 2 * spec.num_kv_heads * 4 if cache.bits == 8 else full * itemsize
+        return math.ceil(tokens / cache.block_size) * cache.block_size * per_token
+    return tokens * full * itemsize  # DynamicCache
+
+
+def kv_bytes(
+    spec: str, config, tokens: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16, prompt: int | None = None
+) -> int:
+    """Bytes ``make_cache(spec, config)`` stores for ``batch`` rows of ``tokens`` tokens of K/V in ``dtype``, taken
+    as a ``prompt``-token forward (default: all ``tokens``) and then one token per forward (only a quantized cache's
+    sliding layers depend on the path, by less than a key group).
+
+    ``paged:share=N``: rows come in groups of ``N`` that share one prompt of ``tokens - generated`` tokens, where
+    ``generated`` is the spec's ``generated`` option (default 256): the prompt's full blocks are stored once per
+    group, every row stores its own last prompt block and what it generates.
+
+    >>> from transformers import LlamaConfig
+    >>> config = LlamaConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    >>> kv_bytes("dynamic", config, tokens=100, dtype=torch.float32)  # 2 layers x 2 heads x (32 + 32) x 4 bytes x 100
+    102400
+    """
+    check_int("tokens", tokens, 0)
+    check_int("batch", batch, 1)
+    name, options = parse_spec(spec)
+    share, generated = options.pop("share", None), options.pop("generated", 256)
+    if share is not None:
+        if name != "paged":
+            raise ValueError(f"share= is a plan option of paged specs only, got {spec!r}")
+        check_int("share", share, 1)
+        check_int("generated", generated, 0)
+    cache = make_cache(name, config, **options)
+    config = resolve_config(config)
+    specs = layer_specs(config, "plan")
+    itemsize = dtype.itemsize
+    if share is None or share == 1:
+        return int(batch * sum(_layer_bytes(cache, s, tokens, itemsize, prompt) for s in specs))
+    prompt = max(0, tokens - generated)
+    shared_blocks = prompt // cache.block_size
+    shared = shared_blocks * cache.block_size
+    groups = math.ceil(batch / share)
+    total = 0.0
+    for s in specs:
+        if s.layer_type != "full_attention" and s.sliding_window:
+            total += batch * _layer_bytes(cache, s, tokens, itemsize, prompt)
+            continue
+        once = _layer_bytes(cache, s, shared, itemsize)
+        total += groups * once + batch * (_layer_bytes(cache, s, tokens, itemsize) - once)
+    return int(total)
+
+
+# --- weights ---------------------------------------------------------------------------------------------------
+
+
+def weight_bytes(config, dtype: torch.dtype = torch.bfloat16, weights_bits: int = 16) -> dict:
+    """Parameters and bytes of the weights, from the config (the model is built on the meta device).
+
+    ``weights_bits`` 8 or 4: bitsandbytes quantizes the decoder's ``nn.Linear`` weights (int8 with one float32
+    scale per row; NF4 with one float32 absmax per 64 weights); embeddings, norms and the output head stay in
+    ``dtype``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    check_int("weights_bits", weights_bits, 4)
+    if weights_bits not in (4, 8, 16, 32):
+        raise ValueError(f"weights_bits must be 16, 8 or 4 (32: float32 weights), got {weights_bits}")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    head = model.get_output_embeddings()
+    linear, rows, other = 0, 0, 0
+    seen = set()
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if isinstance(module, torch.nn.Linear) and module is not head and p.ndim == 2:
+                linear += p.numel()
+                rows += p.shape[0]
+            else:
+                other += p.numel()
+    itemsize = 4 if weights_bits == 32 else dtype.itemsize
+    if weights_bits in (16, 32):
+        quantized = linear * itemsize
+    elif weights_bits == 8:
+        quantized = linear + rows * 4
+    else:
+        quantized = linear // 2 + linear // 64 * 4
+    return {"parameters": linear + other, "bytes": int(quantized + other * itemsize)}
+
+
+# --- the plan --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One cache of a :class:`MemoryPlan`."""
+
+    cache: str
+    bytes_per_token: float  # per row, at the plan's context: stored bytes / context
+    kv_bytes: int  # stored for the plan's batch x context
+    scratch_bytes: int  # decode scratch for the plan's batch x context (one layer's dequantized history)
+    fits: bool  # kv + scratch fit in the budget at the plan's batch and context
+    max_context: int | None  # largest context at the plan's batch; None: any context (bounded cache)
+    max_batch: int  # largest batch at the plan's context (0: not even one row)
+
+
+@dataclass
+class MemoryPlan:
+    """The answer of :func:`plan_memory`; ``table()`` renders it, ``assumptions`` says what it assumed."""
+
+    model: str
+    memory_bytes: int
+    weights_bytes: int
+    reserve_bytes: int
+    budget_bytes: int  # memory - weights - reserve: what caches and their scratch may use
+    context: int
+    batch: int
+    dtype: str
+    weights_bits: int
+    rows: list[PlanRow]
+    assumptions: list[str] = field(default_factory=list)
+
+    def row(self, cache: str) -> PlanRow:
+        return next(r for r in self.rows if r.cache == cache)
+
+    def table(self) -> str:
+        from tabulate import tabulate
+
+        body = [
+            [
+                r.cache,
+                f"{r.bytes_per_token:,.0f}",
+                _gib(r.kv_bytes),
+                _gib(r.scratch_bytes),
+                "yes" if r.fits else "no",
+                "any" if r.max_context is None else f"{r.max_context:,}",
+                f"{r.max_batch:,}",
+            ]
+            for r in self.rows
+        ]
+        headers = [
+            "cache",
+            "KV bytes/token",
+            f"KV at {self.batch} x {self.context:,}",
+            "decode scratch",
+            "fits",
+            f"max context (batch {self.batch})",
+            f"max batch ({self.context:,} tokens)",
+        ]
+        head = (
+            f"{self.model}: {_gib(self.memory_bytes)} = weights {_gib(self.weights_bytes)} ({self.weights_bits}-bit) "
+            f"+ reserve {_gib(self.reserve_bytes)} + {_gib(self.budget_bytes)} for the KV cache; K/V in {self.dtype}"
+        )
+        notes = "\n".join(f"- {a}" for a in self.assumptions)
+        return f"{head}\n\n{tabulate(body, headers=headers, tablefmt='github', disable_numparse=True)}\n\n{notes}"
+
+
+def _scratch(spec: str, config, tokens: int, batch: int, dtype: torch.dtype) -> int:
+    """Decode scratch of the quantized caches under eager / sdpa attention: one workspace per distinct layer width,
+    shared by the layers, holding a layer's dequantized history (with the buffers' growth headroom). Sink and paged
+    caches and ``DynamicCache`` hand attention their own tensors or a gather that is freed per layer."""
+    from .layers._storage import _grown_capacity
+
+    name, _ = parse_spec(spec)
+    if name not in ("int8", "int4", "int2"):
+        return 0
+    widths = {}
+    for s in layer_specs(resolve_config(config), "plan"):
+        stored = tokens if s.layer_type == "full_attention" or not s.sliding_window else min(tokens, s.sliding_window)
+        key = (s.num_kv_heads, s.key_dim, s.value_dim)
+        widths[key] = max(widths.get(key, 0), stored)
+    return sum(
+        batch * _grown_capacity(stored + 1, 1) * h * (dk + dv) * dtype.itemsize
+        for (h, dk, dv), stored in widths.items()
+    )
+
+
+def _largest(fits, low: int, high: int) -> int:
+    """Largest ``n`` in ``[low, high]`` with ``fits(n)`` (monotone), or ``low - 1``."""
+    if not fits(low):
+        return low - 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def plan_memory(
+    config,
+    memory: str | int,
+    context: int | None = None,
+    batch: int = 1,
+    dtype: torch.dtype | str = torch.bfloat16,
+    weights_bits: int = 16,
+    caches: tuple[str, ...] | list[str] = DEFAULT_PLAN_CACHES,
+    reserve: str | int | None = None,
+    max_context: int = 2**24,
+) -> MemoryPlan:
+    """Plan the KV cache of a model (a ``PretrainedConfig``, a model, a local folder, a ``config.json`` or a hub id)
+    for ``memory`` bytes (``"80GiB"``): per cache spec, bytes, largest context at ``batch``, largest batch at
+    ``context`` (default: the model's ``max_position_embeddings``).
+
+    ``reserve`` (default 1 GiB + 5% of ``memory``) stands for everything else: the CUDA context, activations of the
+    prefill (chunk long prompts with ``prefill_chunk_size`` to keep them small), the logits, allocator
+    fragmentation. ``max_context`` caps the search (bounded caches report ``None``: any context).
+
+    >>> from transformers import LlamaConfig
+    >>> config = LlamaConfig(num_hidden_layers=16, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    >>> plan = plan_memory(config, "1GiB", context=4096, caches=("dynamic", "int4"), reserve="256MiB")
+    >>> plan.row("dynamic").max_batch, plan.row("int4").max_batch
+    (38, 96)
+    """
+    label = str(config) if isinstance(config, (str, __import__("pathlib").Path)) else None
+    config = _load_config(config)
+    name = model_type(config) + (f" ({label})" if label else "")
+    memory_bytes = parse_memory(memory, "memory")
+    reserve_bytes = (2**30 + memory_bytes // 20) if reserve is None else parse_memory(reserve, "reserve")
+    if isinstance(dtype, str):
+        dtype = dtype_from_name("dtype", dtype)
+    check_int("batch", batch, 1)
+    context = context if context is not None else getattr(config, "max_position_embeddings", None) or 4096
+    check_int("context", context, 1)
+    if not caches:
+        raise ValueError("caches must name at least one cache spec")
+    for spec in caches:
+        base, options = parse_spec(spec)
+        options.pop("share", None), options.pop("generated", None)
+        check_spec(":".join([base] + [f"{k}={v}" for k, v in options.items()]))
+    weights = weight_bytes(config, dtype, weights_bits)
+    budget = memory_bytes - weights["bytes"] - reserve_bytes
+
+    def need(spec: str, tokens: int, rows: int) -> int:
+        return kv_bytes(spec, config, tokens, rows, dtype) + _scratch(spec, config, tokens, rows, dtype)
+
+    rows = []
+    for spec in caches:
+        stored = kv_bytes(spec, config, context, batch, dtype)
+        scratch = _scratch(spec, config, context, batch, dtype)
+        bounded = need(spec, max_context, batch) == need(spec, max_context // 2, batch)
+        if bounded and need(spec, max_context, batch) <= budget:
+            longest = None
+        else:
+            longest = max(0, _largest(lambda n, s=spec: need(s, n, batch) <= budget, 1, max_context))
+        widest = max(0, _largest(lambda b, s=spec: need(s, context, b) <= budget, 1, 2**20))
+        rows.append(
+            PlanRow(spec, stored / (batch * context), stored, scratch, stored + scratch <= budget, longest, widest)
+        )
+    assumptions = [
+        f"weights: {weights['parameters']:,} parameters from the config"
+        + (
+            f", {weights_bits}-bit bitsandbytes on the decoder's linear layers (embeddings, norms, head in "
+            f"{str(dtype).removeprefix('torch.')})"
+            if weights_bits in (4, 8)
+            else f" in {str(dtype).removeprefix('torch.')}"
+        ),
+        f"reserve: {_gib(reserve_bytes)} for the CUDA context, prefill activations, logits and fragmentation "
+        "(chunk long prompts with prefill_chunk_size; measure yours with `hf-kvcache bench`)",
+        "KV bytes: what each cache stores (its nbytes) for every row at the full context; no left padding",
+        "decode scratch (counted): int8/int4/int2 under eager or sdpa dequantize one layer's history per step into a "
+        "shared workspace; under attn_implementation='hf_kvcache' they read their codes in place and need none",
+        "paged:share=N: groups of N rows share one prompt (sampling, beams) and each generates 256 tokens",
+        "growth headroom: our caches grow their buffers by 12.5%; DynamicCache's torch.cat briefly holds two "
+        "copies of one layer; both fit in the reserve at typical sizes",
+    ]
+    return MemoryPlan(
+        name,
+        memory_bytes,
+        weights["bytes"],
+        reserve_bytes,
+        budget,
+        context,
+        batch,
+        str(dtype).removeprefix("torch."),
+        weights_bits,
+        rows,
+        assumptions,
+    )
+
+
+def _load_config(config):
+    """A ``PretrainedConfig`` from a config, a model, a folder, a ``config.json`` path or a hub id."""
+    from pathlib import Path
+
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(config, PretrainedConfig):
+        return config
+    if not isinstance(config, (str, Path)):
+        return resolve_config(config)
+    path = Path(config)
+    if path.is_file():
+        data = __import__("json").loads(path.read_text())
+        model_type_name = data.pop("model_type", None)
+        if model_type_name is None:
+            raise ValueError(f"--model: {path} has no model_type; give the model's config.json")
+        return AutoConfig.for_model(model_type_name, **data)
+    try:
+        return AutoConfig.from_pretrained(str(config))
+    except OSError as err:
+        raise ValueError(
+            f"--model: cannot read a config from {config!r} (a local folder, a config.json or a hub id; offline, "
+            f"only local files work): {str(err).splitlines()[0]}"
+        ) from err

@@ -1,0 +1,164 @@
+"""`hf-kvcache plan` and `hf_kvcache.plan`: the planned bytes equal what the caches store after real forwards."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from hf_kvcache import cache_nbytes, make_cache
+from hf_kvcache.cli import main as cli
+from hf_kvcache.plan import kv_bytes, parse_memory, plan_memory, weight_bytes
+from tests.models import EXTRA_FAMILIES, FAMILIES, tiny_model
+
+torch.set_num_threads(1)
+
+# transformers' DynamicSlidingWindowLayer keeps a 0-d int64 tensor of its window next to its K/V: not planned.
+BOOKKEEPING = 8
+
+# Small residuals, groups and windows so that a 40-token run crosses every boundary (encoding, eviction, blocks).
+SPECS = [
+    "dynamic",
+    "int8",
+    "int8:residual_length=8",
+    "int4:group_size=8:residual_length=8",
+    "int2:group_size=16:residual_length=4",
+    "int4",  # default residual (128): all of a short run stays in full precision
+    "sink:window=16:sinks=2",
+    "sink:window=16:sinks=2:bits=8",
+    "paged:block_size=5",
+    "paged:block_size=16:bits=8",
+]
+
+
+def _generate(model, spec: str, prompt: int, new: int, rows: int = 2, **kwargs):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (rows, prompt), generator=g)
+    cache = make_cache(spec, model)
+    model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        past_key_values=cache,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        **({"do_sample": False} | kwargs),
+    )
+    return cache
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "mistral"])  # full only, hybrid, all sliding
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("prompt,new", [(7, 4), (23, 18)])
+def test_planned_bytes_equal_the_caches_nbytes(family, spec, prompt, new):
+    model = tiny_model(family)
+    cache = _generate(model, spec, prompt, new)
+    tokens = prompt + new - 1  # the last generated token is never fed back
+    planned = kv_bytes(spec, model.config, tokens, batch=2, dtype=torch.float32, prompt=prompt)
+    assert abs(planned - cache_nbytes(cache)) <= BOOKKEEPING * model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v2"])  # learned sinks + alternating windows; latent widths
+def test_planned_bytes_on_more_families(family):
+    from tests.models import extra_model
+
+    model = extra_model(family)
+    for spec in ("dynamic", "int8:residual_length=4", "paged:block_size=4"):
+        cache = _generate(model, spec, 9, 6)
+        planned = kv_bytes(spec, model.config, 14, batch=2, dtype=torch.float32, prompt=9)
+        assert abs(planned - cache_nbytes(cache)) <= BOOKKEEPING * model.config.num_hidden_layers, spec
+    assert family in EXTRA_FAMILIES
+
+
+def test_paged_sharing_counts_the_prompt_blocks_once():
+    model = tiny_model("llama")
+    cache = _generate(model, "paged:block_size=4", 22, 7, rows=1, num_return_sequences=4, do_sample=True)
+    planned = kv_bytes("paged:block_size=4:share=4:generated=6", model.config, 28, batch=4, dtype=torch.float32)
+    assert planned == cache_nbytes(cache)
+    unshared = kv_bytes("paged:block_size=4", model.config, 28, batch=4, dtype=torch.float32)
+    assert planned < 0.5 * unshared
+
+
+def test_weights_from_the_config_alone():
+    model = tiny_model("llama")
+    counted = sum(p.numel() for p in model.parameters())
+    assert weight_bytes(model.config, torch.float32, 32)["parameters"] == counted
+    assert weight_bytes(model.config, torch.bfloat16, 16)["bytes"] == 2 * counted
+    assert (
+        weight_bytes(model.config, torch.bfloat16, 4)["bytes"] < weight_bytes(model.config, torch.bfloat16, 8)["bytes"]
+    )
+
+
+LLAMA3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=128256,
+    num_hidden_layers=32,
+    max_position_embeddings=131072,
+)
+
+
+def test_plan_of_llama3_8b_on_80_gib():
+    plan = plan_memory(LlamaConfig(**LLAMA3_8B), "80GiB", context=32768, batch=1)
+    dynamic, int4 = plan.row("dynamic"), plan.row("int4")
+    assert dynamic.bytes_per_token == 131072  # 32 layers x 8 heads x 256 x 2 bytes
+    assert 15.0e9 < plan.weights_bytes < 16.1e9  # 8.03B parameters in bf16
+    # the largest context really is the largest: one more token does not fit
+    budget = plan.budget_bytes
+    assert kv_bytes("dynamic", LlamaConfig(**LLAMA3_8B), dynamic.max_context, 1) <= budget
+    assert kv_bytes("dynamic", LlamaConfig(**LLAMA3_8B), dynamic.max_context + 1, 1) > budget
+    assert int4.max_context > 3 * dynamic.max_context
+    assert plan.row("sink:window=1024:sinks=4").max_context is None  # bounded: any context
+    assert plan.row("paged:share=8").max_batch > 4 * plan.row("paged").max_batch
+    text = plan.table()
+    assert "max context" in text and "reserve" in text and "decode scratch" in text
+
+
+def test_plan_counts_a_hybrid_models_sliding_layers_at_their_window():
+    gemma = FAMILIES["gemma3"]()  # sliding, full, sliding (window 10)
+    all_full = FAMILIES["gemma3"]()
+    all_full.layer_types = ["full_attention"] * all_full.num_hidden_layers
+    assert kv_bytes("dynamic", gemma, 1024) < 0.4 * kv_bytes("dynamic", all_full, 1024)
+    plan = plan_memory(gemma, "64MiB", context=1024, caches=("dynamic",), reserve="16MiB", weights_bits=16)
+    twin = plan_memory(all_full, "64MiB", context=1024, caches=("dynamic",), reserve="16MiB", weights_bits=16)
+    assert plan.row("dynamic").max_context > 2 * twin.row("dynamic").max_context
+
+
+@pytest.mark.parametrize(
+    "value,expected", [("24GiB", 24 * 2**30), ("80GB", 80 * 10**9), ("512 MiB", 512 * 2**20), ("1e3", None)]
+)
+def test_parse_memory(value, expected):
+    if expected is None:
+        with pytest.raises(ValueError, match="memory must be a positive size"):
+            parse_memory(value)
+    else:
+        assert parse_memory(value) == expected
+
+
+def test_cli_plan_from_a_config_json(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", **LLAMA3_8B}))
+    assert cli(["plan", "--model", str(path), "--memory", "24GiB", "--context", "8192", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {r["cache"] for r in out["rows"]} >= {"dynamic", "int4", "paged:share=8"}
+    assert out["budget_bytes"] < 24 * 2**30
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--memory", "lots"], "--memory"),
+        (["--memory", "24GiB", "--context", "0"], "--context"),
+        (["--memory", "24GiB", "--weights-bits", "3"], "--weights-bits"),
+        (["--memory", "24GiB", "--caches", "int5"], "int5"),
+        (["--memory", "24GiB", "--model", "/no/such/folder"], "--model"),
+    ],
+)
+def test_cli_plan_bad_input_is_one_line(argv, message, capsys):
+    assert cli(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "Traceback" not in err and len(err.splitlines()) == 1
