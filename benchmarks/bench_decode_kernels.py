@@ -1,7 +1,8 @@
 """The fused decode attention alone, against sdpa over full-precision K/V of the same shape.
 
 Decode attention is memory-bound: one query token per row reads the whole history. This times one decode step of one
-layer (Llama-3-8B's attention shape by default: 32 query / 8 KV heads, head_dim 128) for each storage kind, with
+layer (Llama-3-8B's attention shape by default: 32 query / 8 KV heads, head_dim 128) for each storage kind (dense,
+KIVI 4/2-bit, int8, and paged pools of 16-token pages in shuffled order, full precision or int8), with
 the kernels of :mod:`hf_kvcache.kernels` reading the storage in place, next to ``torch.nn.functional.
 scaled_dot_product_attention`` over bf16 K/V (what ``DynamicCache`` + sdpa reads). It reports the median time, the
 speed-up over sdpa, the bytes each step must read and the achieved bandwidth as a fraction of the device's peak
@@ -23,18 +24,48 @@ import torch
 from tabulate import tabulate
 
 from hf_kvcache._validate import dtype_from_name
-from hf_kvcache.kernels import DenseSegment, KVHandle, decode_attention
+from hf_kvcache.kernels import DenseSegment, KVHandle, PagedSegment, decode_attention
 from hf_kvcache.layers._codecs import Int8Codec, KiviCodec
+
+
+def _paged(k: torch.Tensor, v: torch.Tensor, bits: int | None, block_size: int = 16) -> PagedSegment:
+    """K/V written into a pool of ``block_size``-token pages in shuffled order, read back through the block table."""
+    batch, heads, length, _ = k.shape
+    per_row = -(-length // block_size)
+    table = torch.randperm(batch * per_row, device=k.device).view(batch, per_row).int()
+    slots = table.long().repeat_interleave(block_size, 1) * block_size + torch.arange(
+        block_size, device=k.device
+    ).repeat(per_row)
+    slots = slots[:, :length].flatten()
+
+    def pool(x: torch.Tensor):
+        flat = x.transpose(1, 2).reshape(batch * length, heads, -1)  # (B * T, H, D)
+        if bits is None:
+            out = x.new_zeros(batch * per_row * block_size, heads, x.shape[-1])
+            out[slots] = flat
+            return out, None
+        scale = flat.float().abs().amax(-1).clamp_min(1e-8) / 127
+        codes = torch.zeros(batch * per_row * block_size, heads, x.shape[-1], dtype=torch.int8, device=x.device)
+        codes[slots] = (flat.float() / scale.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+        scales = torch.ones(codes.shape[:2], device=x.device)
+        scales[slots] = scale
+        return codes, scales
+
+    (keys, key_scales), (values, value_scales) = pool(k), pool(v)
+    return PagedSegment(keys, values, table, block_size, length, key_scales, value_scales)
 
 
 def _segment(kind: str, k: torch.Tensor, v: torch.Tensor):
     if kind == "dense":
         return DenseSegment(k, v)
+    if kind in ("paged", "paged8"):
+        return _paged(k, v, 8 if kind == "paged8" else None)
     codec = Int8Codec(None, torch.float32) if kind == "int8" else KiviCodec(int(kind[-1]), 64, None)
     return codec.segment(codec.encode(k, v))
 
 
 def _nbytes(segment) -> int:
+    """Bytes a decode step reads (a paged pool is read through its table: only the slots the rows use, here all)."""
     return sum(t.numel() * t.element_size() for t in vars(segment).values() if isinstance(t, torch.Tensor))
 
 
@@ -72,7 +103,11 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=32, help="query heads")
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--kinds", default="dense,int8,int4,int2", help="storage kinds to time")
+    parser.add_argument(
+        "--kinds",
+        default="dense,int8,int4,int2,paged,paged8",
+        help="storage kinds to time (paged / paged8: 16-token pages in shuffled order, full precision / int8)",
+    )
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--peak-gbs", type=float, default=None, help="the device's peak memory bandwidth, GB/s")
     args = parser.parse_args()
@@ -95,7 +130,9 @@ def main() -> None:
 
             base = _time(sdpa, args.repeats, device)
             base_bytes = 2 * k.numel() * k.element_size()
-            rows.append([batch, context, "sdpa (bf16 K/V)", f"{1e6 * base:.0f}", "1.00", f"{base_bytes / 2**20:.0f}"])
+            rows.append(
+                [batch, context, f"sdpa ({args.dtype} K/V)", f"{1e6 * base:.0f}", "1.00", f"{base_bytes / 2**20:.0f}"]
+            )
             rows[-1].append(f"{base_bytes / base / peak:.0%}" if peak else "n/a")
             for kind in args.kinds.split(","):
                 segment = _segment(kind, k, v)

@@ -35,3 +35,31 @@ def test_decode_step_compiles_without_graph_breaks(spec, attn):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert compiled.get_seq_length() == eager.get_seq_length() == 18
     assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attn", ["sdpa", "hf_kvcache"])
+def test_paged_decode_compiles_with_graph_breaks_not_fullgraph(attn):
+    """The paged cache's block bookkeeping is Python that runs every forward (the source of truth for sharing and
+    copy-on-write): fullgraph refuses it, as the paged page says; a plain compile breaks around it and stays exact."""
+    import torch._dynamo
+
+    model = tiny_model("llama", attn)
+    ids = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(0))
+    steps = torch.randint(3, 100, (4, 1), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch._dynamo.reset()
+        cache = make_cache("paged:block_size=4", model)
+        model(input_ids=ids, past_key_values=cache)
+        with pytest.raises(torch._dynamo.exc.Unsupported):
+            torch.compile(model.forward, fullgraph=True)(input_ids=steps[0].view(1, 1), past_key_values=cache)
+        torch._dynamo.reset()
+        eager, compiled = make_cache("paged:block_size=4", model), make_cache("paged:block_size=4", model)
+        model(input_ids=ids, past_key_values=eager)
+        model(input_ids=ids, past_key_values=compiled)
+        step = torch.compile(model.forward)
+        for token in steps:
+            want = model(input_ids=token.view(1, 1), past_key_values=eager).logits
+            got = step(input_ids=token.view(1, 1), past_key_values=compiled).logits
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        compiled.check_invariants()
