@@ -30,21 +30,9 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 from hf_kvcache import PagedKVCache, cache_nbytes, reference_model_path
 from hf_kvcache.attention import ATTENTION
-from hf_kvcache.compare import time_decode
+from hf_kvcache.compare import LLAMA3_8B, time_decode
 
-SHAPES = {
-    "llama3-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-        num_hidden_layers=32,
-        rope_theta=500000.0,
-        max_position_embeddings=131072,
-    ),
-}
+SHAPES = {"llama3-8b": LLAMA3_8B}
 
 
 def load_model(args):

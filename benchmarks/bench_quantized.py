@@ -19,23 +19,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, QuantizedCache
 
 from hf_kvcache import make_cache
-from hf_kvcache.compare import compare_caches, format_table, tiny_llama
+from hf_kvcache.compare import LLAMA3_8B, compare_caches, format_table, tiny_llama
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def llama3_8b_shaped(dtype, device):
     """Llama-3-8B's shapes (32 layers, 32/8 heads, head_dim 128) with random weights."""
-    config = LlamaConfig(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=32768,
-        rope_theta=500000.0,
-    )
+    config = LlamaConfig(**LLAMA3_8B)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype).eval()
     model.generation_config.pad_token_id = 0

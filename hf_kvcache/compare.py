@@ -32,6 +32,7 @@ from .registry import make_cache
 LOGIT_BOUNDS = {"int8": 0.06, "int4": 0.25, "int2": 1.0}
 
 __all__ = [
+    "LLAMA3_8B",
     "LOGIT_BOUNDS",
     "TINY_FAMILIES",
     "TINY_VOCAB",
@@ -45,6 +46,19 @@ __all__ = [
 ]
 
 TINY_VOCAB = 128
+
+# Llama-3-8B's architecture (LlamaConfig arguments), for benchmarks with random weights and for memory plans.
+LLAMA3_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+)
 _COMMON = dict(vocab_size=TINY_VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, **_COMMON)
 

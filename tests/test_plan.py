@@ -10,6 +10,7 @@ from transformers import LlamaConfig
 
 from hf_kvcache import cache_nbytes, make_cache
 from hf_kvcache.cli import main as cli
+from hf_kvcache.compare import LLAMA3_8B
 from hf_kvcache.plan import kv_bytes, parse_memory, plan_memory, weight_bytes
 from tests.models import EXTRA_FAMILIES, FAMILIES, tiny_model
 
@@ -88,18 +89,6 @@ def test_weights_from_the_config_alone():
     assert (
         weight_bytes(model.config, torch.bfloat16, 4)["bytes"] < weight_bytes(model.config, torch.bfloat16, 8)["bytes"]
     )
-
-
-LLAMA3_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    vocab_size=128256,
-    num_hidden_layers=32,
-    max_position_embeddings=131072,
-)
 
 
 def test_plan_of_llama3_8b_on_80_gib():
