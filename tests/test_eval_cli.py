@@ -135,7 +135,9 @@ def test_accelerate_two_cpu_processes_equal_one(tmp_path):
     assert dp["processes"] == 2
     for a, b in zip(dp["results"], one["results"]):
         assert a["perplexity"]["tokens_scored"] == b["perplexity"]["tokens_scored"]
-        assert a["perplexity"]["perplexity"] == pytest.approx(b["perplexity"]["perplexity"], rel=1e-6)
+        # Equal up to float summation order: each process scores batches of another shape, and sdpa's CPU kernel
+        # blocks by batch. A lost or repeated window (a wrong shard or merge) would move perplexity by percents.
+        assert a["perplexity"]["perplexity"] == pytest.approx(b["perplexity"]["perplexity"], rel=1e-4)
 
 
 def test_evaluate_metric_loads_by_path(reference):
