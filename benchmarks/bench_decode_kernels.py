@@ -26,6 +26,7 @@ from tabulate import tabulate
 from hf_kvcache._validate import dtype_from_name
 from hf_kvcache.kernels import DenseSegment, KVHandle, PagedSegment, decode_attention
 from hf_kvcache.layers._codecs import Int8Codec, KiviCodec
+from hf_kvcache.layers.paged import page_codec
 
 
 def _paged(k: torch.Tensor, v: torch.Tensor, bits: int | None, block_size: int = 16) -> PagedSegment:
@@ -38,18 +39,18 @@ def _paged(k: torch.Tensor, v: torch.Tensor, bits: int | None, block_size: int =
     ).repeat(per_row)
     slots = slots[:, :length].flatten()
 
+    codec = page_codec(bits)  # the paged cache's own page encoding
+
     def pool(x: torch.Tensor):
         flat = x.transpose(1, 2).reshape(batch * length, heads, -1)  # (B * T, H, D)
-        if bits is None:
-            out = x.new_zeros(batch * per_row * block_size, heads, x.shape[-1])
+        out = torch.zeros(batch * per_row * block_size, heads, x.shape[-1], dtype=x.dtype, device=x.device)
+        if codec is None:
             out[slots] = flat
             return out, None
-        scale = flat.float().abs().amax(-1).clamp_min(1e-8) / 127
-        codes = torch.zeros(batch * per_row * block_size, heads, x.shape[-1], dtype=torch.int8, device=x.device)
-        codes[slots] = (flat.float() / scale.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
-        scales = torch.ones(codes.shape[:2], device=x.device)
-        scales[slots] = scale
-        return codes, scales
+        codes, scale = codec._encode_one(flat)
+        out, scales = out.to(torch.int8), torch.zeros(out.shape[:2], device=x.device)
+        out[slots], scales[slots] = codes, scale.squeeze(-1)
+        return out, scales
 
     (keys, key_scales), (values, value_scales) = pool(k), pool(v)
     return PagedSegment(keys, values, table, block_size, length, key_scales, value_scales)

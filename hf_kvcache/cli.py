@@ -219,24 +219,19 @@ def _plan(args) -> int:
     import dataclasses
     import json
 
-    from .plan import plan_memory
+    from ._validate import dtype_from_name
+    from .plan import parse_memory, plan_memory
     from .reference import reference_model_path
 
+    # Checked here with the flags' names in the messages; plan_memory checks them again under its argument names.
     if args.weights_bits not in (4, 8, 16):
         raise ValueError(f"--weights-bits must be 16, 8 or 4, got {args.weights_bits}")
     if args.context is not None:
         check_int("--context", args.context, 1)
     check_int("--batch", args.batch, 1)
-    try:
-        from ._validate import dtype_from_name
-
-        dtype = dtype_from_name("--dtype", args.dtype)
-    except ValueError as err:
-        raise ValueError(str(err)) from err
+    dtype = dtype_from_name("--dtype", args.dtype)
     for flag, value in (("--memory", args.memory), ("--reserve", args.reserve)):
         if value is not None:
-            from .plan import parse_memory
-
             parse_memory(value, flag)
     plan = plan_memory(
         args.model or reference_model_path(),

@@ -21,15 +21,17 @@ caches' ``nbytes`` after real forwards, for every kind and for hybrid models):
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from ._config import LayerSpec, layer_specs, model_type, resolve_config
 from ._validate import check_int, dtype_from_name
-from .layers._codecs import Int8Codec
+from .layers.window import dynamic_layer_nbytes
 from .registry import check_spec, make_cache, parse_spec
 
 __all__ = ["DEFAULT_PLAN_CACHES", "MemoryPlan", "PlanRow", "kv_bytes", "parse_memory", "plan_memory", "weight_bytes"]
@@ -65,76 +67,30 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-# --- stored bytes, per layer -----------------------------------------------------------------------------------
+# --- stored bytes ----------------------------------------------------------------------------------------------
 
 
-def _quantized_split(tokens: int, residual: int, unit: int) -> tuple[int, int]:
-    """(encoded, residual) tokens of a full quantized layer that took ``tokens``, in any number of forwards: the
-    residual encodes its oldest tokens ``unit`` at a time while it holds ``residual + unit`` or more."""
-    encoded = max(0, (tokens - residual) // unit * unit)
-    return encoded, tokens - encoded
+def _plan_spec(spec: str) -> tuple[str, dict, int | None, int]:
+    """``(kind, cache options, share, generated)`` of a plan spec: a cache spec, plus ``share`` / ``generated`` for
+    paged specs. Kind and option names are checked here; option values when the cache is built."""
+    name, options = parse_spec(spec)
+    share, generated = options.pop("share", None), options.pop("generated", 256)
+    if share is not None:
+        if name != "paged":
+            raise ValueError(f"share= is a plan option of paged specs only, got {spec!r}")
+        check_int("share", share, 1)
+        check_int("generated", generated, 0)
+    check_spec(name, **options)
+    return name, options, share, generated
 
 
-def _quantized_sliding_split(tokens: int, prompt: int, residual: int, unit: int, window: int) -> tuple[int, int]:
-    """(encoded, residual) tokens a quantized sliding layer stores after a ``prompt``-token forward and one token per
-    forward up to ``tokens``: it encodes as a full layer does, then evicts down to ``window - 1`` tokens, dropping
-    encoded tokens only in whole units (the state is periodic once the window is full: whole periods are skipped)."""
-    q = r = 0
-    seen: dict[tuple[int, int], int] = {}
-    step, n = 0, min(prompt, tokens)
-    while True:
-        overflow = r + n - residual
-        encoded = max(overflow, 0) // unit * unit
-        q, r = q + encoded, r + n - encoded
-        excess = q + r - (window - 1)
-        if excess > 0:
-            if excess >= q:
-                q, r = 0, r - (excess - q)
-            else:
-                q -= excess // unit * unit
-        done = min(prompt, tokens) + step
-        if done >= tokens:
-            return q, r
-        if (q, r) in seen:  # periodic from here: skip whole periods
-            period = step - seen[(q, r)]
-            step += (tokens - done) // period * period
-            seen.clear()
-            if min(prompt, tokens) + step >= tokens:
-                return q, r
-        else:
-            seen[(q, r)] = step
-        step, n = step + 1, 1
-
-
-def _layer_bytes(cache, spec: LayerSpec, tokens: int, itemsize: int, prompt: int | None = None) -> float:
-    """Bytes one row of ``cache``'s layer ``spec`` stores after taking ``tokens`` tokens (``prompt`` of them in the
-    first forward, the rest one per forward; default: all in one)."""
-    full = spec.num_kv_heads * (spec.key_dim + spec.value_dim)  # elements per token
-    sliding = spec.layer_type != "full_attention" and spec.sliding_window
-    kind = type(cache).__name__
-    int8_window = kind == "SlidingWindowKVCache" and cache.bits == 8
-    if kind == "QuantizedKVCache" or (sliding and int8_window):  # the sink cache's int8 keeps sliding layers so too
-        codec = cache._codec() if kind == "QuantizedKVCache" else Int8Codec(None, torch.float32)
-        unit = 1 if codec.unit == 1 else cache.group_size
-        residual_length = cache.residual_length if kind == "QuantizedKVCache" else 0
-        if sliding:
-            prompt = tokens if prompt is None else prompt
-            encoded, residual = _quantized_sliding_split(tokens, prompt, residual_length, unit, spec.sliding_window)
-        else:
-            encoded, residual = _quantized_split(tokens, residual_length, unit)
-        kv_dtype = {1: torch.int8, 2: torch.float16, 4: torch.float32}.get(itemsize, torch.bfloat16)
-        coded = codec.bytes_per_token(spec.num_kv_heads, spec.key_dim, spec.value_dim, kv_dtype)
-        return encoded * coded + residual * full * itemsize
-    if sliding:  # every other cache keeps a model's sliding layers as DynamicCache does
-        return min(tokens, spec.sliding_window - 1) * full * itemsize
-    if kind == "SlidingWindowKVCache":
-        stored = min(tokens, cache.sinks + cache.window)
-        per_token = full + 2 * spec.num_kv_heads * 4 if cache.bits == 8 else full * itemsize
-        return stored * per_token
-    if kind == "PagedKVCache":
-        per_token = full + 2 * spec.num_kv_heads * 4 if cache.bits == 8 else full * itemsize
-        return math.ceil(tokens / cache.block_size) * cache.block_size * per_token
-    return tokens * full * itemsize  # DynamicCache
+def _layers_nbytes(cache, specs: list[LayerSpec], tokens: int, dtype: torch.dtype, prompt: int | None) -> list[float]:
+    """Bytes one row of each layer stores after ``tokens`` tokens: our layers know their layout
+    (``planned_nbytes``); transformers' ``DynamicCache`` layers are planned here."""
+    layers = getattr(cache, "layers", [])
+    if len(layers) == len(specs) and all(hasattr(layer, "planned_nbytes") for layer in layers):
+        return [layer.planned_nbytes(tokens, dtype, prompt) for layer in layers]
+    return [dynamic_layer_nbytes(spec, tokens, dtype) for spec in specs]
 
 
 def kv_bytes(
@@ -155,30 +111,22 @@ def kv_bytes(
     """
     check_int("tokens", tokens, 0)
     check_int("batch", batch, 1)
-    name, options = parse_spec(spec)
-    share, generated = options.pop("share", None), options.pop("generated", 256)
-    if share is not None:
-        if name != "paged":
-            raise ValueError(f"share= is a plan option of paged specs only, got {spec!r}")
-        check_int("share", share, 1)
-        check_int("generated", generated, 0)
+    name, options, share, generated = _plan_spec(spec)
     cache = make_cache(name, config, **options)
-    config = resolve_config(config)
-    specs = layer_specs(config, "plan")
-    itemsize = dtype.itemsize
+    specs = layer_specs(resolve_config(config), "plan")
     if share is None or share == 1:
-        return int(batch * sum(_layer_bytes(cache, s, tokens, itemsize, prompt) for s in specs))
+        return int(batch * sum(_layers_nbytes(cache, specs, tokens, dtype, prompt)))
     prompt = max(0, tokens - generated)
-    shared_blocks = prompt // cache.block_size
-    shared = shared_blocks * cache.block_size
+    shared = prompt // cache.block_size * cache.block_size  # the prompt's full blocks, stored once per group
     groups = math.ceil(batch / share)
+    each = _layers_nbytes(cache, specs, tokens, dtype, prompt)
+    once = _layers_nbytes(cache, specs, shared, dtype, None)
     total = 0.0
-    for s in specs:
-        if s.layer_type != "full_attention" and s.sliding_window:
-            total += batch * _layer_bytes(cache, s, tokens, itemsize, prompt)
-            continue
-        once = _layer_bytes(cache, s, shared, itemsize)
-        total += groups * once + batch * (_layer_bytes(cache, s, tokens, itemsize) - once)
+    for s, row, common in zip(specs, each, once):
+        if s.layer_type != "full_attention" and s.sliding_window:  # a model's own sliding layers are not shared
+            total += batch * row
+        else:
+            total += groups * common + batch * (row - common)
     return int(total)
 
 
@@ -295,8 +243,7 @@ def _scratch(spec: str, config, tokens: int, batch: int, dtype: torch.dtype) -> 
     caches and ``DynamicCache`` hand attention their own tensors or a gather that is freed per layer."""
     from .layers._storage import _grown_capacity
 
-    name, _ = parse_spec(spec)
-    if name not in ("int8", "int4", "int2"):
+    if _plan_spec(spec)[0] not in ("int8", "int4", "int2"):
         return 0
     widths = {}
     for s in layer_specs(resolve_config(config), "plan"):
@@ -344,7 +291,7 @@ def plan_memory(
     >>> plan.row("dynamic").max_batch, plan.row("int4").max_batch
     (38, 96)
     """
-    label = str(config) if isinstance(config, (str, __import__("pathlib").Path)) else None
+    label = str(config) if isinstance(config, (str, Path)) else None
     config = _load_config(config)
     name = model_type(config) + (f" ({label})" if label else "")
     memory_bytes = parse_memory(memory, "memory")
@@ -357,9 +304,7 @@ def plan_memory(
     if not caches:
         raise ValueError("caches must name at least one cache spec")
     for spec in caches:
-        base, options = parse_spec(spec)
-        options.pop("share", None), options.pop("generated", None)
-        check_spec(":".join([base] + [f"{k}={v}" for k, v in options.items()]))
+        _plan_spec(spec)
     weights = weight_bytes(config, dtype, weights_bits)
     budget = memory_bytes - weights["bytes"] - reserve_bytes
 
@@ -370,8 +315,9 @@ def plan_memory(
     for spec in caches:
         stored = kv_bytes(spec, config, context, batch, dtype)
         scratch = _scratch(spec, config, context, batch, dtype)
-        bounded = need(spec, max_context, batch) == need(spec, max_context // 2, batch)
-        if bounded and need(spec, max_context, batch) <= budget:
+        longest_need = need(spec, max_context, batch)
+        bounded = longest_need == need(spec, max_context // 2, batch)
+        if bounded and longest_need <= budget:
             longest = None
         else:
             longest = max(0, _largest(lambda n, s=spec: need(s, n, batch) <= budget, 1, max_context))
@@ -413,8 +359,6 @@ def plan_memory(
 
 def _load_config(config):
     """A ``PretrainedConfig`` from a config, a model, a folder, a ``config.json`` path or a hub id."""
-    from pathlib import Path
-
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(config, PretrainedConfig):
@@ -423,7 +367,7 @@ def _load_config(config):
         return resolve_config(config)
     path = Path(config)
     if path.is_file():
-        data = __import__("json").loads(path.read_text())
+        data = json.loads(path.read_text())
         model_type_name = data.pop("model_type", None)
         if model_type_name is None:
             raise ValueError(f"--model: {path} has no model_type; give the model's config.json")

@@ -9,7 +9,7 @@ from transformers.cache_utils import Cache
 from .._config import is_latent_attention, layer_specs, resolve_config
 from .._validate import check_int
 from ..layers._common import AttentionMode, PaddingTracker
-from ..layers.paged import PagedLayer, PagedState
+from ..layers.paged import PagedLayer, PagedState, page_bytes_per_token
 from ..layers.window import ModelSlidingWindowLayer
 from ..registry import register_cache
 from ._base import KVCacheReportMixin, PaddingObserverMixin
@@ -108,13 +108,8 @@ class PagedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
     def bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> float:
         """Stored bytes per distinct token (a shared prompt block counts once), summed over layers. The model's own
         sliding layers keep full precision, as with ``bits=None``."""
-        total = 0.0
-        for s in self.layer_specs:
-            if self.bits == 8 and s.layer_type == "full_attention":
-                total += s.bytes_per_token_factor + 2 * s.num_kv_heads * 4  # int8 codes + a float32 scale each
-            else:
-                total += s.bytes_per_token_factor * dtype.itemsize
-        return total
+        bits = {"full_attention": self.bits}
+        return sum(page_bytes_per_token(s, bits.get(s.layer_type), dtype) for s in self.layer_specs)
 
     def __repr__(self) -> str:
         return (

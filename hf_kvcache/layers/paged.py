@@ -51,6 +51,20 @@ def _weak_method(method):
     return call
 
 
+def page_codec(bits: int | None) -> Int8Codec | None:
+    """How pages store K/V: ``None`` (the model's dtype) or int8 codes with one float32 scale per token and head, as
+    the int8 cache encodes them."""
+    return Int8Codec(None, torch.float32) if bits == 8 else None
+
+
+def page_bytes_per_token(spec: LayerSpec, bits: int | None, dtype: torch.dtype) -> float:
+    """Bytes one slot of a page holds (keys and values, all heads)."""
+    codec = page_codec(bits)
+    if codec is None:
+        return spec.bytes_per_token_factor * dtype.itemsize
+    return codec.bytes_per_token(spec.num_kv_heads, spec.key_dim, spec.value_dim)
+
+
 class PagedStorage:
     """One layer's K/V slots, slot ``b * block_size + i`` being token ``i`` of block ``b``: ``keys`` ``(slots, H, Dk)``
     and ``values`` ``(slots, H, Dv)`` in the model's dtype, or (``bits=8``) int8 codes with one float32 scale per
@@ -67,7 +81,7 @@ class PagedStorage:
         if bits == 8:
             self.tensors["key_scales"] = torch.zeros((num_slots, heads), dtype=torch.float32, device=device)
             self.tensors["value_scales"] = torch.zeros((num_slots, heads), dtype=torch.float32, device=device)
-        self.codec = Int8Codec(None, torch.float32) if bits == 8 else None
+        self.codec = page_codec(bits)
 
     @property
     def keys(self) -> torch.Tensor:
@@ -463,6 +477,11 @@ class PagedLayer(KVLayer):
     @property
     def quantized_tokens(self) -> int:
         return self.stored_tokens if self.state.bits == 8 else 0
+
+    def planned_nbytes(self, tokens: int, dtype: torch.dtype, prompt: int | None = None) -> float:
+        """Bytes one row stores after ``tokens`` tokens of ``dtype`` K/V: whole blocks (:mod:`hf_kvcache.plan`)."""
+        blocks = -(-tokens // self.state.block_size)
+        return blocks * self.state.block_size * page_bytes_per_token(self.spec, self.state.bits, dtype)
 
     @property
     def nbytes(self) -> int:

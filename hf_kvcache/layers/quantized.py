@@ -22,6 +22,44 @@ from ._common import AttentionMode, KVLayer, tokens_to_crop
 from ._storage import TokenBuffers, Workspace
 
 
+def encoded_split(tokens: int, residual_length: int, unit: int) -> tuple[int, int]:
+    """(encoded, residual) tokens of a full-attention layer that took ``tokens`` in any number of forwards
+    (:meth:`QuantizedLayer._append`: the residual keeps at least ``residual_length`` and encodes ``unit`` at a time)."""
+    encoded = max(0, (tokens - residual_length) // unit * unit)
+    return encoded, tokens - encoded
+
+
+def sliding_encoded_split(tokens: int, prompt: int, residual_length: int, unit: int, window: int) -> tuple[int, int]:
+    """(encoded, residual) tokens a sliding layer stores after a ``prompt``-token forward and one token per forward
+    up to ``tokens``: :meth:`QuantizedLayer._append`, then :meth:`QuantizedSlidingWindowLayer._evict` down to
+    ``window - 1`` tokens, encoded ones only in whole units. The state is periodic once the window is full, so whole
+    periods are skipped."""
+    first = min(prompt, tokens)
+    q = r = 0
+    seen: dict[tuple[int, int], int] = {}
+    step, n = 0, first
+    while True:
+        encoded = max(r + n - residual_length, 0) // unit * unit
+        q, r = q + encoded, r + n - encoded
+        excess = q + r - (window - 1)
+        if excess > 0:
+            if excess >= q:
+                q, r = 0, r - (excess - q)
+            else:
+                q -= excess // unit * unit
+        if first + step >= tokens:
+            return q, r
+        if (q, r) in seen:
+            period = step - seen[(q, r)]
+            step += (tokens - first - step) // period * period
+            seen.clear()
+            if first + step >= tokens:
+                return q, r
+        else:
+            seen[(q, r)] = step
+        step, n = step + 1, 1
+
+
 class QuantizedLayer(KVLayer):
     """Full-attention layer with quantized storage. See the module docstring for the layout."""
 
@@ -120,6 +158,17 @@ class QuantizedLayer(KVLayer):
     def reserved_nbytes(self) -> int:
         """Bytes allocated, including growth headroom."""
         return (self.store.reserved_nbytes + self.residual.reserved_nbytes) if self.is_initialized else 0
+
+    def planned_nbytes(self, tokens: int, dtype: torch.dtype, prompt: int | None = None) -> float:
+        """Bytes one row stores after ``tokens`` tokens of ``dtype`` K/V, ``prompt`` of them in the first forward
+        (default: all) and the rest one per forward (:mod:`hf_kvcache.plan`)."""
+        encoded, residual = self._planned_split(tokens, tokens if prompt is None else prompt)
+        spec = self.spec
+        coded = self.codec.bytes_per_token(spec.num_kv_heads, spec.key_dim, spec.value_dim, dtype)
+        return encoded * coded + residual * spec.bytes_per_token_factor * dtype.itemsize
+
+    def _planned_split(self, tokens: int, prompt: int) -> tuple[int, int]:
+        return encoded_split(tokens, self.residual_length, self.codec.unit)
 
     # -- internals -----------------------------------------------------------------------------------------------
 
@@ -254,6 +303,9 @@ class QuantizedSlidingWindowLayer(QuantizedLayer):
 
     def get_max_length(self) -> int:
         return self.sliding_window
+
+    def _planned_split(self, tokens: int, prompt: int) -> tuple[int, int]:
+        return sliding_encoded_split(tokens, prompt, self.residual_length, self.codec.unit, self.sliding_window)
 
     def _visible_past(self) -> int:
         return min(self.cumulative_length, self.sliding_window - 1)

@@ -50,6 +50,12 @@ class IdentityCodec:
     def segment(self, parts: Parts, start: int = 0) -> DenseSegment:
         return DenseSegment(parts["k"][:, :, start:], parts["v"][:, :, start:])
 
+    def bytes_per_token(
+        self, num_kv_heads: int, key_dim: int, value_dim: int, kv_dtype: torch.dtype = torch.bfloat16
+    ) -> float:
+        """Stored bytes per token of one layer (keys and values, all heads)."""
+        return num_kv_heads * (key_dim + value_dim) * kv_dtype.itemsize
+
 
 def _cat(a: Parts | None, b: Parts) -> Parts:
     return b if a is None else {name: torch.cat([a[name], b[name]], dim=2) for name in b}
@@ -184,6 +190,13 @@ class SinkWindowLayer(KVLayer):
     @property
     def quantized_tokens(self) -> int:
         return 0 if isinstance(self.codec, IdentityCodec) else self.stored_tokens
+
+    def planned_nbytes(self, tokens: int, dtype: torch.dtype, prompt: int | None = None) -> float:
+        """Bytes one row stores after ``tokens`` tokens of ``dtype`` K/V: at most ``sinks + window`` of them
+        (:mod:`hf_kvcache.plan`)."""
+        spec = self.spec
+        per_token = self.codec.bytes_per_token(spec.num_kv_heads, spec.key_dim, spec.value_dim, dtype)
+        return min(tokens, self.sinks + self.window) * per_token
 
     @property
     def nbytes(self) -> int:

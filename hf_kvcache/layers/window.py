@@ -11,6 +11,14 @@ from ._common import as_index, check_same_state
 from ._storage import _nbytes
 
 
+def dynamic_layer_nbytes(spec: LayerSpec, tokens: int, dtype: torch.dtype) -> int:
+    """Bytes one row of ``DynamicCache``'s layer for ``spec`` stores after ``tokens`` tokens: every token of a full
+    layer, the last ``sliding_window - 1`` of a sliding one."""
+    if spec.layer_type != "full_attention" and spec.sliding_window:
+        tokens = min(tokens, spec.sliding_window - 1)
+    return tokens * spec.bytes_per_token_factor * dtype.itemsize
+
+
 class ModelSlidingWindowLayer(DynamicSlidingWindowLayer):
     """Keeps the last ``sliding_window - 1`` tokens exactly as ``DynamicCache`` does."""
 
@@ -35,6 +43,10 @@ class ModelSlidingWindowLayer(DynamicSlidingWindowLayer):
     @property
     def stored_tokens(self) -> int:
         return self.keys.shape[-2] if self.is_initialized else 0
+
+    def planned_nbytes(self, tokens: int, dtype: torch.dtype, prompt: int | None = None) -> int:
+        """Bytes one row stores after ``tokens`` tokens of ``dtype`` K/V (:mod:`hf_kvcache.plan`)."""
+        return dynamic_layer_nbytes(self.spec, tokens, dtype)
 
     @property
     def nbytes(self) -> int:
