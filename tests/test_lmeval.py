@@ -92,7 +92,12 @@ def test_generate_until_passes_a_fresh_cache_each_call(monkeypatch, hf):
 
 @pytest.mark.parametrize(
     "args,message",
-    [({"cache": "int5"}, "int5"), ({"chunk": 0}, "chunk"), ({"cache": "int4:group_size=7"}, "group_size")],
+    [
+        ({"cache": "int5"}, "int5"),
+        ({"chunk": 0}, "chunk"),
+        ({"prefill_chunk": 0}, "prefill_chunk"),
+        ({"cache": "int4:group_size=7"}, "group_size"),
+    ],
 )
 def test_bad_model_args_are_clear(args, message):
     with pytest.raises(ValueError, match=message):

@@ -145,6 +145,10 @@ def test_cli_plan_from_a_config_json(tmp_path, capsys):
         (["--memory", "24GiB", "--weights-bits", "3"], "--weights-bits"),
         (["--memory", "24GiB", "--caches", "int5"], "int5"),
         (["--memory", "24GiB", "--model", "/no/such/folder"], "--model"),
+        (["--memory", "24GiB", "--batch", "0"], "--batch"),
+        (["--memory", "24GiB", "--dtype", "int3"], "--dtype"),
+        (["--memory", "24GiB", "--reserve", "lots"], "--reserve"),
+        (["--memory", "24GiB", "--caches", "int8:share=2"], "share= is a plan option of paged specs only"),
     ],
 )
 def test_cli_plan_bad_input_is_one_line(argv, message, capsys):
