@@ -3,6 +3,7 @@
 from .attention import ATTENTION, register_attention
 from .caches import PagedKVCache, QuantizedKVCache, SlidingWindowKVCache
 from .memory import cache_nbytes, dynamic_bytes_per_token
+from .models import default_model, load_model, model_path
 from .reference import load_reference_model, reference_model_path, reference_text
 from .registry import available_caches, make_cache, parse_spec, register_cache
 
@@ -17,9 +18,12 @@ __all__ = [
     "SlidingWindowKVCache",
     "available_caches",
     "cache_nbytes",
+    "default_model",
     "dynamic_bytes_per_token",
+    "load_model",
     "load_reference_model",
     "make_cache",
+    "model_path",
     "parse_spec",
     "reference_model_path",
     "reference_text",

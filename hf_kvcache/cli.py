@@ -182,7 +182,9 @@ def _add_demo_parser(sub) -> None:
         default=",".join(DEMO_CACHES),
         help="comma-separated make_cache specs; the first is the reference the others are compared with",
     )
-    demo.add_argument("--model", default=None, help="local path or hub id (default: the embedded reference model)")
+    demo.add_argument(
+        "--model", default=None, help="smollm2, reference or a local folder (default: smollm2 when installed)"
+    )
     demo.add_argument("--prompt-tokens", type=int, default=384, help="prompt length, from the held-out text")
     demo.add_argument("--new-tokens", type=int, default=64, help="tokens generated greedily")
     demo.add_argument("--batch", type=int, default=1, help="copies of the prompt per batch")
@@ -203,7 +205,11 @@ def _add_plan_parser(sub) -> None:
         "model's config: a local folder, a config.json or a hub id (offline: local files).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", default=None, help="folder, config.json or hub id (default: the reference model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="smollm2, reference, a folder, a config.json or a hub id (default: smollm2 when installed)",
+    )
     p.add_argument("--memory", required=True, help="device memory, e.g. 24GiB, 80GB")
     p.add_argument("--context", type=int, default=None, help="tokens per row (default: the model's max positions)")
     p.add_argument("--batch", type=int, default=1, help="rows")
@@ -220,8 +226,8 @@ def _plan(args) -> int:
     import json
 
     from ._validate import dtype_from_name
+    from .models import model_path
     from .plan import parse_memory, plan_memory
-    from .reference import reference_model_path
 
     # Checked here with the flags' names in the messages; plan_memory checks them again under its argument names.
     if args.weights_bits not in (4, 8, 16):
@@ -234,7 +240,7 @@ def _plan(args) -> int:
         if value is not None:
             parse_memory(value, flag)
     plan = plan_memory(
-        args.model or reference_model_path(),
+        model_path(args.model),
         args.memory,
         context=args.context,
         batch=args.batch,

@@ -98,7 +98,8 @@ def run_demo(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .eval.runner import quiet_loading, tokenize
-    from .reference import reference_model_path, reference_text
+    from .models import model_path as resolve_model
+    from .reference import reference_text
     from .registry import check_spec
 
     if not specs:
@@ -107,7 +108,7 @@ def run_demo(
         check_spec(spec)
     torch.set_num_threads(threads)
     quiet_loading()
-    path = model_path or reference_model_path()
+    path = resolve_model(model_path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     ids = tokenize(tokenizer, reference_text()[: 16 * prompt_tokens])[:prompt_tokens]

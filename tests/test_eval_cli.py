@@ -16,7 +16,7 @@ from hf_kvcache.eval import EvalConfig, load_text, merge_results, metric_path, r
 from hf_kvcache.reference import load_reference_model
 
 SMALL = ["--task", "perplexity", "--max-tokens", "1024", "--context", "256", "--prefill", "128", "--quiet"]
-SMALL += ["--threads", "1"]
+SMALL += ["--threads", "1", "--model", "reference"]
 RESULT_KEYS = {
     "task",
     "summary",

@@ -27,7 +27,9 @@ DEFAULT_TASKS = ("perplexity", "repeat", "passkey")
 
 def check_model(model: str | None) -> None:
     """A ``--model`` that is clearly a local path must exist (hub ids are checked when loading)."""
-    if model is None:
+    from ..models import is_model_name
+
+    if model is None or is_model_name(model):
         return
     local = model.startswith((os.sep, ".", "~")) or (os.sep in model and model.count("/") != 1)
     path = Path(model).expanduser()
@@ -45,7 +47,11 @@ class ModelOptions:
     """Which model, where and in which precision."""
 
     model: str | None = field(
-        default=None, metadata={"help": "hub id or local folder (default: the embedded reference model)"}
+        default=None,
+        metadata={
+            "help": "smollm2 (the real model, installed by scripts/setup.sh), reference (the embedded 4M model), a "
+            "local folder or a hub id (default: smollm2 when installed, else reference)"
+        },
     )
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N or auto (cuda when available)"})
     dtype: str = field(default="float32", metadata={"help": "weights and K/V dtype", "choices": tuple(DTYPES)})

@@ -65,11 +65,11 @@ def load_model(config: ModelOptions):
     ``ValueError``s that say what to do."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..reference import reference_model_path
+    from ..models import model_path
 
     if config.quiet:
         quiet_loading()
-    path = config.model or reference_model_path()
+    path = model_path(config.model)
     kwargs: dict = {"dtype": DTYPES[config.dtype]}
     if config.load_in_8bit or config.load_in_4bit:
         from transformers import BitsAndBytesConfig
@@ -90,7 +90,7 @@ def load_model(config: ModelOptions):
         offline = " (HF_HUB_OFFLINE=1: only models already in the local cache load)" if hub_offline() else ""
         raise ValueError(
             f"cannot load --model {path!r}{offline}: {why}. Pass a local model folder, or omit --model for the "
-            "embedded reference model"
+            "default model (smollm2 when installed, else the embedded reference model)"
         ) from err
     if "device_map" not in kwargs:
         model = model.to(device)
@@ -156,6 +156,7 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, shard: tuple[int, i
     ``shard=(index, count)``: score only perplexity windows ``index, index + count, ...`` (data parallelism; the
     other tasks run on shard 0 only); results of all shards merge with :func:`merge_results`.
     """
+    from ..models import default_model
     from ..registry import make_cache
 
     config.validate()
@@ -182,7 +183,7 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, shard: tuple[int, i
         task.finish([entry[task.name] for entry in entries])
     results = {
         "config": asdict(config)
-        | {"model": config.model or "reference", "dataset": config.dataset or "reference"}
+        | {"model": config.model or default_model(), "dataset": config.dataset or "reference"}
         | {"task": [t.name for t in tasks]},
         "device": str(data.device),
         "versions": _versions(),
