@@ -56,14 +56,25 @@ def test_cli_list(capsys):
 
 
 def test_cli_demo_runs_offline(capsys):
-    args = ["demo", "--prompt-tokens", "32", "--new-tokens", "4", "--repeats", "1"]
+    args = ["demo", "--model", "reference", "--document-tokens", "96", "--new-tokens", "4", "--threads", "1"]
     assert main([*args, "--caches", "dynamic,int8,int4:group_size=8:residual_length=4,sink:window=8:sinks=2"]) == 0
     out = capsys.readouterr().out
     rows = table_rows(out)
-    assert "int8" in rows and rows["dynamic"][1] == "4" and "sink:window=8:sinks=2" in rows
-    assert "Columns: same tokens" in out and "Continuations of the prompt" in out
+    assert set(rows) - {"cache"} == {"dynamic", "int8", "int4:group_size=8:residual_length=4", "sink:window=8:sinks=2"}
+    assert rows["dynamic"][4] == "1.000" and rows["dynamic"][2] in ("yes", "no")
+    assert "Columns: answer" in out and "Chat answers" in out and out.count("Q: ") == 3
+    assert "keeps 10 tokens (sinks + window)" in out  # the sink cache is explained
 
 
-def test_cli_reports_bad_spec(capsys):
-    assert main(["demo", "--caches", "nope", "--prompt-tokens", "8", "--new-tokens", "2", "--repeats", "1"]) == 2
-    assert "unknown cache kind 'nope'" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--caches", "nope"], "unknown cache kind 'nope'"),
+        (["--document-tokens", "10"], "--document-tokens"),
+        (["--new-tokens", "1"], "--new-tokens"),
+        (["--model", "reference", "--document-tokens", "4000"], "does not fit the model's context (2048 tokens)"),
+    ],
+)
+def test_cli_demo_refuses_bad_flags(capsys, args, message):
+    assert main(["demo", *args]) == 2
+    assert message in capsys.readouterr().err
