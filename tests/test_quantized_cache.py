@@ -275,3 +275,150 @@ def test_hf_kvcache_decode_allocates_no_history_sized_workspace(spec):
         if attn == "sdpa":
             assert report["workspace_nbytes"] > 0
     torch.testing.assert_close(outputs["hf_kvcache"], outputs["sdpa"], rtol=0, atol=0)
+
+
+# -- key_axis="token": KIVI's ablation (keys per token like the values) ------------------------------------------
+
+
+def test_per_token_keys_store_one_scale_per_token_and_channel_group():
+    cache = QuantizedKVCache(_config(), bits=2, group_size=8, residual_length=4, key_axis="token")
+    k, v = _kv(23, batch=2)
+    _feed(cache, k, v, [13] + [1] * 10)
+    layer = cache.layers[0]
+    assert layer.codec.unit == 1  # every token leaves the residual on its own
+    assert layer.residual.length == 4 and layer.quantized_tokens == 19
+    assert layer.store.view("ks").shape == (2, 2, 19, 2) == layer.store.view("vs").shape  # (B, H, T, D / G)
+    assert layer.store.view("k").shape == (2, 2, 19, 4)  # 2-bit codes, 4 per byte
+    # Round trip within half a step of each token's own (key) group.
+    keys = cache.update(k[:, :, :1], v[:, :, :1], 0)[0][:, :, :19]
+    scale = layer.store.view("ks")[:, :, :19].float().repeat_interleave(8, dim=-1)
+    assert ((keys - k[:, :, :19]).abs() <= scale / 2 + 1e-6).all()
+
+
+def test_per_token_keys_lose_an_outlier_channels_neighbours():
+    """Why KIVI quantizes keys per channel: a channel of large magnitude (as real LLM keys have) sets every token's
+    step when keys are grouped per token, while per-channel groups confine it to its own channel."""
+    k, v = _kv(64, head_dim=16)
+    k[..., 3] = 20 + k[..., 3]  # an outlier channel
+    errors = {}
+    for axis in ("channel", "token"):
+        cache = QuantizedKVCache(_config(layers=1), bits=2, group_size=16, residual_length=0, key_axis=axis)
+        _feed(cache, k, v)
+        keys = cache.update(k[:, :, :1], v[:, :, :1], 0)[0][:, :, :64]
+        errors[axis] = float((keys - k).abs().mean())
+    assert errors["token"] > 3 * errors["channel"], errors
+
+
+def test_default_key_axis_is_channel():
+    explicit = QuantizedKVCache(_config(), bits=4, group_size=8, residual_length=4, key_axis="channel")
+    default = QuantizedKVCache(_config(), bits=4, group_size=8, residual_length=4)
+    k, v = _kv(30)
+    got, want = _feed(explicit, k, v, [17] + [1] * 13), _feed(default, k, v, [17] + [1] * 13)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert default.key_axis == "channel" and default.layers[0].codec.unit == 8
+    assert QuantizedKVCache(_config(), bits=8).key_axis is None
+
+
+def test_per_token_keys_crop_anywhere_removes_exactly_those_tokens():
+    """Every token is its own unit: a crop deep into the quantized tokens removes them and leaves the survivors'
+    codes as they were (no decode and re-encode, unlike a partly removed per-channel key group)."""
+    k, v = _kv(41)
+    spec = dict(bits=2, group_size=8, residual_length=4, key_axis="token")
+    cropped, whole = QuantizedKVCache(_config(), **spec), QuantizedKVCache(_config(), **spec)
+    _feed(cropped, k[:, :, :40], v[:, :, :40], [16] + [1] * 24)
+    _feed(whole, k[:, :, :40], v[:, :, :40], [16] + [1] * 24)
+    cropped.crop(-13)  # the residual (4 tokens) and 9 quantized ones
+    assert cropped.get_seq_length() == 27 and cropped.layers[0].quantized_tokens == 27
+    got_k, got_v = cropped.update(k[:, :, 40:], v[:, :, 40:], 0)
+    want_k, want_v = whole.update(k[:, :, 40:], v[:, :, 40:], 0)
+    torch.testing.assert_close(got_k[:, :, :27], want_k[:, :, :27], rtol=0, atol=0)
+    torch.testing.assert_close(got_v[:, :, :27], want_v[:, :, :27], rtol=0, atol=0)
+    torch.testing.assert_close(got_k[:, :, 27:], k[:, :, 40:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_per_token_keys_bytes_per_token(bits):
+    """Analytic bytes equal what a long run stores per quantized token (fp32 K/V: float32 scales)."""
+    config = _config(head_dim=16, kv_heads=2)
+    cache = QuantizedKVCache(config, bits=bits, group_size=8, residual_length=0, key_axis="token")
+    k, v = _kv(40)
+    _feed(cache, k, v, [40])
+    per_layer = 2 * ((16 + 16) * bits / 8 + 2 * (16 // 8) * 4 + 2 * (16 // 8) * 4)  # heads x (codes + k + v params)
+    assert cache.bytes_per_token(torch.float32) == 2 * per_layer
+    assert cache.nbytes == 40 * cache.bytes_per_token(torch.float32)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("spec", ["int2:group_size=8:residual_length=4:key_axis=token", "int4:key_axis=token"])
+def test_per_token_keys_plan_equals_nbytes(family, spec):
+    from hf_kvcache import make_cache
+    from hf_kvcache.plan import kv_bytes
+
+    model = tiny_model(family)
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    cache = make_cache(spec, model)
+    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=30)
+    planned = kv_bytes(spec, model.config, 9 + 30 - 1, batch=2, dtype=torch.float32, prompt=9)
+    assert abs(planned - cache_nbytes(cache)) <= 8 * model.config.num_hidden_layers  # DynamicSliding bookkeeping
+
+
+def test_per_token_keys_reference_kernel_equals_attention_over_decoded_history():
+    from hf_kvcache.kernels import DenseSegment, reference_attention
+    from hf_kvcache.layers._codecs import KiviCodec
+
+    codec = KiviCodec(2, 8, torch.float32, key_axis="token")
+    k, v = _kv(37, head_dim=16)
+    parts = codec.encode(k, v)
+    keys, values = torch.empty_like(k), torch.empty_like(v)
+    codec.decode(parts, keys, values)
+    query = torch.randn(1, 4, 2, 16, generator=torch.Generator().manual_seed(1))
+    mask = torch.rand(1, 2, 32, generator=torch.Generator().manual_seed(2)) > 0.3
+    got = reference_attention(query, (codec.segment(parts, 5),), mask, 0.25)
+    want = reference_attention(query, (DenseSegment(keys[:, :, 5:], values[:, :, 5:]),), mask, 0.25)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_per_token_keys_under_hf_kvcache_attention_match_sdpa(family):
+    """Decode steps read per-token keys through the kernel op (the reference): same tokens and logits as the
+    materialized path, with beams and with prompt-lookup (crop) decoding."""
+    from hf_kvcache import make_cache
+
+    spec = "int2:group_size=8:residual_length=4:key_axis=token"
+    ids = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(0))
+    for kwargs in (dict(), dict(num_beams=3), dict(prompt_lookup_num_tokens=3)):
+        outputs = {}
+        for attn in ("sdpa", "hf_kvcache"):
+            model = tiny_model(family, attn)
+            cache = make_cache(spec, model)
+            outputs[attn] = model.generate(
+                input_ids=ids, past_key_values=cache, max_new_tokens=12, do_sample=False, output_logits=True,
+                return_dict_in_generate=True, **kwargs,
+            )  # fmt: skip
+            assert cache.memory_report()["workspace_nbytes"] == (0 if attn == "hf_kvcache" else cache.workspace_nbytes)
+        torch.testing.assert_close(outputs["hf_kvcache"].sequences, outputs["sdpa"].sequences, rtol=0, atol=0)
+        for got, want in zip(outputs["hf_kvcache"].logits, outputs["sdpa"].logits):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(bits=2, key_axis="tokens"), "key_axis must be one of 'channel', 'token', got 'tokens'"),
+        (dict(bits=4, key_axis=1), "key_axis must be one of"),
+        (dict(bits=8, key_axis="token"), "key_axis applies to the 4/2-bit KIVI kinds only"),
+        (dict(bits=8, key_axis="channel"), "key_axis applies to the 4/2-bit KIVI kinds only"),
+    ],
+)
+def test_bad_key_axis_is_a_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        QuantizedKVCache(_config(), **kwargs)
+
+
+def test_key_axis_spec_option():
+    from hf_kvcache import make_cache
+
+    cache = make_cache("int2:key_axis=token", _config())
+    assert cache.key_axis == "token" and "key_axis='token'" in repr(cache)
+    with pytest.raises(ValueError, match="cache kind 'int8' has no option key_axis"):
+        make_cache("int8:key_axis=token", _config())

@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache
 from .. import quant
 from .._config import LayerSpec, is_latent_attention, layer_specs, resolve_config
 from .._validate import check_choice, check_int, dtype_from_name
-from ..layers._codecs import Int8Codec, KiviCodec
+from ..layers._codecs import KEY_AXES, Int8Codec, KiviCodec
 from ..layers._common import AttentionMode
 from ..layers._storage import Workspace
 from ..layers.quantized import QuantizedLayer, QuantizedSlidingWindowLayer
@@ -32,6 +32,8 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
     * ``bits=4`` / ``bits=2``: KIVI (https://arxiv.org/abs/2402.02750): keys quantized per channel over groups of
       ``group_size`` tokens, values per token over groups of ``group_size`` channels, asymmetric (scale + zero point),
       packed 2 or 4 codes per byte, with the most recent ``residual_length`` tokens kept in full precision.
+      ``key_axis="token"`` quantizes keys per token like the values instead: the paper's ablation (its per-token
+      keys fail at 2 bits), offered to reproduce that finding, not for use.
 
     Every token is encoded exactly once (the prompt's tail stays in the residual; nothing is re-quantized), appends
     are amortized, and the K/V handed to attention are decoded into one workspace shared by all layers. On hybrid
@@ -55,6 +57,11 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
             int8_vectorwise_quant``; needs the ``bnb`` extra).
         scale_dtype: dtype of scales and zero points: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (or the torch
             dtype). Default: float32 at 8 bits; at 4/2 bits the K/V dtype when it is 16-bit, else float32.
+        key_axis: 4/2 bits only: ``"channel"`` (default, KIVI: one scale and zero point per channel over groups of
+            ``group_size`` tokens) or ``"token"`` (KIVI's ablation: per token over groups of ``group_size`` channels,
+            like the values; every token encoded on its own). Under the ``hf_kvcache`` attention per-token keys are
+            read by the pure-torch reference kernel on every device (the Triton kernel reads per-channel keys only).
+            Not accepted at 8 bits, whose keys are per token already.
 
     Example:
         >>> from transformers import LlamaConfig
@@ -73,9 +80,17 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
         residual_length: int | None = None,
         backend: str = "torch",
         scale_dtype: str | torch.dtype | None = None,
+        key_axis: str | None = None,
     ):
         config = resolve_config(config)
         check_choice("bits", bits, quant.SUPPORTED_BITS)
+        if key_axis is not None:
+            check_choice("key_axis", key_axis, KEY_AXES)
+            if bits == 8:
+                raise ValueError(
+                    f"key_axis applies to the 4/2-bit KIVI kinds only (int8 keys are quantized per token already), "
+                    f"got key_axis={key_axis!r} with bits=8"
+                )
         check_choice("backend", backend, _BACKENDS)
         if backend == "bitsandbytes":
             if bits != 8:
@@ -104,6 +119,7 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
         self.group_size = group_size if group_size is not None or len(widths) > 1 else widths[0]
         self._codec_group = group_size
         self.backend, self.scale_dtype = backend, scale_dtype
+        self.key_axis = None if bits == 8 else key_axis or "channel"
         self.layer_specs = specs
         self.workspace = Workspace()
         self.attention_mode = AttentionMode(config, fusable=not is_latent_attention(config))
@@ -112,7 +128,7 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
     def _codec(self):
         if self.bits == 8:
             return Int8Codec(self._codec_group, self.scale_dtype or torch.float32, self.backend)
-        return KiviCodec(self.bits, self.group_size, self.scale_dtype)
+        return KiviCodec(self.bits, self.group_size, self.scale_dtype, self.key_axis)
 
     def _make_layer(self, layer_idx: int, spec: LayerSpec) -> QuantizedLayer:
         cls = QuantizedLayer if spec.layer_type == "full_attention" else QuantizedSlidingWindowLayer
@@ -130,9 +146,10 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
         )
 
     def __repr__(self) -> str:
+        axis = f", key_axis={self.key_axis!r}" if self.key_axis == "token" else ""
         return (
             f"{type(self).__name__}(bits={self.bits}, group_size={self.group_size}, "
-            f"residual_length={self.residual_length}, backend={self.backend!r}, layers={len(self.layers)})"
+            f"residual_length={self.residual_length}, backend={self.backend!r}{axis}, layers={len(self.layers)})"
         )
 
 
@@ -143,10 +160,13 @@ def _register(bits: int, summary: str) -> None:
         residual_length: int | None = None,
         backend: str = "torch",
         scale_dtype: str | None = None,
+        key_axis: str | None = None,
     ) -> QuantizedKVCache:
-        return QuantizedKVCache(config, bits, group_size, residual_length, backend, scale_dtype)
+        return QuantizedKVCache(config, bits, group_size, residual_length, backend, scale_dtype, key_axis)
 
-    register_cache(f"int{bits}", summary)(factory)
+    # key_axis is a KIVI option: an int8 spec that names it is refused by name (no such option).
+    options = ("group_size", "residual_length", "backend", "scale_dtype") + (("key_axis",) if bits != 8 else ())
+    register_cache(f"int{bits}", summary, options=options)(factory)
 
 
 _register(8, "QuantizedKVCache bits=8: int8 per token and head, ~0.52x of bf16")

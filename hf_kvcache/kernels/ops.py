@@ -13,7 +13,7 @@ import functools
 import torch
 
 from . import reference
-from .segments import DenseSegment, Int8Segment, KiviSegment, KVHandle, PagedSegment, Segment
+from .segments import DenseSegment, Int8Segment, KiviSegment, KiviTokenSegment, KVHandle, PagedSegment, Segment
 
 __all__ = ["decode_attention", "triton_available"]
 
@@ -37,13 +37,17 @@ def _fake(query: torch.Tensor, heads: int, value_dim: int, splits: int) -> Parti
 
 
 def _register(name: str, schema_fn, make_segment, heads_and_dim):
-    """Define ``hf_kvcache::<name>``: reference everywhere, Triton on CUDA, a fake for torch.compile."""
+    """Define ``hf_kvcache::<name>``: reference everywhere, Triton on CUDA (unless ``make_segment`` is None: a
+    storage kind the Triton kernel does not read runs the reference on CUDA too), a fake for torch.compile."""
     op = torch.library.custom_op(f"hf_kvcache::{name}", mutates_args=())(schema_fn)
 
     @op.register_fake
     def _(*args):
         heads, value_dim = heads_and_dim(*args)
         return _fake(args[0], heads, value_dim, args[-1])
+
+    if make_segment is None:
+        return op
 
     @op.register_kernel("cuda")
     def _(*args):
@@ -104,6 +108,25 @@ def _kivi(
     return reference.partial(query, segment, mask, scaling, softcap, splits)
 
 
+def _kivi_token(
+    query: torch.Tensor,
+    k: torch.Tensor,
+    ks: torch.Tensor,
+    kz: torch.Tensor,
+    v: torch.Tensor,
+    vs: torch.Tensor,
+    vz: torch.Tensor,
+    mask: torch.Tensor | None,
+    bits: int,
+    group: int,
+    scaling: float,
+    softcap: float,
+    splits: int,
+) -> Partials:
+    segment = KiviTokenSegment(bits, group, k, ks, kz, v, vs, vz)
+    return reference.partial(query, segment, mask, scaling, softcap, splits)
+
+
 def _paged(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -144,6 +167,12 @@ _KIVI = _register(
     ),
     lambda q, k, ks, kz, v, vs, vz, mask, bits, *rest: (k.shape[1], v.shape[-1] * 8 // bits),
 )
+_KIVI_TOKEN = _register(
+    "partial_kivi_token",
+    _kivi_token,
+    None,  # per-token keys: the reference on every device
+    lambda q, k, ks, kz, v, vs, vz, mask, bits, *rest: (k.shape[1], v.shape[-1] * 8 // bits),
+)
 _PAGED = _register(
     "partial_paged",
     _paged,
@@ -168,6 +197,10 @@ def segment_partial(
         s = segment
         args = (s.k, s.ks, s.kz, s.v, s.vs, s.vz, mask, s.bits, s.group, s.start, s.length)
         return _KIVI(query, *args, scaling, softcap, splits)
+    if isinstance(segment, KiviTokenSegment):
+        s = segment
+        args = (s.k, s.ks, s.kz, s.v, s.vs, s.vz, mask, s.bits, s.group)
+        return _KIVI_TOKEN(query, *args, scaling, softcap, splits)
     s = segment
     args = (s.keys, s.values, s.block_table, s.key_scales, s.value_scales, mask, s.block_size, s.length)
     return _PAGED(query, *args, scaling, softcap, splits)

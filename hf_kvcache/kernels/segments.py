@@ -15,6 +15,9 @@ Layouts (``B`` batch, ``H`` KV heads, ``T`` tokens, ``D`` channels):
   scale / zero point per (group of ``G`` tokens, channel) ``(B, H, T / G, Dk)``, values per (token, group of ``G``
   channels) ``(B, H, T, Dv / G)``. The segment covers tokens ``start .. start + length`` of these arrays (a sliding
   layer may start inside a key group).
+* :class:`KiviTokenSegment`: KIVI codes as above with keys quantized per token like the values (``key_axis="token"``,
+  KIVI's ablation): keys and values scale / zero point per (token, group of ``G`` channels), ``(B, H, T, D / G)``.
+  Served by the pure-torch reference on every device (the Triton kernel reads per-channel keys only).
 * :class:`PagedSegment`: a block pool ``(slots, H, D)`` addressed through a block table ``(B, blocks)`` (int32 on the
   pool's device; :data:`~hf_kvcache.paging.PAD_BLOCK` entries are padding and must be masked), ``length`` tokens per
   row; optionally int8 pages with one scale per token and head, ``(slots, H)``.
@@ -31,6 +34,7 @@ __all__ = [
     "Int8Segment",
     "KVHandle",
     "KiviSegment",
+    "KiviTokenSegment",
     "PagedSegment",
     "Segment",
     "segment_heads",
@@ -104,6 +108,30 @@ class KiviSegment:
 
 
 @dataclass(frozen=True)
+class KiviTokenSegment:
+    bits: int
+    group: int  # G: channels per key group and per value group
+    k: torch.Tensor  # (B, H, T, Dk * bits / 8) uint8
+    ks: torch.Tensor  # (B, H, T, Dk / G)
+    kz: torch.Tensor
+    v: torch.Tensor  # (B, H, T, Dv * bits / 8) uint8
+    vs: torch.Tensor  # (B, H, T, Dv / G)
+    vz: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+    def _read(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        width = codes.shape[-1] * 8 // self.bits
+        x = _unpack(codes[:, :, a:b], self.bits) * _group_expand(scale[:, :, a:b], width)
+        return x + _group_expand(zero[:, :, a:b], width)
+
+    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._read(self.k, self.ks, self.kz, a, b), self._read(self.v, self.vs, self.vz, a, b)
+
+
+@dataclass(frozen=True)
 class PagedSegment:
     keys: torch.Tensor  # (slots, H, Dk): model dtype, or int8 codes with key_scales
     values: torch.Tensor  # (slots, H, Dv)
@@ -132,7 +160,7 @@ class PagedSegment:
         return k.view(batch, n, *k.shape[1:]).transpose(1, 2), v.view(batch, n, *v.shape[1:]).transpose(1, 2)
 
 
-Segment = DenseSegment | Int8Segment | KiviSegment | PagedSegment
+Segment = DenseSegment | Int8Segment | KiviSegment | KiviTokenSegment | PagedSegment
 
 
 def segment_heads(segment: Segment) -> int:
@@ -144,7 +172,7 @@ def segment_value_dim(segment: Segment) -> int:
     """Channels per head of a segment's values."""
     if isinstance(segment, (DenseSegment, PagedSegment)):
         return segment.values.shape[-1]
-    if isinstance(segment, KiviSegment):
+    if isinstance(segment, (KiviSegment, KiviTokenSegment)):
         return segment.v.shape[-1] * 8 // segment.bits
     return segment.v.shape[-1]
 

@@ -14,8 +14,11 @@ import torch
 
 from .. import quant
 from ..kernels import Int8Segment, KiviSegment
+from ..kernels.segments import KiviTokenSegment
 
-__all__ = ["Int8Codec", "KiviCodec", "kivi_scale_dtype"]
+__all__ = ["KEY_AXES", "Int8Codec", "KiviCodec", "kivi_scale_dtype"]
+
+KEY_AXES = ("channel", "token")  # KIVI keys: per channel (the paper's choice, the default) or per token (its ablation)
 
 Parts = dict[str, torch.Tensor]
 
@@ -108,46 +111,62 @@ class KiviCodec:
     Keys need a full group of tokens before they can be encoded, so tokens leave the residual ``group_size`` at a
     time (``unit = group_size``).
 
+    With ``key_axis="token"`` (the paper's ablation) keys are quantized like the values: per token over groups of
+    ``group_size`` channels, so every token is encoded on its own (``unit = 1``).
+
     Stored: ``k`` / ``v`` uint8 ``(B, H, T, D * bits / 8)``; ``ks`` / ``kz`` ``(B, H, T / G, Dk)`` (one per key
-    group and channel); ``vs`` / ``vz`` ``(B, H, T, Dv / G)`` (one per token and channel group).
+    group and channel; ``(B, H, T, Dk / G)`` per token and channel group with ``key_axis="token"``); ``vs`` / ``vz``
+    ``(B, H, T, Dv / G)`` (one per token and channel group).
     """
 
-    def __init__(self, bits: int, group_size: int, scale_dtype: torch.dtype | None):
+    def __init__(self, bits: int, group_size: int, scale_dtype: torch.dtype | None, key_axis: str = "channel"):
         self.bits = bits
         self.group_size = group_size
         self.scale_dtype = scale_dtype  # None: see kivi_scale_dtype
-        self.unit = group_size
-        self.units = {"k": 1, "ks": group_size, "kz": group_size, "v": 1, "vs": 1, "vz": 1}
+        self.key_axis = key_axis
+        self.per_token_keys = key_axis == "token"
+        self.unit = 1 if self.per_token_keys else group_size
+        key_units = 1 if self.per_token_keys else group_size
+        self.units = {"k": 1, "ks": key_units, "kz": key_units, "v": 1, "vs": 1, "vz": 1}
+
+    def _encode_per_token(self, x: torch.Tensor, sdt: torch.dtype) -> tuple[torch.Tensor, ...]:
+        codes, scale, zero = quant.quantize_asymmetric(_groups(x, self.group_size), self.bits, dim=-1, scale_dtype=sdt)
+        return quant.pack(codes.view(x.shape), self.bits), scale.squeeze(-1), zero.squeeze(-1)  # (B, H, n, D/G)
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
         b, h, n, dk = k.shape
         sdt = kivi_scale_dtype(self.scale_dtype, k.dtype)
-        kg = k.view(b, h, n // self.group_size, self.group_size, dk)  # (B, H, n/G, G, Dk): a group is G tokens
-        kc, ks, kz = quant.quantize_asymmetric(kg, self.bits, dim=3, scale_dtype=sdt)
-        vc, vs, vz = quant.quantize_asymmetric(_groups(v, self.group_size), self.bits, dim=-1, scale_dtype=sdt)
-        return {
-            "k": quant.pack(kc.view(b, h, n, dk), self.bits),
-            "ks": ks.squeeze(3),  # (B, H, n/G, Dk)
-            "kz": kz.squeeze(3),
-            "v": quant.pack(vc.view(v.shape), self.bits),
-            "vs": vs.squeeze(-1),  # (B, H, n, Dv/G)
-            "vz": vz.squeeze(-1),
-        }
+        if self.per_token_keys:
+            kp, ks, kz = self._encode_per_token(k, sdt)
+        else:
+            kg = k.view(b, h, n // self.group_size, self.group_size, dk)  # (B, H, n/G, G, Dk): a group is G tokens
+            kc, ks, kz = quant.quantize_asymmetric(kg, self.bits, dim=3, scale_dtype=sdt)
+            kp, ks, kz = quant.pack(kc.view(b, h, n, dk), self.bits), ks.squeeze(3), kz.squeeze(3)  # (B, H, n/G, Dk)
+        vp, vs, vz = self._encode_per_token(v, sdt)
+        return {"k": kp, "ks": ks, "kz": kz, "v": vp, "vs": vs, "vz": vz}
 
-    def segment(self, parts: Parts, start: int = 0) -> KiviSegment:
+    def segment(self, parts: Parts, start: int = 0) -> KiviSegment | KiviTokenSegment:
         """The tokens of ``parts`` (aligned to key groups) from ``start`` on, as the kernels read them."""
-        length = parts["k"].shape[2] - start
         names = ("k", "ks", "kz", "v", "vs", "vz")
+        if self.per_token_keys:
+            return KiviTokenSegment(self.bits, self.group_size, *(parts[n][:, :, start:] for n in names))
+        length = parts["k"].shape[2] - start
         return KiviSegment(self.bits, self.group_size, start, length, *(parts[n] for n in names))
 
+    def _decode_per_token(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out: torch.Tensor):
+        quant.unpack(codes, self.bits, out=out)
+        g = _groups(out, self.group_size)
+        g.mul_(scale.unsqueeze(-1)).add_(zero.unsqueeze(-1))
+
     def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
-        b, h, t, dk = k_out.shape
-        quant.unpack(parts["k"], self.bits, out=k_out)
-        kg = k_out.view(b, h, t // self.group_size, self.group_size, dk)
-        kg.mul_(parts["ks"].unsqueeze(3)).add_(parts["kz"].unsqueeze(3))
-        quant.unpack(parts["v"], self.bits, out=v_out)
-        vg = _groups(v_out, self.group_size)
-        vg.mul_(parts["vs"].unsqueeze(-1)).add_(parts["vz"].unsqueeze(-1))
+        if self.per_token_keys:
+            self._decode_per_token(parts["k"], parts["ks"], parts["kz"], k_out)
+        else:
+            b, h, t, dk = k_out.shape
+            quant.unpack(parts["k"], self.bits, out=k_out)
+            kg = k_out.view(b, h, t // self.group_size, self.group_size, dk)
+            kg.mul_(parts["ks"].unsqueeze(3)).add_(parts["kz"].unsqueeze(3))
+        self._decode_per_token(parts["v"], parts["vs"], parts["vz"], v_out)
 
     def bytes_per_token(
         self, num_kv_heads: int, key_dim: int, value_dim: int, kv_dtype: torch.dtype = torch.bfloat16
@@ -155,6 +174,9 @@ class KiviCodec:
         """Stored bytes per quantized token of one layer (keys and values, all heads); excludes the residual."""
         scale = kivi_scale_dtype(self.scale_dtype, kv_dtype).itemsize
         data = (key_dim + value_dim) * self.bits / 8
-        key_params = 2 * key_dim * scale / self.group_size  # scale + zero per channel, shared by G tokens
+        if self.per_token_keys:  # scale + zero per token and group of G channels
+            key_params = 2 * (key_dim // self.group_size) * scale
+        else:  # scale + zero per channel, shared by G tokens
+            key_params = 2 * key_dim * scale / self.group_size
         value_params = 2 * (value_dim // self.group_size) * scale
         return num_kv_heads * (data + key_params + value_params)
