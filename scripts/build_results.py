@@ -33,35 +33,32 @@ DOCS = ROOT / "docs"
 SAVED = DOCS / "results"
 REGION = re.compile(r"(<!-- results:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.DOTALL)
 
-STREAM_CACHES = "dynamic,sink:window=256:sinks=0,sink:window=256:sinks=4:rerotate=false,sink:window=256:sinks=4"
+# Every published run is on the real model (SmolLM2-135M-Instruct, `--model smollm2`), with 2 threads.
+REAL = ["--model", "smollm2", "--threads", "2"]
+EVAL_CACHES = "dynamic,int8,int4,int2,sink:window=256:sinks=4"
+LONG_CACHES = "dynamic,int8,int4,int2,sink:window=1024:sinks=4"
+STREAM_CACHES = "dynamic,sink:window=1024:sinks=0,sink:window=1024:sinks=4"
 RUNS: dict[str, list[str]] = {
-    "eval-default": ["eval", "--threads", "1"],
+    "eval-default": [
+        "eval",
+        *REAL,
+        *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
+        *["--caches", EVAL_CACHES],
+    ],
+    "eval-passkey": [
+        "eval",
+        *REAL,
+        *"--task passkey --lengths 1024,2048,4096,8000 --depths 0,0.5,1 --samples 2".split(),
+        *["--caches", LONG_CACHES],
+    ],
+    "eval-repeat": ["eval", *REAL, *"--task repeat --distances 0,1000,2000,4000,7000".split(), "--caches", LONG_CACHES],
     "eval-stream": [
         "eval",
-        "--threads",
-        "1",
-        "--task",
-        "stream",
-        "--stream-tokens",
-        "10240",
-        "--bucket",
-        "512",
+        *REAL,
+        *"--task stream --stream-tokens 16384 --bucket 1024".split(),
         "--caches",
         STREAM_CACHES,
-    ],  # fmt: skip
-    "bench-cpu": [
-        "bench",
-        "--threads",
-        "1",
-        "--contexts",
-        "256,1024,2048",
-        "--new-tokens",
-        "64",
-        "--repeats",
-        "3",
-        "--caches",
-        "dynamic,int8,int4,sink:window=256:sinks=4,paged:block_size=16",
-    ],  # fmt: skip
+    ],
 }
 
 
