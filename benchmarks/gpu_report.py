@@ -1,0 +1,567 @@
+"""The GPU decode path, measured on a machine without a GPU: what a report on CPU can say for sure, and an estimate.
+
+Deterministic (no GPU needed, the same numbers on every run):
+
+1. Every Triton decode-kernel variant (dense, int8, KIVI int4/int2, paged, paged int8; 1, 4 and 16 query tokens;
+   head_dim 64, 128 and 96; with and without left padding), compiled ahead of time for sm_80 and sm_90 with Triton's
+   bundled ptxas, from the exact specialization a real launch gets: a decode step of the real cache runs on CPU at
+   the Llama-3-8B attention shape (32 query / 8 KV heads, bfloat16) and each launch is intercepted (see
+   ``_gpu_aot``). Per variant: registers, spills, shared memory, resident blocks per SM, waves at 4k x 1, 16k x 8 and
+   32k x 8, SASS instructions per warp in the main loop (one 64-token tile per iteration) and bytes read.
+2. Kernel launches per layer per decode step for every cache under the ``hf_kvcache`` attention and for
+   ``DynamicCache`` under sdpa, counted with a ``TorchDispatchMode`` over decode steps of a tiny Llama (the rule is
+   :func:`counts_as_launch`); the distinct compiled variants 100 decode steps of varying length and padding produce.
+
+Measured on this machine (not deterministic, left out of the comparison of two runs): host microseconds per layer
+and decode step.
+
+Estimated (labelled so everywhere): each kernel's time against sdpa over bfloat16 on an H100 and an A100, from the
+roofline model written out in :data:`MODEL`.
+
+    python benchmarks/gpu_report.py --output gpu-report            # everything (~10 min on 2 CPU cores, first run)
+    python benchmarks/gpu_report.py --output /tmp/r --quick        # a representative subset (CI, the tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _gpu_aot as aot  # noqa: E402
+
+warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+
+# name -> cache spec; "dense" is the sink cache with a window longer than any prompt here (all of its segments dense).
+KINDS = {
+    "dense": "sink:window=4096",
+    "int8": "int8",
+    "int4": "int4",
+    "int2": "int2",
+    "paged": "paged",
+    "paged int8": "paged:bits=8",
+}
+STORAGE = {"dense": "DenseSegment", "int8": "Int8Segment", "int4": "KiviSegment", "int2": "KiviSegment"}
+STORAGE |= {"paged": "PagedSegment", "paged int8": "PagedSegment"}
+Q_LENS = (1, 4, 16)
+HEAD_DIMS = (64, 128, 96)
+SHAPES = (("4k x 1", 4096, 1), ("16k x 8", 16384, 8), ("32k x 8", 32768, 8))  # (label, tokens, batch)
+PROMPT = 203  # tokens before the captured step: a length that is not a multiple of 16, as most decode steps are
+PAD = 7  # left padding of row 0 in the padded variants
+
+# The estimate's device constants: peak HBM bandwidth (the issue's figures), SMs, boost clock (SXM parts).
+GPUS = {
+    90: {"name": "H100 SXM", "bandwidth": 3.35e12, "sms": 132, "clock": 1.98e9},
+    80: {"name": "A100 SXM", "bandwidth": 2.0e12, "sms": 108, "clock": 1.41e9},
+}
+LAUNCH_FLOOR_US = 2.0  # an assumed GPU-side floor per small kernel (launch + ramp), when the host keeps up
+MODEL = f"""\
+Estimate (a roofline model, not a measurement). Per layer and decode step, for a kernel variant at T tokens x B rows:
+
+  programs   = B * H_kv * splits,  splits = hf_kvcache.kernels.reference.num_splits(T, B * H_kv) (as on CUDA)
+  tiles      = ceil(ceil(T / splits) / 64)                  64-token tiles walked by one program
+  t_memory   = bytes / (BW * min(1, programs / SMs))        bytes: the cache's stored bytes for T tokens
+                                                            (hf_kvcache.plan.kv_bytes) + the bool mask B*q*T
+  t_issue    = ceil(programs / SMs) * tiles * warps * loop_instr / (4 * clock)
+                                                            4 warp-instructions per SM per clock, SASS main loop
+  t_kernel   = max(t_memory, t_issue)
+  t_sdpa     = bytes_bf16 / BW                              DynamicCache's bfloat16 K/V read once, ideal (GQA path)
+  ratio      = t_sdpa / t_kernel                            > 1: faster than sdpa
+  layer-step = t_kernel + launches * {LAUNCH_FLOOR_US} us vs t_sdpa + launches_sdpa * {LAUNCH_FLOOR_US} us
+
+BW, SMs, clock: H100 SXM 3.35 TB/s, 132 SMs, 1.98 GHz; A100 SXM 2.0 TB/s, 108 SMs, 1.41 GHz. The model ignores
+latency hiding (it assumes the resident blocks keep enough loads in flight: optimistic for 1 block/SM), L2 hits,
+the split-combine and the other segments' launches (counted in the layer-step line only), and the host: without
+CUDA graphs a decode step is host-bound when host time per layer exceeds the GPU time."""
+
+
+# --- a decode step of a real cache, on CPU, with the kernel launches intercepted -----------------------------------
+
+
+def _model(head_dim: int, layers: int = 1, heads: tuple[int, int] = (32, 8), hidden: int = 256):
+    """A random Llama with the given attention shape (bfloat16), a small hidden size: only the attention matters."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hf_kvcache  # noqa: F401  (registers the attention)
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=hidden,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=heads[0],
+        num_key_value_heads=heads[1],
+        head_dim=head_dim,
+        max_position_embeddings=65536,
+        pad_token_id=0,
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model.set_attn_implementation("hf_kvcache")
+    return model
+
+
+@contextlib.contextmanager
+def _intercepted(launches: list):
+    """Route every segment of the ``hf_kvcache`` attention to the Triton launch (intercepted, with the split count
+    the CUDA path computes) instead of the CPU reference; the attention then returns zeros."""
+    from hf_kvcache.kernels import ops
+    from hf_kvcache.kernels.reference import num_splits
+    from hf_kvcache.kernels.segments import segment_heads, segment_value_dim
+
+    def partial(query, segment, mask, scaling, softcap, splits):
+        b, hq, q, _ = query.shape
+        heads = segment_heads(segment)
+        splits = num_splits(segment.length, b * heads)
+        launches.append(aot.launch_partial(query, segment, mask, scaling, softcap, splits))
+        shape = (b, heads, hq // heads, q, splits)
+        m = torch.full(shape, float("-inf"))
+        return m, torch.zeros(shape), torch.zeros((*shape, segment_value_dim(segment)))
+
+    original = ops.segment_partial
+    ops.segment_partial = partial
+    try:
+        with aot.capturing():
+            yield launches
+    finally:
+        ops.segment_partial = original
+
+
+def _mask(batch: int, total: int, pads: list[int]) -> torch.Tensor:
+    mask = torch.ones(batch, total, dtype=torch.long)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+    return mask
+
+
+def capture_steps(model, spec: str, prompt: int, pads: list[int], q_len: int, steps: int) -> list[list]:
+    """Launches of each of ``steps`` decode forwards (``q_len`` new tokens each) after a ``prompt``-token prefill."""
+    from hf_kvcache import make_cache
+
+    batch = len(pads)
+    cache = make_cache(spec, model)
+    ids = torch.randint(3, 128, (batch, prompt))
+    out = []
+    with torch.inference_mode():
+        model(input_ids=ids, attention_mask=_mask(batch, prompt, pads), past_key_values=cache, use_cache=True)
+        total = prompt
+        for _ in range(steps):
+            total += q_len
+            new = torch.randint(3, 128, (batch, q_len))
+            launches: list = []
+            with _intercepted(launches):
+                model(input_ids=new, attention_mask=_mask(batch, total, pads), past_key_values=cache, use_cache=True)
+            out.append(launches)
+    return out
+
+
+# --- 1. the variants, compiled ---------------------------------------------------------------------------------
+
+
+def variant_grid(quick: bool) -> list[dict]:
+    if quick:
+        return [dict(kind=k, head_dim=128, q_len=1, padded=True) for k in KINDS]
+    return [
+        dict(kind=k, head_dim=d, q_len=q, padded=p)
+        for k in KINDS
+        for d in HEAD_DIMS
+        for q in Q_LENS
+        for p in (False, True)
+    ]
+
+
+def _main_launch(kind: str, launches: list):
+    """The launch over the storage's history: the longest segment of the kind's storage type."""
+    mine = [x for x in launches if x.segment == STORAGE[kind]]
+    return max(mine, key=lambda x: x.bound["T"]) if mine else None
+
+
+def _bytes(spec: str, head_dim: int, tokens: int, batch: int, q_len: int, mask: bool) -> int:
+    """Bytes a decode step of one layer reads: the cache's stored bytes (its own plan) and the bool mask."""
+    from transformers import LlamaConfig
+
+    from hf_kvcache.plan import kv_bytes
+
+    config = LlamaConfig(
+        num_hidden_layers=1, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=head_dim
+    )
+    if spec.startswith("sink"):
+        spec = "dynamic"  # the dense kernel over a whole bfloat16 history reads what DynamicCache stores
+    stored = kv_bytes(spec, config, tokens=tokens, batch=batch)
+    return stored + (batch * q_len * (tokens + q_len) if mask else 0)
+
+
+def _waves_and_tiles(tokens: int, batch: int) -> tuple[int, int]:
+    from hf_kvcache.kernels.reference import num_splits
+
+    splits = num_splits(tokens, batch * 8)
+    per_split = -(-tokens // splits)  # as triton_partial: ceil(T / splits), rounded up to whole 64-token tiles
+    return batch * 8 * splits, -(-per_split // 64)
+
+
+def compile_variants(grid: list[dict], log) -> tuple[list[dict], dict]:
+    """Capture each variant's decode step, compile every distinct launch for both targets, one row per (variant,
+    arch) for the main launch; ``findings`` collects what does not compile or fit."""
+    rows, compiled, findings = [], {}, {}
+    models = {}
+    for v in grid:
+        model = models.get(v["head_dim"]) or models.setdefault(v["head_dim"], _model(v["head_dim"]))
+        pads = [PAD, 0] if v["padded"] else [0, 0]
+        name = f"{v['kind']} D={v['head_dim']} q={v['q_len']}{' padded' if v['padded'] else ''}"
+        try:
+            (launches,) = capture_steps(model, KINDS[v["kind"]], PROMPT, pads, v["q_len"], 1)
+        except Exception as err:  # a variant the cache or kernel refuses: a finding, not a crash
+            findings[name] = f"decode step failed: {type(err).__name__}: {err}"
+            log(f"  {name}: {findings[name]}")
+            continue
+        main = _main_launch(v["kind"], launches)
+        if main is None:
+            findings[name] = f"no {STORAGE[v['kind']]} launch in the step (segments: {[x.segment for x in launches]})"
+            continue
+        for launch in launches:
+            for arch in aot.TARGETS:
+                key = (launch.key, arch)
+                if key not in compiled:
+                    try:
+                        compiled[key] = aot.compile_launch(launch, arch).row()
+                    except Exception as err:
+                        compiled[key] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
+                        findings[f"{name} sm_{arch} {launch.segment}"] = compiled[key]["error"]
+        constexprs = main.constexprs()
+        for arch in aot.TARGETS:
+            c = compiled[(main.key, arch)]
+            row = {**v, "arch": arch, "segment": main.segment, "launches": len(launches), **c}
+            row["block_dk"], row["block_dv"] = constexprs["BLOCK_DK"], constexprs["BLOCK_DV"]
+            row["specialized"] = _specialized(main)
+            if "error" not in c and not c["fits"]:
+                limit = aot.SM_LIMITS[arch].smem_per_block
+                findings[f"{name} sm_{arch}"] = (
+                    f"needs {c['shared']:,} B of shared memory, the block limit is {limit:,} B: "
+                )
+                findings[f"{name} sm_{arch}"] += "the launch fails (OutOfResources) on this GPU"
+            if "error" not in c:
+                for label, tokens, batch in SHAPES:
+                    programs, _ = _waves_and_tiles(tokens, batch)
+                    slots = c["blocks_per_sm"] * GPUS[arch]["sms"]
+                    row[f"waves {label}"] = round(programs / slots, 2) if slots else None
+                    row[f"MB read {label}"] = round(
+                        _bytes(KINDS[v["kind"]], v["head_dim"], tokens, batch, v["q_len"], True) / 1e6, 2
+                    )
+            rows.append(row)
+        log(f"  {name}: {len(launches)} launches, {sum(1 for k in compiled)} compiled so far")
+    return rows, findings
+
+
+def _specialized(launch) -> str:
+    """Integer arguments the binder turned into constants (=1) or marked divisible by 16 (D), compactly."""
+    ones = [n for n, (k, v) in zip(launch.bound, launch.specialization) if k == "constexpr" and n[0].islower()]
+    div = [n for n, (k, v) in zip(launch.bound, launch.specialization) if k.startswith("i") and v == "D"]
+    return f"=1: {','.join(ones) or '-'}; %16: {','.join(n for n in div if not n.startswith('s')) or '-'}"
+
+
+# --- 2. launches, host time, compiled variants over 100 steps ----------------------------------------------------
+
+_NOT_KERNELS = {
+    # allocation without initialization, metadata, no-ops
+    "empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "lift_fresh", "detach", "alias",
+    "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type",
+    "resize_", "set_", "record_stream", "_local_scalar_dense", "is_nonzero", "equal",
+}  # fmt: skip
+_SYNCS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "unique_consecutive"}
+
+
+def counts_as_launch(func, out) -> bool:
+    """The rule: an aten (or custom) op is one kernel launch on CUDA unless it is a view or alias (its schema says
+    its output aliases an input), an allocation without initialization, metadata, a device-to-host scalar read
+    (counted as a sync instead), or all its tensor outputs are empty (aten returns before launching)."""
+    name = func._schema.name.split("::")[-1]
+    if name in _NOT_KERNELS or func.is_view:
+        return False
+    returns = func._schema.returns
+    if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+        return False
+    tensors = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+    return not tensors or any(t.numel() for t in tensors)
+
+
+class LaunchCounter:
+    """A ``TorchDispatchMode`` counting would-be kernel launches, per decoder layer (module hooks set the current one)
+    and outside the layers, and host syncs (``item()``-like reads and ``Tensor.tolist`` calls)."""
+
+    def __init__(self, model):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                name = func._schema.name.split("::")[-1]
+                if name in _SYNCS:
+                    counter.syncs += 1
+                if counts_as_launch(func, out):
+                    counter.launches[counter.where] = counter.launches.get(counter.where, 0) + 1
+                    counter.ops[func._schema.name] = counter.ops.get(func._schema.name, 0) + 1
+                return out
+
+        self.mode = Mode()
+        self.model = model
+        self.where = "outside"
+        self.launches: dict = {}
+        self.ops: dict = {}
+        self.syncs = 0
+
+    @contextlib.contextmanager
+    def count(self):
+        handles = []
+        for i, layer in enumerate(self.model.model.layers):
+            handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(self, "where", i)))
+            handles.append(layer.register_forward_hook(lambda m, a, o: setattr(self, "where", "outside")))
+        tolist = torch.Tensor.tolist
+
+        def counted_tolist(t):
+            self.syncs += 1
+            return tolist(t)
+
+        torch.Tensor.tolist = counted_tolist
+        try:
+            with self.mode:
+                yield self
+        finally:
+            torch.Tensor.tolist = tolist
+            for h in handles:
+                h.remove()
+
+
+def count_launches(spec: str, padded: bool, steps: int, layers: int = 2) -> dict:
+    """Per decode step (median and max over ``steps``): launches per decoder layer, outside the layers, host syncs;
+    and the median host time per layer-step (one thread, this CPU)."""
+    from hf_kvcache import make_cache
+
+    model = _model(16, layers=layers, heads=(4, 2), hidden=64)
+    if spec == "dynamic":
+        model.set_attn_implementation("sdpa")
+    pads = [PAD, 0] if padded else [0, 0]
+    batch, prompt = len(pads), 40
+    cache = make_cache(spec, model)
+    per_layer, outside, syncs, seconds, ops = [], [], [], [], {}
+    with torch.inference_mode():
+        model(input_ids=torch.randint(3, 128, (batch, prompt)), attention_mask=_mask(batch, prompt, pads),
+              past_key_values=cache)  # fmt: skip
+        total = prompt
+        for step in range(2 * steps):
+            total += 1
+            kwargs = dict(input_ids=torch.randint(3, 128, (batch, 1)), attention_mask=_mask(batch, total, pads))
+            if step % 2:  # alternate: a timed step, a counted step
+                counter = LaunchCounter(model)
+                with counter.count():
+                    model(**kwargs, past_key_values=cache)
+                per_layer.append(sum(v for k, v in counter.launches.items() if k != "outside") / layers)
+                outside.append(counter.launches.get("outside", 0))
+                syncs.append(counter.syncs)
+                for k, v in counter.ops.items():
+                    ops[k] = max(ops.get(k, 0), v)
+            else:
+                start = time.perf_counter()
+                model(**kwargs, past_key_values=cache)
+                seconds.append(time.perf_counter() - start)
+    return {
+        "launches_per_layer": statistics.median(per_layer),
+        "launches_per_layer_max": max(per_layer),
+        "launches_outside_layers": statistics.median(outside),
+        "host_syncs_per_step": statistics.median(syncs),
+        "ops_per_step": dict(sorted(ops.items(), key=lambda kv: -kv[1])[:12]),
+        "host_us_per_layer_step": round(statistics.median(seconds) / layers * 1e6, 1),
+    }
+
+
+def count_variants(kind: str, steps: int) -> dict:
+    """Distinct kernel specializations (Triton's cache key) over ``steps`` decode steps at the 8B attention shape:
+    four runs of varying prompt length and left padding, one token per step."""
+    model = _model(128)
+    runs = [(203, [0, 0]), (260, [5, 0]), (333, [0, 3]), (450, [11, 2])]  # past int4/int2's 128-token residual
+    keys: dict[str, set] = {}
+    per_run = -(-steps // len(runs))
+    for prompt, pads in runs:
+        for launches in capture_steps(model, KINDS[kind], prompt, pads, 1, per_run):
+            for launch in launches:
+                keys.setdefault(launch.segment, set()).add(launch.key)
+    return {"steps": per_run * len(runs), "variants": sum(len(v) for v in keys.values())} | {
+        f"variants {segment}": len(v) for segment, v in sorted(keys.items())
+    }
+
+
+# --- 3. the estimate ---------------------------------------------------------------------------------------------
+
+
+def estimate(rows: list[dict], launches: dict) -> list[dict]:
+    """The roofline model of :data:`MODEL` for the 8B shape (head_dim 128, padded mask), 1 query token."""
+    out = []
+    sdpa_launches = launches.get(("dynamic", True), {}).get("launches_per_layer", 0)
+    for row in rows:
+        if row["head_dim"] != 128 or row["q_len"] != 1 or not row["padded"] or "error" in row:
+            continue
+        if not row["fits"]:
+            out += [{"kind": row["kind"], "gpu": GPUS[row["arch"]]["name"], "shape": s[0], "bound": "does not launch"}
+                    for s in SHAPES]  # fmt: skip
+            continue
+        gpu = GPUS[row["arch"]]
+        ours = launches.get((KINDS[row["kind"]], True), {}).get("launches_per_layer", 0)
+        for label, tokens, batch in SHAPES:
+            programs, tiles = _waves_and_tiles(tokens, batch)
+            nbytes = _bytes(KINDS[row["kind"]], 128, tokens, batch, 1, True)
+            t_mem = nbytes / (gpu["bandwidth"] * min(1.0, programs / gpu["sms"]))
+            instr = row["loop_instructions"] or 0
+            t_issue = math.ceil(programs / gpu["sms"]) * tiles * row["warps"] * instr / (4 * gpu["clock"])
+            t_kernel = max(t_mem, t_issue)
+            t_sdpa = _bytes("dynamic", 128, tokens, batch, 1, False) / gpu["bandwidth"]
+            floor = LAUNCH_FLOOR_US * 1e-6
+            out.append(
+                {
+                    "kind": row["kind"],
+                    "gpu": gpu["name"],
+                    "shape": label,
+                    "bound": "memory" if t_mem >= t_issue else "issue",
+                    "kernel_us": round(t_kernel * 1e6, 1),
+                    "sdpa_us": round(t_sdpa * 1e6, 1),
+                    "ratio": round(t_sdpa / t_kernel, 2),
+                    "layer_step_ratio": round((t_sdpa + sdpa_launches * floor) / (t_kernel + ours * floor), 2),
+                }
+            )
+    return out
+
+
+# --- the report --------------------------------------------------------------------------------------------------
+
+
+def _table(rows: list[dict], columns: list[str]) -> str:
+    from tabulate import tabulate
+
+    return tabulate([[r.get(c, "") for c in columns] for r in rows], headers=columns, tablefmt="github")
+
+
+def render(report: dict) -> str:
+    tools = report["toolchain"]
+    lines = [
+        "# GPU report (CPU-only: compiled for sm_80 / sm_90, counted on CPU; times are estimates)",
+        "",
+        f"Command: `{report['command']}`. Triton {report['triton']}, torch {report['torch']}; ptxas "
+        f"{', '.join(f'sm_{a}: {Path(p).name}' for a, p in tools['ptxas'].items())}; SASS from "
+        f"{'cuobjdump' if tools['cuobjdump'] else 'none (PTX counted)'}.",
+        "",
+        "## Kernel variants (Llama-3-8B attention: 32 query / 8 KV heads, bfloat16)",
+        "",
+        f"Captured from one decode step of the real cache after a {PROMPT}-token prompt (batch 2; padded: row 0 has "
+        f"{PAD} pad tokens). `loop` = SASS instructions per warp in the main loop = per 64-token tile; `blocks` = "
+        "resident blocks per SM; `waves` = programs / (blocks x SMs); `MB read` = stored bytes + mask per layer-step.",
+        "",
+    ]
+    cols = ["kind", "head_dim", "q_len", "padded", "arch", "registers", "spill_stores", "shared", "blocks_per_sm"]
+    cols += ["limited_by", "loop_instructions", "launches"]
+    cols += [f"waves {s[0]}" for s in SHAPES] + [f"MB read {s[0]}" for s in SHAPES]
+    lines += [_table(report["variants"], cols), ""]
+    if report["findings"]:
+        lines += ["### Findings", ""] + [f"- {k}: {v}" for k, v in report["findings"].items()] + [""]
+    lines += [
+        "## Launches per layer and decode step (counted on CPU)",
+        "",
+        "Rule: " + " ".join(counts_as_launch.__doc__.split()),
+        f"Tiny Llama (2 layers, 4/2 heads, head_dim 16), batch 2, one token per step, median over "
+        f"{report['count_steps']} steps. `host us` is measured on this CPU (one thread; the pure-torch reference "
+        "stands in for each Triton launch): a measurement of this machine, not of a GPU host.",
+        "",
+        _table(
+            report["launches"],
+            ["cache", "attention", "padded", "launches_per_layer", "launches_per_layer_max", "launches_outside_layers"]
+            + ["host_syncs_per_step", "host_us_per_layer_step"],
+        ),
+        "",
+        f"## Compiled variants over {report['variant_steps']} decode steps (8B attention shape)",
+        "",
+        _table(report["compiled_variants"], ["kind", "steps", "variants"] + report["variant_columns"]),
+        "",
+        "## Estimate: kernel time vs sdpa over bfloat16 (roofline; not a measurement)",
+        "",
+        "```text",
+        MODEL,
+        "```",
+        "",
+        _table(
+            report["estimate"], ["kind", "gpu", "shape", "bound", "kernel_us", "sdpa_us", "ratio", "layer_step_ratio"]
+        ),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def build(quick: bool, count_steps: int, variant_steps: int, log=print) -> dict:
+    import triton
+
+    tools = aot.toolchain()
+    if tools["ptxas"] is None:
+        raise RuntimeError(f"triton's CUDA backend is not usable here: {tools['error']}")
+    torch.set_num_threads(1)
+    log("compiling the variants")
+    rows, findings = compile_variants(variant_grid(quick), log)
+    log("counting launches")
+    launches, table = {}, []
+    for spec in ["dynamic", *KINDS.values()]:
+        for padded in (False, True):
+            launches[(spec, padded)] = c = count_launches(spec, padded, count_steps)
+            name = next((k for k, v in KINDS.items() if v == spec), "DynamicCache")
+            attention = "sdpa" if spec == "dynamic" else "hf_kvcache"
+            table.append({"cache": name, "spec": spec, "attention": attention, "padded": padded} | c)
+    log("compiled variants over decode steps")
+    variants = [{"kind": k} | count_variants(k, variant_steps) for k in KINDS]
+    columns = sorted({c for v in variants for c in v if c.startswith("variants ")})
+    return {
+        "command": " ".join(["python benchmarks/gpu_report.py", *sys.argv[1:]]) if __name__ == "__main__" else "",
+        "triton": triton.__version__,
+        "torch": torch.__version__,
+        "toolchain": {"ptxas": {a: p for a, p in tools["ptxas"].items()}, "cuobjdump": tools["cuobjdump"]},
+        "variants": rows,
+        "findings": findings,
+        "count_steps": count_steps,
+        "launches": table,
+        "variant_steps": variant_steps,
+        "compiled_variants": variants,
+        "variant_columns": columns,
+        "estimate": estimate(rows, launches),
+        "model": MODEL,
+    }
+
+
+TIMING_FIELDS = ("host_us_per_layer_step",)  # measured on this CPU: differ between runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output", required=True, type=Path, help="folder for gpu-report.md and gpu-report.json")
+    parser.add_argument("--quick", action="store_true", help="one variant per kind (head_dim 128, q 1, padded)")
+    parser.add_argument("--count-steps", type=int, default=None, help="decode steps counted per cache (default 16)")
+    parser.add_argument("--variant-steps", type=int, default=100, help="decode steps for the compiled-variant count")
+    args = parser.parse_args(argv)
+    count_steps = args.count_steps or (2 if args.quick else 16)
+    if count_steps < 1:
+        raise SystemExit(f"--count-steps must be >= 1, got {count_steps}")
+    if args.variant_steps < 4:
+        raise SystemExit(f"--variant-steps must be >= 4, got {args.variant_steps}")
+    report = build(args.quick, count_steps, args.variant_steps, log=lambda m: print(m, file=sys.stderr))
+    args.output.mkdir(parents=True, exist_ok=True)
+    (args.output / "gpu-report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (args.output / "gpu-report.md").write_text(render(report))
+    print(render(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
