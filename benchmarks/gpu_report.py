@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import math
 import statistics
@@ -242,6 +243,7 @@ def compile_variants(grid: list[dict], log) -> tuple[list[dict], dict]:
             row = {**v, "arch": arch, "segment": main.segment, "launches": len(launches), **c}
             row["block_dk"], row["block_dv"] = constexprs["BLOCK_DK"], constexprs["BLOCK_DV"]
             row["specialized"] = _specialized(main)
+            row["variant"] = hashlib.sha1(main.key.encode()).hexdigest()[:10]  # Triton's cache key, shortened
             if "error" not in c and not c["fits"]:
                 limit = aot.SM_LIMITS[arch].smem_per_block
                 findings[f"{name} sm_{arch}"] = (
@@ -258,7 +260,53 @@ def compile_variants(grid: list[dict], log) -> tuple[list[dict], dict]:
                     )
             rows.append(row)
         log(f"  {name}: {len(launches)} launches, {sum(1 for k in compiled)} compiled so far")
+    findings |= _shared_binaries(rows)
     return rows, findings
+
+
+def _shared_binaries(rows: list[dict]) -> dict:
+    """What the specialization keys say across the grid: head_dim 96 against 128, padded against not."""
+    key = {(r["kind"], r["head_dim"], r["q_len"], r["padded"], r["arch"]): r["variant"] for r in rows}
+    out = {}
+    same_96 = [k for k in key if k[1] == 96 and key[k] == key.get((k[0], 128, *k[2:]))]
+    if same_96:
+        out["head_dim 96"] = (
+            f"compiles, as the head_dim 128 binary in {len(same_96)} of {sum(1 for k in key if k[1] == 96)} variants: "
+            "D is a runtime argument and BLOCK_D = next_power_of_2(96) = 128, so a quarter of every tile's channels "
+            "are masked loads and wasted dot-product lanes"
+        )
+    pairs = [k for k in key if k[3] and (*k[:3], False, k[4]) in key]
+    differ = [k for k in pairs if key[k] != key[(*k[:3], False, k[4])]]
+    if pairs:
+        out["left padding"] = (
+            f"changes the specialization in {len(differ)} of {len(pairs)} variants: the mask is always materialized "
+            "(the hf_kvcache mask function never skips it), so padding only changes its contents"
+        )
+    return out
+
+
+def length_specialization(log) -> list[dict]:
+    """Main-loop instructions (sm_90) of each kind at the 8B shape when the step's length is a multiple of 16 and when
+    it is not (15 steps in 16): Triton specializes the length argument ``T`` on divisibility by 16."""
+    out = []
+    model = _model(128)
+    for kind, spec in KINDS.items():
+        row, found = {"kind": kind}, {}
+        for prompt in range(PROMPT, PROMPT + 16):  # the first step of each kind of length
+            (launches,) = capture_steps(model, spec, prompt, [PAD, 0], 1, 1)
+            main = _main_launch(kind, launches)
+            found.setdefault(main.bound["T"] % 16 == 0, main)
+            if len(found) == 2:
+                break
+        for divisible, label in ((True, "T%16=0"), (False, "T%16!=0")):
+            main = found.get(divisible)
+            c = aot.compile_launch(main, 90) if main else None
+            row[f"T ({label})"] = main.bound["T"] if main else "never"
+            row[f"registers ({label})"] = c.registers if c else ""
+            row[f"loop ({label})"] = c.loop_instructions if c else ""
+        out.append(row)
+        log(f"  length specialization: {kind}")
+    return out
 
 
 def _specialized(launch) -> str:
@@ -280,9 +328,10 @@ _SYNCS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_selec
 
 
 def counts_as_launch(func, out) -> bool:
-    """The rule: an aten (or custom) op is one kernel launch on CUDA unless it is a view or alias (its schema says
-    its output aliases an input), an allocation without initialization, metadata, a device-to-host scalar read
-    (counted as a sync instead), or all its tensor outputs are empty (aten returns before launching)."""
+    """An op that reaches the dispatcher (aten or one of our custom ops; ``linear`` and sdpa arrive whole: one GEMM,
+    one attention kernel on CUDA) is one kernel launch unless it is a view or alias (its schema says its output
+    aliases an input), an allocation without initialization, metadata, a device-to-host scalar read (counted as a
+    sync instead), or all its tensor outputs are empty (aten returns before launching)."""
     name = func._schema.name.split("::")[-1]
     if name in _NOT_KERNELS or func.is_view:
         return False
@@ -351,7 +400,7 @@ def count_launches(spec: str, padded: bool, steps: int, layers: int = 2) -> dict
     if spec == "dynamic":
         model.set_attn_implementation("sdpa")
     pads = [PAD, 0] if padded else [0, 0]
-    batch, prompt = len(pads), 40
+    batch, prompt = len(pads), 130  # int4/int2 flush their 128-token residual (group 16) within 16 steps
     cache = make_cache(spec, model)
     per_layer, outside, syncs, seconds, ops = [], [], [], [], {}
     with torch.inference_mode():
@@ -449,6 +498,34 @@ def _table(rows: list[dict], columns: list[str]) -> str:
     return tabulate([[r.get(c, "") for c in columns] for r in rows], headers=columns, tablefmt="github")
 
 
+def summary(report: dict) -> list[dict]:
+    """The before/after table of issue 22: per kind at the 8B shape (head_dim 128, one query token, padded batch)."""
+    launches = {(r["cache"], r["padded"]): r for r in report["launches"]}
+    ratios = {(e["kind"], e["gpu"]): e for e in report["estimate"] if e["shape"] == "16k x 8"}
+    out = []
+    for r in report["variants"]:
+        if r["head_dim"] != 128 or r["q_len"] != 1 or not r["padded"] or "error" in r:
+            continue
+        est = ratios.get((r["kind"], GPUS[r["arch"]]["name"]), {})
+        out.append(
+            {
+                "kind": r["kind"],
+                "arch": f"sm_{r['arch']}",
+                "regs": r["registers"],
+                "spills (B)": r["spill_stores"],
+                "smem (KB)": round(r["shared"] / 1024, 1),
+                "blocks/SM": r["blocks_per_sm"],
+                "loop instr/tile": r["loop_instructions"],
+                "launches/layer-step": launches.get((r["kind"], True), {}).get("launches_per_layer", ""),
+                "est. vs sdpa 16k x 8": est.get("ratio", est.get("bound", "")),
+            }
+        )
+    base = launches.get(("DynamicCache", True))
+    if base:
+        out.append({"kind": "DynamicCache + sdpa", "launches/layer-step": base["launches_per_layer"]})
+    return out
+
+
 def render(report: dict) -> str:
     tools = report["toolchain"]
     lines = [
@@ -458,26 +535,36 @@ def render(report: dict) -> str:
         f"{', '.join(f'sm_{a}: {Path(p).name}' for a, p in tools['ptxas'].items())}; SASS from "
         f"{'cuobjdump' if tools['cuobjdump'] else 'none (PTX counted)'}.",
         "",
-        "## Kernel variants (Llama-3-8B attention: 32 query / 8 KV heads, bfloat16)",
+        "## Summary (Llama-3-8B attention: 32 query / 8 KV heads, head_dim 128, bfloat16; one query token)",
         "",
-        f"Captured from one decode step of the real cache after a {PROMPT}-token prompt (batch 2; padded: row 0 has "
-        f"{PAD} pad tokens). `loop` = SASS instructions per warp in the main loop = per 64-token tile; `blocks` = "
-        "resident blocks per SM; `waves` = programs / (blocks x SMs); `MB read` = stored bytes + mask per layer-step.",
+        f"Each kernel compiled from the specialization of a real launch: one decode step of the real cache after a "
+        f"{PROMPT}-token prompt, batch 2, row 0 left-padded by {PAD} tokens. `loop instr/tile`: SASS instructions per "
+        "warp in the main loop, one 64-token tile per iteration. `est. vs sdpa`: the roofline estimate below "
+        "(> 1 is faster than sdpa over bfloat16), not a measurement.",
+        "",
+        _table(summary(report), list(summary(report)[0]) if summary(report) else []),
         "",
     ]
-    cols = ["kind", "head_dim", "q_len", "padded", "arch", "registers", "spill_stores", "shared", "blocks_per_sm"]
-    cols += ["limited_by", "loop_instructions", "launches"]
-    cols += [f"waves {s[0]}" for s in SHAPES] + [f"MB read {s[0]}" for s in SHAPES]
-    lines += [_table(report["variants"], cols), ""]
     if report["findings"]:
-        lines += ["### Findings", ""] + [f"- {k}: {v}" for k, v in report["findings"].items()] + [""]
+        lines += ["## Findings", ""] + [f"- {k}: {v}" for k, v in report["findings"].items()] + [""]
+    if report["length_specialization"]:
+        lines += [
+            "## Length specialization (sm_90)",
+            "",
+            "Triton marks an integer argument divisible by 16 in the kernel's specialization, so the history length "
+            "`T` compiles two kernels, and the common one (15 decode steps in 16) is the longer loop:",
+            "",
+            _table(report["length_specialization"], list(report["length_specialization"][0])),
+            "",
+        ]
     lines += [
         "## Launches per layer and decode step (counted on CPU)",
         "",
         "Rule: " + " ".join(counts_as_launch.__doc__.split()),
         f"Tiny Llama (2 layers, 4/2 heads, head_dim 16), batch 2, one token per step, median over "
-        f"{report['count_steps']} steps. `host us` is measured on this CPU (one thread; the pure-torch reference "
-        "stands in for each Triton launch): a measurement of this machine, not of a GPU host.",
+        f"{report['count_steps']} steps (max: the step that flushes a residual). `host us`: measured on this CPU (one "
+        "thread; the pure-torch reference stands in for each Triton launch), a measurement of this machine, not of a "
+        "GPU host.",
         "",
         _table(
             report["launches"],
@@ -486,6 +573,9 @@ def render(report: dict) -> str:
         ),
         "",
         f"## Compiled variants over {report['variant_steps']} decode steps (8B attention shape)",
+        "",
+        "Distinct kernel specializations (Triton's cache key: one compile each) over four generations of varying "
+        "prompt length (203 to 450 tokens) and left padding, one token per step.",
         "",
         _table(report["compiled_variants"], ["kind", "steps", "variants"] + report["variant_columns"]),
         "",
@@ -499,7 +589,16 @@ def render(report: dict) -> str:
             report["estimate"], ["kind", "gpu", "shape", "bound", "kernel_us", "sdpa_us", "ratio", "layer_step_ratio"]
         ),
         "",
+        "## Every variant",
+        "",
+        "`launches`: kernel launches of the captured step (one per segment); `waves`: programs / (blocks/SM x SMs) "
+        "at 4k x 1, 16k x 8 and 32k x 8; `MB read`: the cache's stored bytes + the mask per layer-step.",
+        "",
     ]
+    cols = ["kind", "head_dim", "q_len", "padded", "arch", "registers", "spill_stores", "shared", "blocks_per_sm"]
+    cols += ["limited_by", "loop_instructions", "launches", "variant"]
+    cols += [f"waves {s[0]}" for s in SHAPES] + [f"MB read {s[0]}" for s in SHAPES]
+    lines += [_table(report["variants"], cols), ""]
     return "\n".join(lines)
 
 
@@ -512,6 +611,8 @@ def build(quick: bool, count_steps: int, variant_steps: int, log=print) -> dict:
     torch.set_num_threads(1)
     log("compiling the variants")
     rows, findings = compile_variants(variant_grid(quick), log)
+    log("length specialization")
+    lengths = [] if quick else length_specialization(log)
     log("counting launches")
     launches, table = {}, []
     for spec in ["dynamic", *KINDS.values()]:
@@ -529,6 +630,7 @@ def build(quick: bool, count_steps: int, variant_steps: int, log=print) -> dict:
         "torch": torch.__version__,
         "toolchain": {"ptxas": {a: p for a, p in tools["ptxas"].items()}, "cuobjdump": tools["cuobjdump"]},
         "variants": rows,
+        "length_specialization": lengths,
         "findings": findings,
         "count_steps": count_steps,
         "launches": table,
@@ -540,12 +642,34 @@ def build(quick: bool, count_steps: int, variant_steps: int, log=print) -> dict:
     }
 
 
+DOCS_INTRO = """\
+# GPU report (estimates from CPU)
+
+The project's machines have no GPU, so this page measures the GPU decode path by what is deterministic without one
+(issue 22): the Triton decode kernels compiled ahead of time for the A100 (sm_80) and the H100 (sm_90) with Triton's
+bundled ptxas, from the exact specialization a real launch gets; kernel launches per layer and decode step counted on
+CPU; the kernel variants that decoding compiles. **Every time and speed-up on this page is an estimate** from the
+roofline model written out below, not a GPU measurement; registers, spills, shared memory, occupancy, instruction
+counts and launch counts are exact for the compiled binaries and the counting rule stated. GPU measurements, when a
+GPU runs them, go to [Results](results.md) (`benchmarks/bench_decode_kernels.py`).
+
+The page is generated (about 15 minutes on a 2-core CPU the first time, Triton's compile cache makes reruns faster;
+`--quick` compiles one variant per storage kind, as the tests do):
+
+```bash
+python benchmarks/gpu_report.py --output results/gpu-report --docs docs/gpu-report.md
+python benchmarks/gpu_report.py --output /tmp/gpu-report --quick
+```
+
+"""
+
 TIMING_FIELDS = ("host_us_per_layer_step",)  # measured on this CPU: differ between runs
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", required=True, type=Path, help="folder for gpu-report.md and gpu-report.json")
+    parser.add_argument("--docs", type=Path, help="also write the docs page (docs/gpu-report.md) from this report")
     parser.add_argument("--quick", action="store_true", help="one variant per kind (head_dim 128, q 1, padded)")
     parser.add_argument("--count-steps", type=int, default=None, help="decode steps counted per cache (default 16)")
     parser.add_argument("--variant-steps", type=int, default=100, help="decode steps for the compiled-variant count")
@@ -559,6 +683,9 @@ def main(argv: list[str] | None = None) -> int:
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "gpu-report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (args.output / "gpu-report.md").write_text(render(report))
+    if args.docs:
+        body = render(report).split("\n", 1)[1].lstrip()  # the page has its own title
+        args.docs.write_text(DOCS_INTRO + body)
     print(render(report))
     return 0
 
