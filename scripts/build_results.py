@@ -33,10 +33,10 @@ DOCS = ROOT / "docs"
 SAVED = DOCS / "results"
 REGION = re.compile(r"(<!-- results:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.DOTALL)
 
-# Every published run is on the real model (SmolLM2-135M-Instruct, `--model smollm2`), with 2 threads.
-REAL = ["--model", "smollm2", "--threads", "2"]
+# Every published run is on the real model (SmolLM2-135M-Instruct, `--model smollm2`), with 1 thread.
+REAL = ["--model", "smollm2", "--threads", "1"]
 EVAL_CACHES = "dynamic,int8,int4,int2,sink:window=256:sinks=4"
-LONG_CACHES = "dynamic,int8,int4,int2,sink:window=1024:sinks=4"
+LONG_CACHES = "dynamic,int4,int2,sink:window=1024:sinks=4"
 STREAM_CACHES = "dynamic,sink:window=1024:sinks=0,sink:window=1024:sinks=4"
 RUNS: dict[str, list[str]] = {
     "eval-default": [
@@ -48,14 +48,20 @@ RUNS: dict[str, list[str]] = {
     "eval-passkey": [
         "eval",
         *REAL,
-        *"--task passkey --lengths 1024,2048,4096,8000 --depths 0,0.5,1 --samples 2".split(),
+        *"--task passkey --lengths 1024,2048,4096,8000 --depths 0,0.5,1 --samples 1".split(),
         *["--caches", LONG_CACHES],
     ],
-    "eval-repeat": ["eval", *REAL, *"--task repeat --distances 0,1000,2000,4000,7000".split(), "--caches", LONG_CACHES],
+    "eval-passkey-chat": [
+        "eval",
+        *REAL,
+        *"--task passkey --chat-template --lengths 1024,2048,4096,8000 --depths 0,0.5,1 --samples 1".split(),
+        *["--caches", "dynamic"],
+    ],
+    "eval-repeat": ["eval", *REAL, *"--task repeat --distances 0,1000,3000,7000".split(), "--caches", LONG_CACHES],
     "eval-stream": [
         "eval",
         *REAL,
-        *"--task stream --stream-tokens 16384 --bucket 1024".split(),
+        *"--task stream --stream-tokens 16384 --bucket 1024 --stream-chunk 16".split(),
         "--caches",
         STREAM_CACHES,
     ],

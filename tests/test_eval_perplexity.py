@@ -71,3 +71,12 @@ def test_bad_protocol_arguments(kwargs, match):
         window_perplexity(
             model, ids, lambda: DynamicCache(config=model.config), **({"context": 16, "prefill": 4} | kwargs)
         )
+
+
+def test_stream_in_chunks_scores_the_same_tokens_as_pure_decode():
+    model = tiny_model("llama", "sdpa")
+    ids = torch.randint(3, VOCAB, (120,), generator=torch.Generator().manual_seed(3))
+    one = stream_perplexity(model, ids, DynamicCache(config=model.config), prefill=4, bucket_size=40)
+    chunked = stream_perplexity(model, ids, DynamicCache(config=model.config), prefill=4, chunk=7, bucket_size=40)
+    assert chunked.tokens == one.tokens
+    assert chunked.nll == pytest.approx(one.nll, rel=1e-5)  # DynamicCache is exact either way

@@ -103,3 +103,22 @@ def test_it_copies_and_finds_passkeys_and_a_short_window_loses_them(smollm2):
     assert dynamic["repeat"]["summary"]["ratio"] < 0.2  # the second copy is far easier than the first: it copies
     assert dynamic["passkey"]["summary"]["accuracy"] >= 3 / 4
     assert sink["passkey"]["summary"]["accuracy"] <= 1 / 4
+
+
+def test_a_passkey_document_in_the_chat_template(smollm2, text_ids):
+    from hf_kvcache.eval.tasks.passkey import build_passkey_document
+
+    _, tokenizer = smollm2
+    doc = build_passkey_document(tokenizer, text_ids, 400, 0.5, "12345", chat=True)
+    assert len(doc.context) + len(doc.question) == 400
+    assert tokenizer.decode(doc.context).startswith("<|im_start|>system")
+    assert tokenizer.decode(doc.question).endswith("<|im_end|>\n<|im_start|>assistant\nThe pass key is")
+    assert "12345" in tokenizer.decode(doc.context[doc.needle_start :])
+
+
+def test_chat_template_refused_where_the_tokenizer_has_none():
+    from hf_kvcache.eval.tasks.passkey import build_passkey_document
+
+    _, tokenizer = load_model("reference")
+    with pytest.raises(ValueError, match="--chat-template"):
+        build_passkey_document(tokenizer, torch.arange(5, 600), 300, 0.5, "1", chat=True)

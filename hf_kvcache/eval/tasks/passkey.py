@@ -50,6 +50,10 @@ class PasskeyOptions:
     )
     samples: int = field(default=2, metadata={"help": "passkey / repeat: documents per cell"})
     key_digits: int = field(default=5, metadata={"help": "passkey: digits of the key"})
+    chat_template: bool = field(
+        default=False,
+        metadata={"help": "passkey: the document and question as one user turn of the model's chat template"},
+    )
 
     def validate_passkey(self) -> None:
         for length in self.lengths:
@@ -73,12 +77,33 @@ class PasskeyDocument:
     needle_start: int  # token index of the needle in ``context``
 
 
-def build_passkey_document(tokenizer, filler: torch.Tensor, length: int, depth: float, key: str) -> PasskeyDocument:
+def chat_parts(tokenizer) -> tuple[str, str]:
+    """The text a chat template puts before and after one user message (with the assistant's turn opened)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--chat-template: this model's tokenizer has no chat template")
+    marker = "\x00PASSKEY\x00"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False
+    )
+    before, after = text.split(marker)
+    return before, after
+
+
+def build_passkey_document(
+    tokenizer, filler: torch.Tensor, length: int, depth: float, key: str, chat: bool = False
+) -> PasskeyDocument:
     """A ``length``-token document with ``key`` at ``depth`` of its filler, which comes from ``filler`` (a token
-    stream, read from its start). Raises ``ValueError`` if ``length`` leaves no room for filler."""
-    head = _encode(tokenizer, INSTRUCTION, special=True)
+    stream, read from its start). ``chat``: the instruction, filler, needle and question are one user turn of the
+    tokenizer's chat template, and the assistant's turn starts with ``The pass key is``. Raises ``ValueError`` if
+    ``length`` leaves no room for filler."""
+    if chat:
+        before, after = chat_parts(tokenizer)
+        head = _encode(tokenizer, before + INSTRUCTION)
+        question = _encode(tokenizer, QUESTION.removesuffix(" The pass key is") + after + "The pass key is")
+    else:
+        head = _encode(tokenizer, INSTRUCTION, special=True)
+        question = _encode(tokenizer, QUESTION)
     middle = _encode(tokenizer, needle(key))
-    question = _encode(tokenizer, QUESTION)
     n_fill = length - len(head) - len(middle) - len(question)
     if n_fill < 1:
         raise ValueError(
@@ -141,7 +166,9 @@ class PasskeyTask(Task):
                         str(d) for d in torch.randint(0, 10, (config.key_digits,), generator=generator).tolist()
                     )
                     start = int(torch.randint(0, max(span, 1), (1,), generator=generator))
-                    doc = build_passkey_document(data.tokenizer, data.ids[start:], length, depth, key)
+                    doc = build_passkey_document(
+                        data.tokenizer, data.ids[start:], length, depth, key, chat=config.chat_template
+                    )
                     answer = passkey_answer(data.model, data.tokenizer, doc, make_cache(spec, data.model))
                     correct += _answer_key(answer) == key
                     if progress is not None:

@@ -28,10 +28,14 @@ class StreamOptions:
 
     stream_tokens: int = field(default=4096, metadata={"help": "stream: tokens scored through one cache"})
     bucket: int = field(default=512, metadata={"help": "stream: positions per perplexity bucket"})
+    stream_chunk: int = field(
+        default=1, metadata={"help": "stream: tokens per forward (1: pure decode; more: faster, each chunk exact)"}
+    )
 
     def validate_stream(self) -> None:
         check_int("--stream-tokens", self.stream_tokens, STREAM_PREFILL + 1)
         check_int("--bucket", self.bucket, 1)
+        check_int("--stream-chunk", self.stream_chunk, 1)
 
 
 @dataclass
@@ -114,7 +118,12 @@ class StreamTask(Task):
             )
         ids = data.ids[: config.stream_tokens]
         result = stream_perplexity(
-            data.model, ids, make_cache(spec, data.model), bucket_size=config.bucket, progress=progress
+            data.model,
+            ids,
+            make_cache(spec, data.model),
+            chunk=config.stream_chunk,
+            bucket_size=config.bucket,
+            progress=progress,
         )
         return {"task": self.name, **result.as_dict(), "summary": {"overall_perplexity": result.overall}}
 
