@@ -80,7 +80,9 @@ Estimate (a roofline model, not a measurement). Per layer and decode step, for a
   layer-step = t_kernel + launches * {LAUNCH_FLOOR_US} us vs t_sdpa + launches_sdpa * {LAUNCH_FLOOR_US} us
 
 BW, SMs, clock: H100 SXM 3.35 TB/s, 132 SMs, 1.98 GHz; A100 SXM 2.0 TB/s, 108 SMs, 1.41 GHz. The model ignores
-latency hiding (it assumes the resident blocks keep enough loads in flight: optimistic for 1 block/SM), L2 hits,
+latency: t_issue assumes every scheduler issues every clock, which one resident warp per scheduler (blocks/SM x
+warps / 4 = 1) cannot do across dependent instructions, and t_memory assumes enough loads in flight, so both are
+lower bounds on time and the ratios upper bounds on speed-up; it also ignores L2 hits,
 the split-combine and the other segments' launches (counted in the layer-step line only), and the host: without
 CUDA graphs a decode step is host-bound when host time per layer exceeds the GPU time."""
 
@@ -244,12 +246,6 @@ def compile_variants(grid: list[dict], log) -> tuple[list[dict], dict]:
             row["block_dk"], row["block_dv"] = constexprs["BLOCK_DK"], constexprs["BLOCK_DV"]
             row["specialized"] = _specialized(main)
             row["variant"] = hashlib.sha1(main.key.encode()).hexdigest()[:10]  # Triton's cache key, shortened
-            if "error" not in c and not c["fits"]:
-                limit = aot.SM_LIMITS[arch].smem_per_block
-                findings[f"{name} sm_{arch}"] = (
-                    f"needs {c['shared']:,} B of shared memory, the block limit is {limit:,} B: "
-                )
-                findings[f"{name} sm_{arch}"] += "the launch fails (OutOfResources) on this GPU"
             if "error" not in c:
                 for label, tokens, batch in SHAPES:
                     programs, _ = _waves_and_tiles(tokens, batch)
@@ -260,20 +256,40 @@ def compile_variants(grid: list[dict], log) -> tuple[list[dict], dict]:
                     )
             rows.append(row)
         log(f"  {name}: {len(launches)} launches, {sum(1 for k in compiled)} compiled so far")
-    findings |= _shared_binaries(rows)
     return rows, findings
 
 
-def _shared_binaries(rows: list[dict]) -> dict:
-    """What the specialization keys say across the grid: head_dim 96 against 128, padded against not."""
-    key = {(r["kind"], r["head_dim"], r["q_len"], r["padded"], r["arch"]): r["variant"] for r in rows}
+def derived_findings(rows: list[dict]) -> dict:
+    """What the compiled grid says beyond its rows: kernels that cannot launch, head_dim 96 against 128, padding."""
     out = {}
-    same_96 = [k for k in key if k[1] == 96 and key[k] == key.get((k[0], 128, *k[2:]))]
-    if same_96:
+    for kind in KINDS:
+        for arch in aot.TARGETS:
+            mine = [r for r in rows if r["kind"] == kind and r["arch"] == arch and "error" not in r]
+            over = [r for r in mine if not r["fits"]]
+            if over:
+                dims = sorted({r["head_dim"] for r in over})
+                smem = sorted({r["shared"] for r in over})
+                out[f"{kind} on sm_{arch}"] = (
+                    f"does not launch in {len(over)} of {len(mine)} variants (head_dim {', '.join(map(str, dims))}): "
+                    f"{smem[0]:,} to {smem[-1]:,} B of shared memory, over the "
+                    f"{aot.SM_LIMITS[arch].smem_per_block:,} B a block may have (OutOfResources at launch)"
+                )
+    spilling = [r for r in rows if r.get("spill_stores") and r["q_len"] in (1, 4)]
+    if spilling:
+        where = sorted({(r["kind"], r["arch"]) for r in spilling}, key=lambda k: (list(KINDS).index(k[0]), k[1]))
+        out["spills at q_len 1 and 4"] = (
+            f"{len(spilling)} of {sum(1 for r in rows if r['q_len'] in (1, 4))} variants spill registers to local "
+            f"memory: {', '.join(f'{k} sm_{a}' for k, a in where)}"
+        )
+    key = {(r["kind"], r["head_dim"], r["q_len"], r["padded"], r["arch"]): r.get("variant") for r in rows}
+    same = [k for k in key if k[1] == 96 and key[k] == key.get((k[0], 128, *k[2:]))]
+    if same:
+        kinds = sorted({k[0] for k in same}, key=list(KINDS).index)
         out["head_dim 96"] = (
-            f"compiles, as the head_dim 128 binary in {len(same_96)} of {sum(1 for k in key if k[1] == 96)} variants: "
-            "D is a runtime argument and BLOCK_D = next_power_of_2(96) = 128, so a quarter of every tile's channels "
-            "are masked loads and wasted dot-product lanes"
+            f"compiles; for {', '.join(kinds)} to the very binary of head_dim 128 ({len(same)} of "
+            f"{sum(1 for k in key if k[1] == 96)} variants; the others differ by a group-size constant): D is a "
+            "runtime argument and BLOCK_D = next_power_of_2(96) = 128, so a quarter of every tile's channels are "
+            "masked loads and idle dot-product lanes"
         )
     pairs = [k for k in key if k[3] and (*k[:3], False, k[4]) in key]
     differ = [k for k in pairs if key[k] != key[(*k[:3], False, k[4])]]
@@ -515,6 +531,7 @@ def summary(report: dict) -> list[dict]:
                 "spills (B)": r["spill_stores"],
                 "smem (KB)": round(r["shared"] / 1024, 1),
                 "blocks/SM": r["blocks_per_sm"],
+                "warps/scheduler": r["blocks_per_sm"] * r["warps"] / 4,
                 "loop instr/tile": r["loop_instructions"],
                 "launches/layer-step": launches.get((r["kind"], True), {}).get("launches_per_layer", ""),
                 "est. vs sdpa 16k x 8": est.get("ratio", est.get("bound", "")),
@@ -545,8 +562,9 @@ def render(report: dict) -> str:
         _table(summary(report), list(summary(report)[0]) if summary(report) else []),
         "",
     ]
-    if report["findings"]:
-        lines += ["## Findings", ""] + [f"- {k}: {v}" for k, v in report["findings"].items()] + [""]
+    findings = report["findings"] | derived_findings(report["variants"])
+    if findings:
+        lines += ["## Findings", ""] + [f"- {k}: {v}" for k, v in findings.items()] + [""]
     if report["length_specialization"]:
         lines += [
             "## Length specialization (sm_90)",
@@ -673,13 +691,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one variant per kind (head_dim 128, q 1, padded)")
     parser.add_argument("--count-steps", type=int, default=None, help="decode steps counted per cache (default 16)")
     parser.add_argument("--variant-steps", type=int, default=100, help="decode steps for the compiled-variant count")
+    parser.add_argument("--from-json", type=Path, help="re-render a saved gpu-report.json instead of measuring")
     args = parser.parse_args(argv)
-    count_steps = args.count_steps or (2 if args.quick else 16)
+    count_steps = args.count_steps if args.count_steps is not None else (2 if args.quick else 16)
     if count_steps < 1:
         raise SystemExit(f"--count-steps must be >= 1, got {count_steps}")
     if args.variant_steps < 4:
         raise SystemExit(f"--variant-steps must be >= 4, got {args.variant_steps}")
-    report = build(args.quick, count_steps, args.variant_steps, log=lambda m: print(m, file=sys.stderr))
+    if args.from_json:
+        report = json.loads(args.from_json.read_text()) | {"model": MODEL}  # the numbers as saved, the text as now
+    else:
+        report = build(args.quick, count_steps, args.variant_steps, log=lambda m: print(m, file=sys.stderr))
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "gpu-report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (args.output / "gpu-report.md").write_text(render(report))
