@@ -45,7 +45,7 @@ class PasskeyOptions:
         default=(512, 1024, 1900), metadata={"help": "passkey: document lengths in tokens, comma-separated"}
     )
     depths: tuple[float, ...] = field(
-        default=(0.0, 0.25, 0.5, 0.75, 1.0),
+        default=(0.25, 0.75),
         metadata={"help": "passkey: needle depths in the filler, 0 (start) to 1 (end), comma-separated"},
     )
     samples: int = field(default=2, metadata={"help": "passkey / repeat: documents per cell"})

@@ -34,9 +34,9 @@ CacheFactory = Callable[[], Cache]
 class PerplexityOptions:
     """Options of the ``perplexity`` task."""
 
-    max_tokens: int = field(default=16384, metadata={"help": "perplexity: cut the text to this many tokens"})
-    context: int = field(default=512, metadata={"help": "perplexity: tokens per window"})
-    prefill: int = field(default=256, metadata={"help": "perplexity: unscored tokens per window, one forward"})
+    max_tokens: int = field(default=2048, metadata={"help": "perplexity: cut the text to this many tokens"})
+    context: int = field(default=1024, metadata={"help": "perplexity: tokens per window"})
+    prefill: int = field(default=512, metadata={"help": "perplexity: unscored tokens per window, one forward"})
     chunk: int = field(default=1, metadata={"help": "perplexity: tokens per scored forward (1: pure decode)"})
     batch_size: int = field(default=8, metadata={"help": "perplexity: windows scored together"})
 
