@@ -269,6 +269,7 @@ class Compiled:
     stages: int
     loop_instructions: int | None
     loop_unit: str  # "SASS" or "PTX"
+    loop_ops: dict  # SASS opcode -> instructions of the main loop
     blocks_per_sm: int
     limited_by: str
     fits: bool
@@ -320,6 +321,7 @@ def compile_launch(launch: Launch, arch: int) -> Compiled:
         stages=compiled.metadata.num_stages,
         loop_instructions=loop["loop_instructions"],
         loop_unit=unit,
+        loop_ops=loop["loop_ops"],
         blocks_per_sm=occ["blocks_per_sm"],
         limited_by=occ["limited_by"],
         fits=occ["fits"],

@@ -244,6 +244,7 @@ def compile_variants(grid: list[dict], log) -> tuple[list[dict], dict]:
             c = compiled[(main.key, arch)]
             row = {**v, "arch": arch, "segment": main.segment, "launches": len(launches), **c}
             row["block_dk"], row["block_dv"] = constexprs["BLOCK_DK"], constexprs["BLOCK_DV"]
+            row["rows"], row["block_r"] = main.bound["G"] * v["q_len"], constexprs["BLOCK_R"]
             row["specialized"] = _specialized(main)
             row["variant"] = hashlib.sha1(main.key.encode()).hexdigest()[:10]  # Triton's cache key, shortened
             if "error" not in c:
@@ -274,6 +275,13 @@ def derived_findings(rows: list[dict]) -> dict:
                     f"{smem[0]:,} to {smem[-1]:,} B of shared memory, over the "
                     f"{aot.SM_LIMITS[arch].smem_per_block:,} B a block may have (OutOfResources at launch)"
                 )
+    padded_rows = sorted({(r["rows"], r["block_r"]) for r in rows if "block_r" in r and r["rows"] < r["block_r"]})
+    if padded_rows:
+        out["query rows"] = (
+            "a program computes BLOCK_R = max(16, next_power_of_2(G * q_len)) rows (tl.dot needs 16) for G * q_len "
+            f"real ones: {', '.join(f'{a} of {b}' for a, b in padded_rows)} at 32/8 heads, so most of the softmax "
+            "math and reductions in the loop (fp32 math, shuffles above) work on padding rows"
+        )
     spilling = [r for r in rows if r.get("spill_stores") and r["q_len"] in (1, 4)]
     if spilling:
         where = sorted({(r["kind"], r["arch"]) for r in spilling}, key=lambda k: (list(KINDS).index(k[0]), k[1]))
@@ -543,6 +551,34 @@ def summary(report: dict) -> list[dict]:
     return out
 
 
+# SASS opcode classes of the main-loop mix (the rest is "other").
+OP_CLASSES = {
+    "global loads": ("LDG", "LDGSTS"),
+    "shared loads": ("LDS", "LDSM"),
+    "spill ld/st": ("LDL", "STL"),
+    "tensor core": ("HMMA",),
+    "int / address": ("IMAD", "IADD3", "LEA", "SHF", "LOP3", "PRMT", "SGXT", "IABS", "IMNMX", "UIADD3", "UIMAD"),
+    "conversions": ("I2F", "I2FP", "F2FP", "F2I", "F2F"),
+    "shuffles": ("SHFL",),
+    "fp32 math": ("FADD", "FMUL", "FFMA", "FMNMX", "FSETP", "FSEL", "MUFU", "FCHK"),
+    "compare / select": ("ISETP", "SEL", "PLOP3", "P2R", "R2P", "UISETP", "USEL"),
+}
+
+
+def instruction_mix(report: dict) -> list[dict]:
+    """The main loop's SASS instructions by class, per kind at the 8B shape (head_dim 128, q 1, padded)."""
+    out = []
+    for r in report["variants"]:
+        if r["head_dim"] != 128 or r["q_len"] != 1 or not r["padded"] or not r.get("loop_ops"):
+            continue
+        row = {"kind": r["kind"], "arch": f"sm_{r['arch']}", "total": r["loop_instructions"]}
+        for name, ops in OP_CLASSES.items():
+            row[name] = sum(r["loop_ops"].get(op, 0) for op in ops)
+        row["other"] = row["total"] - sum(row[name] for name in OP_CLASSES)
+        out.append(row)
+    return out
+
+
 def render(report: dict) -> str:
     tools = report["toolchain"]
     lines = [
@@ -562,6 +598,14 @@ def render(report: dict) -> str:
         _table(summary(report), list(summary(report)[0]) if summary(report) else []),
         "",
     ]
+    mix = instruction_mix(report)
+    if mix:
+        lines += [
+            "## Main-loop instruction mix (SASS per warp per 64-token tile)",
+            "",
+            _table(mix, list(mix[0])),
+            "",
+        ]
     findings = report["findings"] | derived_findings(report["variants"])
     if findings:
         lines += ["## Findings", ""] + [f"- {k}: {v}" for k, v in findings.items()] + [""]
@@ -671,8 +715,8 @@ roofline model written out below, not a GPU measurement; registers, spills, shar
 counts and launch counts are exact for the compiled binaries and the counting rule stated. GPU measurements, when a
 GPU runs them, go to [Results](results.md) (`benchmarks/bench_decode_kernels.py`).
 
-The page is generated (about 15 minutes on a 2-core CPU the first time, Triton's compile cache makes reruns faster;
-`--quick` compiles one variant per storage kind, as the tests do):
+The page is generated (about 15 minutes on a 2-core CPU with a cold Triton compile cache, 3 minutes with a warm
+one; `--quick` compiles one variant per storage kind, as the tests do; `--from-json` re-renders a saved report):
 
 ```bash
 python benchmarks/gpu_report.py --output results/gpu-report --docs docs/gpu-report.md
