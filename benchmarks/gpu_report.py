@@ -18,7 +18,7 @@ and decode step.
 Estimated (labelled so everywhere): each kernel's time against sdpa over bfloat16 on an H100 and an A100, from the
 roofline model written out in :data:`MODEL`.
 
-    python benchmarks/gpu_report.py --output gpu-report            # everything (~10 min on 2 CPU cores, first run)
+    python benchmarks/gpu_report.py --output results/gpu-report    # everything (~5 min on 2 CPU cores, cold cache)
     python benchmarks/gpu_report.py --output /tmp/r --quick        # a representative subset (CI, the tests)
 """
 
@@ -715,8 +715,9 @@ roofline model written out below, not a GPU measurement; registers, spills, shar
 counts and launch counts are exact for the compiled binaries and the counting rule stated. GPU measurements, when a
 GPU runs them, go to [Results](results.md) (`benchmarks/bench_decode_kernels.py`).
 
-The page is generated (about 15 minutes on a 2-core CPU with a cold Triton compile cache, 3 minutes with a warm
-one; `--quick` compiles one variant per storage kind, as the tests do; `--from-json` re-renders a saved report):
+The page is generated (5 minutes on a 2-core CPU with a cold Triton compile cache, 3 with a warm one, the same
+numbers either way; `--quick` compiles one variant per storage kind, as the tests do; `--from-json` re-renders a
+saved report):
 
 ```bash
 python benchmarks/gpu_report.py --output results/gpu-report --docs docs/gpu-report.md
