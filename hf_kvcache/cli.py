@@ -8,6 +8,7 @@ failures (a bad flag value, a missing model or dataset, no CUDA) print one line 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import torch
@@ -15,6 +16,7 @@ import torch
 from ._validate import check_int
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 
 
 class _UsageError(ValueError):
@@ -48,15 +50,6 @@ def _demo(args) -> int:
     return 0
 
 
-def _eval_groups() -> list[tuple[str, type, tuple[str, ...]]]:
-    """(title, options dataclass, the tasks whose run reads it) for the flags of ``eval``."""
-    from .eval.config import ModelOptions, RunOptions
-    from .eval.tasks import TASKS
-
-    groups = [("model", ModelOptions, ()), ("run", RunOptions, ())]
-    return groups + [(f"{name} task", task.options, (name,)) for name, task in TASKS.items()]
-
-
 def _output_flag(parser, what: str) -> None:
     parser.add_argument("--output", default=None, metavar="DIR", help=f"directory for {what} (default: none)")
 
@@ -72,28 +65,51 @@ def _add_eval_parser(sub) -> None:
         "retrieval, and copying a repeated passage. Prints one table per task; --output adds results.json, "
         "report.md and plots.",
     )
-    owners: dict[str, tuple[str, ...]] = {}
-    for title, cls, tasks in _eval_groups():
-        for name in add_flags(p.add_argument_group(f"{title} options"), cls):
-            owners[name] = tasks
-    owners["samples"] = ("passkey", "repeat")  # --samples sets both tasks' documents per cell
-    _output_flag(p, "results.json, report.md and plots")
-    p.set_defaults(func=_eval, owners=owners)
+    from .eval.config import ModelOptions, RunOptions
+    from .eval.tasks import TASKS, option_owners
+
+    # Every flag from a dataclass: the shared options, then each registered task's (an option two tasks share is
+    # one flag, in the first owner's group, its help naming every owner).
+    add_flags(p.add_argument_group("model options"), ModelOptions)
+    add_flags(
+        p.add_argument_group("run options"),
+        RunOptions,
+        helps={"task": f"tasks to run, comma-separated: {', '.join(TASKS)}"},
+    )
+    owners, added = option_owners(), set()
+    for name, task in TASKS.items():
+        if task.options is None:
+            continue
+        helps = {
+            f.name: "; ".join(f"{o}: {TASKS[o].options.__dataclass_fields__[f.name].metadata['help']}" for o in owned)
+            for f in dataclasses.fields(task.options)
+            if len(owned := owners[f.name]) > 1
+        }
+        group = p.add_argument_group(f"{name} task options")
+        added |= set(add_flags(group, task.options, skip=tuple(added), helps=helps))
+    _output_flag(p, "results.json, report.md and plots (created and checked before any work)")
+    p.set_defaults(func=_eval)
 
 
 def _eval(args) -> int:
-    from .eval.config import EvalConfig
+    from .eval.config import EvalConfig, ModelOptions, RunOptions
     from .eval.flags import given_fields
-    from .eval.report import format_eval_table, write_report
+    from .eval.report import check_output, format_eval_table, write_report
     from .eval.runner import run_eval_distributed
+    from .eval.tasks import option_owners
 
-    given = given_fields(args, list(args.owners))
+    owners = option_owners()
+    shared = [f.name for cls in (ModelOptions, RunOptions) for f in dataclasses.fields(cls)]
+    given = given_fields(args, shared + list(owners))
     config = EvalConfig(**given)
     for name in given:
-        tasks = args.owners[name]
+        tasks = owners.get(name, ())
         if tasks and not set(tasks) & set(config.task):
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} is an option of --task {' or '.join(tasks)}, which this run does not include")
+    config.validate()  # every flag before the output folder, the model and the first document
+    if args.output:
+        check_output(args.output)
     results = run_eval_distributed(config)  # plain run_eval unless started by `accelerate launch`
     if results is None:  # a non-main process of a data-parallel run
         return 0
@@ -256,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT, nothing half-written left behind
+        print("hf-kvcache: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (ValueError, ImportError, OSError) as err:  # expected failures: one line, no traceback
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         print(f"hf-kvcache: error: {message}", file=sys.stderr)

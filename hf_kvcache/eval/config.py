@@ -1,30 +1,45 @@
 """The harness's configuration: dataclasses validated before any model is loaded; the CLI flags are generated from
 their fields (:mod:`hf_kvcache.eval.flags`).
 
-:class:`EvalConfig` composes the options every run shares (:class:`ModelOptions`, :class:`RunOptions`) with each
-task's options dataclass, defined in that task's module; ``--task`` picks which tasks run.
+:class:`EvalConfig` holds the options every run shares (:class:`ModelOptions`, :class:`RunOptions`) and one options
+dataclass per registered task (:mod:`hf_kvcache.eval.tasks.base`), read from the task registry: no task is named
+here. ``--task`` picks which tasks run.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._validate import DTYPES, check_int
 from .data import DATASET_HELP, check_dataset
-from .tasks import TASKS
-from .tasks.passkey import PasskeyOptions
-from .tasks.perplexity import PerplexityOptions
-from .tasks.repeat import RepeatOptions
-from .tasks.stream import StreamOptions
+from .tasks import TASKS, get_task
+from .tasks.base import option_fields, reserve
 
-__all__ = ["DEFAULT_CACHES", "DEFAULT_TASKS", "EvalConfig", "ModelOptions", "RunOptions", "check_model"]
+__all__ = [
+    "DEFAULT_CACHES",
+    "DEFAULT_TASKS",
+    "EvalConfig",
+    "ModelOptions",
+    "RunOptions",
+    "check_model",
+    "default_tasks",
+]
 
 # Sized for the real model on 2 CPU cores (about 10 minutes with every default); the paged cache, lossless, is in
 # the demo and the bench rather than here.
 DEFAULT_CACHES = ("dynamic", "int8", "int4", "int2", "sink:window=256:sinks=4")
-DEFAULT_TASKS = ("perplexity", "repeat", "passkey")
+
+
+def default_tasks() -> tuple[str, ...]:
+    """The registered tasks that run when ``--task`` is not given (``Task.default``), in registry order."""
+    return tuple(name for name, task in TASKS.items() if task.default)
+
+
+DEFAULT_TASKS = default_tasks()
 
 
 def check_model(model: str | None) -> None:
@@ -85,8 +100,8 @@ class RunOptions:
     """What an evaluation run scores: which tasks, caches and text."""
 
     task: tuple[str, ...] = field(
-        default=DEFAULT_TASKS,
-        metadata={"help": "tasks to run, comma-separated: perplexity, stream, passkey, repeat", "metavar": "TASKS"},
+        default_factory=default_tasks,
+        metadata={"help": "tasks to run, comma-separated (the registered tasks)", "metavar": "TASKS"},
     )
     caches: tuple[str, ...] = field(
         default=DEFAULT_CACHES,
@@ -109,23 +124,124 @@ class RunOptions:
         check_dataset(self.dataset)
 
 
-@dataclass
-class EvalConfig(RepeatOptions, PasskeyOptions, StreamOptions, PerplexityOptions, RunOptions, ModelOptions):
-    """Everything ``hf-kvcache eval`` takes: the shared options and the options of every task (only the tasks named
-    in ``task`` run, and only their options are checked).
+def _as_tuple(value):
+    """A tuple option from Python code: a list becomes a tuple, one value a 1-tuple."""
+    if isinstance(value, tuple):
+        return value
+    if isinstance(value, list):
+        return tuple(value)
+    return (value,)
+
+
+def _coerced(cls, values: dict) -> dict:
+    tuples = {f.name for f in dataclasses.fields(cls) if str(f.type).startswith("tuple")}
+    return {k: _as_tuple(v) if k in tuples else v for k, v in values.items()}
+
+
+_SHARED = (ModelOptions, RunOptions)
+
+
+@dataclass(init=False)
+class EvalConfig(RunOptions, ModelOptions):
+    """Everything ``hf-kvcache eval`` takes: the shared options (model, run) and the options of every registered
+    task, as keywords; only the tasks named in ``task`` run, and only their options are checked.
+
+    A task's options read as attributes (``config.lengths``) or as that task's options dataclass
+    (``config.options["passkey"]``). An option two tasks share (``samples``) sets both.
 
     >>> EvalConfig(task=("passkey",), lengths=(512,), caches=("dynamic", "sink:window=256")).validate()
     """
 
-    def __post_init__(self) -> None:
-        for name in ("task", "caches", "lengths", "depths", "distances"):
-            value = getattr(self, name)
-            if isinstance(value, (list, str)):  # a list from Python code, or one name
-                setattr(self, name, (value,) if isinstance(value, str) else tuple(value))
+    options: dict = field(default_factory=dict)  # task name -> its options dataclass instance
+
+    def __init__(self, **kwargs) -> None:
+        shared = {f.name: f for cls in _SHARED for f in dataclasses.fields(cls)}
+        for name, f in shared.items():
+            value = kwargs.pop(name) if name in kwargs else f.default
+            if value is dataclasses.MISSING:
+                value = f.default_factory()
+            object.__setattr__(self, name, value)
+        for name in ("task", "caches"):
+            object.__setattr__(self, name, _as_tuple(getattr(self, name)))
+        object.__setattr__(self, "options", {})
+        used = set()
+        for task in TASKS.values():
+            if task.options is None:
+                continue
+            mine = {f.name: kwargs[f.name] for f in option_fields(task.options) if f.name in kwargs}
+            used |= set(mine)
+            self.options[task.name] = task.options(**_coerced(task.options, mine))
+        unknown = sorted(set(kwargs) - used)
+        if unknown:
+            raise TypeError(
+                f"EvalConfig got unknown option(s) {', '.join(unknown)}: not a model or run option, nor an option "
+                f"of a registered task ({', '.join(TASKS)})"
+            )
+
+    @classmethod
+    def from_dict(cls, values: dict) -> EvalConfig:
+        """The config of a saved ``results.json`` (keys no registered task knows are left out)."""
+        known = {f.name for c in _SHARED for f in dataclasses.fields(c)}
+        known |= {f.name for task in TASKS.values() for f in option_fields(task.options)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+    def options_of(self, task: str):
+        """The options dataclass of ``task`` (defaults for a task registered after this config was made)."""
+        if task not in self.options:
+            options = get_task(task).options
+            if options is None:
+                return None
+            self.options[task] = options()
+        return self.options[task]
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or "options" not in self.__dict__:
+            raise AttributeError(name)
+        for task in TASKS.values():
+            if any(f.name == name for f in option_fields(task.options)):
+                return getattr(self.options_of(task.name), name)
+        raise AttributeError(f"EvalConfig has no option {name!r}")
+
+    def __setattr__(self, name: str, value) -> None:
+        owners = [
+            o for o in self.__dict__.get("options", {}).values() if name in {f.name for f in option_fields(type(o))}
+        ]
+        if not owners:
+            object.__setattr__(self, name, value)
+        for options in owners:
+            setattr(options, name, value)
+
+    def replace(self, **changes) -> EvalConfig:
+        """A copy with ``changes`` (any option names)."""
+        new = copy.deepcopy(self)
+        for name, value in changes.items():
+            if not hasattr(new, name):
+                raise TypeError(f"EvalConfig has no option {name!r}")
+            setattr(new, name, value)
+        return new
+
+    def as_dict(self) -> dict:
+        """The flat options of ``results.json``: model and run options, then the options of each task that runs."""
+        flat = {f.name: getattr(self, f.name) for cls in _SHARED for f in dataclasses.fields(cls)}
+        for name in self.task:
+            if name in TASKS:
+                flat |= dataclasses.asdict(self.options_of(name)) if self.options_of(name) is not None else {}
+        return flat
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the flag of the first bad value; needs no model."""
         self.validate_model()
         self.validate_run()
         for name in self.task:
-            getattr(self, f"validate_{name}")()
+            get_task(name).validate(self)
+
+
+reserve(
+    {
+        f.name: f"--{f.name.replace('_', '-')} (a model or run option)"
+        for cls in _SHARED
+        for f in dataclasses.fields(cls)
+    }
+    | {name: "EvalConfig" for name in dir(EvalConfig) if not name.startswith("_")}
+    | {"options": "EvalConfig"}
+)

@@ -16,7 +16,7 @@ import dataclasses
 import types
 import typing
 
-__all__ = ["add_flags", "flag_name", "given_fields"]
+__all__ = ["add_flags", "check_flag_type", "flag_name", "given_fields"]
 
 
 def flag_name(field_name: str) -> str:
@@ -49,6 +49,13 @@ def _tuple_parser(item_type, name: str):
     return parse
 
 
+def check_flag_type(what: str, annotation) -> None:
+    """Raise ``ValueError`` when a field's type cannot be a flag (int, float, str, bool, ``X | None``, tuples)."""
+    kind, _ = _base_type(annotation)
+    if kind not in (int, float, str, bool):
+        raise ValueError(f"{what}: type {annotation} cannot be a flag (int, float, str, bool, X | None, tuple[X, ...])")
+
+
 _METAVARS = {
     (int, False): "N",
     (float, False): "X",
@@ -64,13 +71,19 @@ def _default_text(value) -> str:
     return "none" if value is None else str(value)
 
 
-def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls, skip: tuple[str, ...] = ()) -> list[str]:
-    """Add a flag per field of dataclass ``cls`` (fields declared on ``cls`` itself, not inherited); returns the
-    field names added. A field without ``metadata["help"]`` is an error: every flag says what it does."""
+def add_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls,
+    skip: tuple[str, ...] = (),
+    helps: dict[str, str] | None = None,
+) -> list[str]:
+    """Add a flag per field of dataclass ``cls`` (fields declared on ``cls`` itself, not inherited, none in
+    ``skip``); returns the field names added. ``helps`` replaces the help of the named fields. A field without
+    ``metadata["help"]`` is an error: every flag says what it does."""
     hints = typing.get_type_hints(cls)
     own = [f for f in dataclasses.fields(cls) if f.name in vars(cls).get("__annotations__", {}) and f.name not in skip]
     for f in own:
-        help_text = f.metadata.get("help")
+        help_text = (helps or {}).get(f.name) or f.metadata.get("help")
         if not help_text:
             raise TypeError(f"{cls.__name__}.{f.name} has no metadata['help'] for its flag")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()

@@ -1,14 +1,19 @@
 """Reports of an evaluation: markdown tables (through ``tabulate``), ``results.json``, ``report.md`` and PNG plots.
 
-Each task formats and plots its own results (:mod:`hf_kvcache.eval.tasks`); this module assembles them.
+Each task formats, describes and plots its own results (:mod:`hf_kvcache.eval.tasks`); this module assembles them.
+``results.json`` is written last and atomically (a temporary file renamed into place): an interrupted run leaves no
+``results.json`` that looks complete.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 
 __all__ = [
+    "check_output",
     "format_bench_table",
     "format_eval_table",
     "markdown_table",
@@ -17,12 +22,31 @@ __all__ = [
     "write_report",
 ]
 
-TASK_TITLES = {
-    "perplexity": "Perplexity through the cache (windows)",
-    "stream": "Long stream through one cache, perplexity per bucket of positions",
-    "passkey": "Passkey retrieval through the cache (exact match)",
-    "repeat": "Repeated passage: second-copy perplexity through the cache",
-}
+
+def check_output(output: str | Path, flag: str = "--output") -> Path:
+    """Create the output folder and check that a file can be written there, before any work; ``ValueError`` naming
+    ``flag`` otherwise."""
+    out = Path(output).expanduser()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-check-"):
+            pass
+    except OSError as err:
+        why = err.strerror or type(err).__name__
+        raise ValueError(f"{flag} {str(output)!r} cannot be written: {why}") from err
+    return out
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder, renamed into place when complete."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:
@@ -58,30 +82,17 @@ def format_eval_table(results: dict) -> str:
     """Markdown tables of ``run_eval`` results: one per task, each with a title line, one row per cache."""
     blocks = []
     for task in _tasks(results):
-        blocks.append(f"**{TASK_TITLES.get(task.name, task.name)}**\n\n{task.table(results)}")
+        blocks.append(f"**{task.title or task.name}**\n\n{task.table(results)}")
     return "\n\n".join(blocks)
 
 
 def _setup_line(results: dict) -> str:
+    from .config import EvalConfig
+
     cfg = results["config"]
     parts = [f"Device {results['device']}, dtype {cfg['dtype']}."]
-    if "perplexity" in cfg["task"]:
-        parts.append(
-            f"perplexity: windows of {cfg['context']} tokens, {cfg['prefill']} prefilled, then scored {cfg['chunk']} "
-            f"token(s) per forward through the cache; text cut to {cfg['max_tokens']} tokens."
-        )
-    if "repeat" in cfg["task"]:
-        parts.append(
-            f"repeat: {cfg['samples']} passages of {cfg['passage']} tokens per distance, the second copy scored "
-            f"{cfg['repeat_chunk']} token(s) per forward through the cache."
-        )
-    if "passkey" in cfg["task"]:
-        parts.append(
-            f"passkey: {cfg['samples']} documents per (length, depth), {cfg['key_digits']}-digit keys; the document "
-            "is prefilled, the question goes through the cache, the answer is decoded greedily."
-        )
-    if "stream" in cfg["task"]:
-        parts.append(f"stream: {cfg['stream_tokens']} tokens through one cache, buckets of {cfg['bucket']}.")
+    config = EvalConfig.from_dict(cfg)
+    parts += [line for task in _tasks(results) if (line := task.describe(config))]
     parts.append(
         "Peak memory is CUDA's max_memory_allocated; on CPU it is not measured (n/a). Versions: "
         + ", ".join(f"{k} {v}" for k, v in results["versions"].items())
@@ -91,10 +102,8 @@ def _setup_line(results: dict) -> str:
 
 
 def write_report(results: dict, output: str | Path, command: str | None = None) -> list[str]:
-    """Write ``results.json``, ``report.md`` and the tasks' plots into ``output``; returns the file names."""
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    """Write the tasks' plots, ``report.md`` and last ``results.json`` into ``output``; returns the file names."""
+    out = check_output(output)
     plots = [name for task in _tasks(results) for name in task.plots(results, out)]
     cfg = results["config"]
     lines = [f"# hf-kvcache eval: {cfg['model']} on {cfg['dataset']}", "", _setup_line(results), ""]
@@ -102,7 +111,8 @@ def write_report(results: dict, output: str | Path, command: str | None = None) 
         lines += ["```bash", command, "```", ""]
     lines += [format_eval_table(results), ""]
     lines += [f"![{p}]({p})" for p in plots]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+    write_atomic(out / "report.md", "\n".join(lines) + "\n")
+    write_atomic(out / "results.json", json.dumps(results, indent=1) + "\n")
     return ["results.json", "report.md", *plots]
 
 

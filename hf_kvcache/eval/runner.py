@@ -1,15 +1,14 @@
 """``hf-kvcache eval`` as a function: load a model and a text, run each task through each cache, collect the numbers.
 
 ``results.json`` (what :func:`run_eval` returns) keeps one entry per cache; under each task's name an entry holds
-that task's result: ``task``, its per-cell numbers and a ``summary`` (``perplexity``; ``accuracy`` for passkey;
-``second_copy_perplexity`` / ``ratio`` for repeat; ``overall_perplexity`` for stream).
+that task's result: ``task``, its per-cell numbers and a ``summary`` (the task's ``summary_keys``). Every task is
+read from the registry (:mod:`hf_kvcache.eval.tasks`): this module names none.
 """
 
 from __future__ import annotations
 
 import math
 import platform
-from dataclasses import asdict
 
 import torch
 
@@ -17,7 +16,6 @@ from .._validate import DTYPES
 from .config import DEFAULT_CACHES, DEFAULT_TASKS, EvalConfig, ModelOptions
 from .data import hub_offline, load_text
 from .tasks import EvalData, get_task
-from .tasks.perplexity import add_changes
 
 __all__ = [
     "DEFAULT_CACHES",
@@ -129,17 +127,6 @@ def _progress(total: int, label: str, quiet: bool):
     return bar.update, bar.close
 
 
-def _units(task, config: EvalConfig) -> int:
-    """Progress units of one cache's run of ``task``."""
-    if task.name == "perplexity":
-        return -(-config.max_tokens // config.context)
-    if task.name == "stream":
-        return config.stream_tokens
-    if task.name == "passkey":
-        return len(config.lengths) * len(config.depths) * config.samples
-    return len(config.distances)
-
-
 def _non_finite(results: dict) -> list[str]:
     bad = []
     for entry in results["results"]:
@@ -153,8 +140,10 @@ def _non_finite(results: dict) -> list[str]:
 def run_eval(config: EvalConfig, model=None, tokenizer=None, shard: tuple[int, int] = (0, 1)) -> dict:
     """Run every task of ``config`` through every cache; returns the ``results.json`` dictionary.
 
-    ``shard=(index, count)``: score only perplexity windows ``index, index + count, ...`` (data parallelism; the
-    other tasks run on shard 0 only); results of all shards merge with :func:`merge_results`.
+    ``shard=(index, count)``: the ``shardable`` tasks (perplexity) score only their part ``index`` of ``count``
+    (perplexity: windows ``index, index + count, ...``; data parallelism); the other tasks run on shard 0 only.
+    Results of all shards merge with :func:`merge_results`. Options that do not fit the model (a passkey document
+    longer than its context) fail after the model loads, before the first document.
     """
     from ..models import default_model
     from ..registry import make_cache
@@ -164,10 +153,12 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, shard: tuple[int, i
         torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     tasks = [get_task(name) for name in config.task]
-    if shard[0] > 0:  # other shards score perplexity windows only
-        tasks = [t for t in tasks if t.name == "perplexity"]
+    if shard[0] > 0:  # other shards run the shardable tasks only
+        tasks = [t for t in tasks if t.shardable]
     if model is None:
         model, tokenizer = load_model(config)
+    for task in tasks:  # options against the model (its context), before any document
+        task.check_model(config, model.config)
     for spec in config.caches:  # bad option values fail before any work
         make_cache(spec, model)
     limit = max(task.tokens_needed(config) for task in tasks)
@@ -176,13 +167,13 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, shard: tuple[int, i
     entries = [{"cache": spec} for spec in config.caches]
     for task in tasks:
         for entry in entries:
-            update, close = _progress(_units(task, config), f"{task.name} {entry['cache']}", config.quiet)
-            kwargs = {"shard": shard} if task.name == "perplexity" else {}
+            update, close = _progress(task.units(config), f"{task.name} {entry['cache']}", config.quiet)
+            kwargs = {"shard": shard} if task.shardable else {}
             entry[task.name] = task.run(data, entry["cache"], config, update, **kwargs)
             close()
         task.finish([entry[task.name] for entry in entries])
     results = {
-        "config": asdict(config)
+        "config": config.as_dict()
         | {"model": config.model or default_model(), "dataset": config.dataset or "reference"}
         | {"task": [t.name for t in tasks]},
         "device": str(data.device),
@@ -196,25 +187,17 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, shard: tuple[int, i
 
 
 def merge_results(parts: list[dict]) -> dict:
-    """Merge ``run_eval`` results of disjoint perplexity-window shards: NLL and token counts add up (no average of
-    averages); decode speed is all scored tokens over the slowest shard's decode time (the shards run in parallel).
-    The other tasks come from the first shard, which ran them."""
+    """Merge ``run_eval`` results of disjoint shards: each ``shardable`` task merges its parts (:meth:`Task.merge`;
+    perplexity: NLL and token counts add up, no average of averages) and recomputes the numbers relative to the
+    baseline. The other tasks come from the first shard, which ran them."""
     merged = parts[0] | {"results": [dict(entry) for entry in parts[0]["results"]]}
-    if "perplexity" in merged["config"]["task"]:
+    for name in merged["config"]["task"]:
+        task = get_task(name)
+        if not task.shardable:
+            continue
         for i, entry in enumerate(merged["results"]):
-            rows = [p["results"][i]["perplexity"] for p in parts]
-            nll, tokens = sum(r["nll"] for r in rows), sum(r["tokens_scored"] for r in rows)
-            seconds = max(r["decode_seconds"] for r in rows)
-            entry["perplexity"] = rows[0] | {
-                "nll": nll,
-                "tokens_scored": tokens,
-                "windows": sum(r["windows"] for r in rows),
-                "perplexity": math.exp(nll / tokens),
-                "decode_seconds": seconds,
-                "decode_tokens_per_s": tokens / seconds if seconds else float("nan"),
-                "summary": {"perplexity": math.exp(nll / tokens)},
-            }
-        add_changes([entry["perplexity"] for entry in merged["results"]])
+            entry[name] = task.merge([p["results"][i][name] for p in parts])
+        task.finish([entry[name] for entry in merged["results"]])
     merged["processes"] = len(parts)
     return merged
 
@@ -232,7 +215,7 @@ def run_eval_distributed(config: EvalConfig) -> dict | None:
     overrides: dict = {"device": str(state.device)} if state.device.type == "cuda" and not config.device_map else {}
     if not state.is_main_process:
         overrides |= {"quiet": True}
-    mine = EvalConfig(**(asdict(config) | overrides))
+    mine = config.replace(**overrides)
     part = run_eval(mine, shard=(state.process_index, state.num_processes))
     parts = gather_object([part])
     return merge_results(parts) if state.is_main_process else None

@@ -1,17 +1,33 @@
 """The task registry of the harness: a dict, a decorator and one lookup function, like the cache registry.
 
-A task is one module: an options dataclass (its fields become CLI flags, :mod:`hf_kvcache.eval.flags`), and a
-:class:`Task` subclass registered by name that scores one cache, summarizes, tabulates and plots.
+A task is one class registered by name. It declares everything the harness needs to know about it, so that the
+config, runner, report and CLI name no task:
+
+- ``options``: a dataclass of its options; every field becomes a flag of ``hf-kvcache eval`` (``--field-name``,
+  :mod:`hf_kvcache.eval.flags`) and a keyword of :class:`~hf_kvcache.eval.EvalConfig`. Each field needs
+  ``metadata["help"]``. The options dataclass may define ``validate()`` (raise ``ValueError`` naming the flag).
+- ``title`` (the heading of its table), ``summary_keys``, ``default`` (runs when ``--task`` is not given),
+  ``shardable`` (``run`` takes ``shard=(index, count)`` and :meth:`Task.merge` adds the parts up).
+- ``units`` (progress units of one cache's run), ``check_model`` (validation against the model's config, before the
+  first document), ``describe`` (one sentence of the report's setup line), ``tokens_needed``, ``run``, ``finish``,
+  ``table``, ``plots``.
+
+Option names form one namespace (the flags of ``eval``). Two tasks may declare the same option only with the same
+type and default: it is one flag that sets both (``--samples``: passkey documents and repeat passages per cell).
+Any other clash, or a name the harness itself uses (``--model``, ``--caches``, ``--output``, ...), is a
+``ValueError`` at :func:`register_task`, naming both owners.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["TASKS", "EvalData", "Task", "get_task", "register_task"]
+__all__ = ["TASKS", "EvalData", "Task", "get_task", "model_context", "option_fields", "option_owners", "register_task"]
 
 
 @dataclass
@@ -28,11 +44,34 @@ class EvalData:
 
 
 class Task:
-    """One evaluation task. Subclasses set ``name``, ``options`` (the options dataclass) and ``summary_keys``."""
+    """One evaluation task. Subclasses set ``name``, ``title``, ``options`` and implement ``tokens_needed``, ``run``
+    and ``table``; every hook receives the run's :class:`~hf_kvcache.eval.EvalConfig` (``config.<option>`` reads
+    any option, ``config.options[name]`` is this task's options dataclass)."""
 
     name: str = ""
-    options: type = object
+    title: str = ""  # heading of this task's table in reports (default: the name)
+    options: type | None = None  # the options dataclass (its fields become flags), None: no options
     summary_keys: tuple[str, ...] = ()  # the headline numbers of ``run``'s ``summary``, for tables
+    default: bool = False  # in the run when --task is not given
+    shardable: bool = False  # run(..., shard=(index, count)) scores a disjoint part; merge() adds parts up
+
+    def validate(self, config) -> None:
+        """Raise ``ValueError`` naming the flag of a bad option; needs no model. Default: ``options.validate()``."""
+        check = getattr(config.options_of(self.name), "validate", None)
+        if check is not None:
+            check()
+
+    def check_model(self, config, model_config) -> None:
+        """Raise ``ValueError`` when an option does not fit the model (its ``PretrainedConfig``); called after the
+        model loads and before the first document."""
+
+    def units(self, config) -> int | None:
+        """Progress units of one cache's run (``progress(n)`` calls add up to this), None: unknown."""
+        return None
+
+    def describe(self, config) -> str:
+        """One sentence for the report's setup line: the protocol with these options."""
+        return ""
 
     def tokens_needed(self, config) -> int:
         """Dataset tokens this task reads with ``config``."""
@@ -41,6 +80,10 @@ class Task:
     def run(self, data: EvalData, spec: str, config, progress=None) -> dict:
         """Score cache ``spec``: ``{"task": name, "summary": {...}, ...per-cell numbers}``."""
         raise NotImplementedError
+
+    def merge(self, parts: list[dict]) -> dict:
+        """One cache's result from the results of disjoint shards (``shardable`` tasks only)."""
+        raise NotImplementedError(f"task {self.name!r} is not shardable")
 
     def finish(self, entries: list[dict]) -> None:
         """Add numbers relative to the first cache (the baseline) to every cache's result, in place."""
@@ -56,12 +99,85 @@ class Task:
 
 TASKS: dict[str, Task] = {}
 
+# Names the harness itself uses: the shared options of EvalConfig (added by hf_kvcache.eval.config), its attributes,
+# and the CLI's own destinations. No task option may take one.
+RESERVED: dict[str, str] = {"output": "the CLI", "command": "the CLI", "func": "the CLI"}
+
+
+def option_fields(cls: type | None) -> list[dataclasses.Field]:
+    return list(dataclasses.fields(cls)) if cls is not None else []
+
+
+def _default(f: dataclasses.Field):
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def option_owners() -> dict[str, tuple[str, ...]]:
+    """Each task option name and the registered tasks that declare it."""
+    owners: dict[str, tuple[str, ...]] = {}
+    for task in TASKS.values():
+        for f in option_fields(task.options):
+            owners[f.name] = (*owners.get(f.name, ()), task.name)
+    return owners
+
+
+def _check_options(cls: type[Task]) -> None:
+    from ..flags import check_flag_type
+
+    name, options = cls.name, cls.options
+    if options is None:
+        return
+    if not dataclasses.is_dataclass(options):
+        raise ValueError(f"task {name!r}: options must be a dataclass, got {options!r}")
+    hints = typing.get_type_hints(options)
+    for f in dataclasses.fields(options):
+        if f.name in RESERVED:
+            raise ValueError(f"task {name!r}: option {f.name!r} is taken by {RESERVED[f.name]}; rename it")
+        if not f.metadata.get("help"):
+            raise ValueError(f"task {name!r}: option {f.name!r} has no metadata['help'] (every flag says what it does)")
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ValueError(f"task {name!r}: option {f.name!r} has no default")
+        check_flag_type(f"task {name!r}: option {f.name!r}", hints[f.name])
+        for other in TASKS.values():
+            for g in option_fields(other.options):
+                if g.name != f.name:
+                    continue
+                same = typing.get_type_hints(other.options)[g.name] == hints[f.name] and _default(g) == _default(f)
+                if not same:
+                    raise ValueError(
+                        f"task {name!r}: option {f.name!r} is also an option of task {other.name!r} with another type "
+                        f"or default ({hints[f.name]} = {_default(f)!r} vs {g.type} = {_default(g)!r}); one flag "
+                        "sets both, so they must agree: rename one"
+                    )
+
 
 def register_task(cls: type[Task]) -> type[Task]:
+    """Register a :class:`Task` subclass under ``cls.name`` (a class decorator); checks its options first."""
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise ValueError(f"register_task takes a Task subclass, got {cls!r}")
+    if not cls.name or not isinstance(cls.name, str) or "," in cls.name:
+        raise ValueError(f"a task needs a name without commas, got {cls.name!r}")
     if cls.name in TASKS:
         raise ValueError(f"task {cls.name!r} is already registered")
+    _check_options(cls)
     TASKS[cls.name] = cls()
     return cls
+
+
+def reserve(names: dict[str, str]) -> None:
+    """Reserve option names for the harness (``name -> who uses it``); checks the tasks registered so far."""
+    RESERVED.update(names)
+    for task in TASKS.values():
+        for f in option_fields(task.options):
+            if f.name in RESERVED:
+                raise ValueError(f"task {task.name!r}: option {f.name!r} is taken by {RESERVED[f.name]}")
+
+
+def model_context(model_config) -> int | None:
+    """The model's trained context (``max_position_embeddings`` of its text config), when its config states one."""
+    text = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
+    value = getattr(text, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def get_task(name: str) -> Task:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..._validate import check_int
-from .base import EvalData, Task, register_task
+from .base import EvalData, Task, model_context, register_task
 
 __all__ = ["PasskeyOptions", "build_passkey_document"]
 
@@ -42,20 +42,20 @@ class PasskeyOptions:
     """Options of the ``passkey`` task."""
 
     lengths: tuple[int, ...] = field(
-        default=(512, 1024, 1900), metadata={"help": "passkey: document lengths in tokens, comma-separated"}
+        default=(512, 1024, 1900), metadata={"help": "document lengths in tokens, comma-separated"}
     )
     depths: tuple[float, ...] = field(
         default=(0.25, 0.75),
-        metadata={"help": "passkey: needle depths in the filler, 0 (start) to 1 (end), comma-separated"},
+        metadata={"help": "needle depths in the filler, 0 (start) to 1 (end), comma-separated"},
     )
-    samples: int = field(default=2, metadata={"help": "passkey / repeat: documents per cell"})
-    key_digits: int = field(default=5, metadata={"help": "passkey: digits of the key"})
+    samples: int = field(default=2, metadata={"help": "documents per (length, depth) cell"})
+    key_digits: int = field(default=5, metadata={"help": "digits of the key"})
     chat_template: bool = field(
         default=False,
-        metadata={"help": "passkey: the document and question as one user turn of the model's chat template"},
+        metadata={"help": "the document and question as one user turn of the model's chat template"},
     )
 
-    def validate_passkey(self) -> None:
+    def validate(self) -> None:
         for length in self.lengths:
             check_int("--lengths", length, 64)
         for depth in self.depths:
@@ -144,8 +144,28 @@ def passkey_answer(model, tokenizer, document: PasskeyDocument, cache) -> str:
 @register_task
 class PasskeyTask(Task):
     name = "passkey"
+    title = "Passkey retrieval through the cache (exact match)"
     options = PasskeyOptions
     summary_keys = ("accuracy",)
+    default = True
+
+    def units(self, config) -> int:
+        return len(config.lengths) * len(config.depths) * config.samples
+
+    def check_model(self, config, model_config) -> None:
+        limit = model_context(model_config)
+        beyond = [n for n in config.lengths if limit and n > limit]
+        if beyond:
+            raise ValueError(
+                f"--lengths {','.join(map(str, beyond))}: longer than the model's context ({limit} tokens, "
+                "max_position_embeddings); a passkey document must fit it"
+            )
+
+    def describe(self, config) -> str:
+        return (
+            f"passkey: {config.samples} documents per (length, depth), {config.key_digits}-digit keys; the document "
+            "is prefilled, the question goes through the cache, the answer is decoded greedily."
+        )
 
     def tokens_needed(self, config) -> int:
         return max(config.lengths) * config.samples * 2

@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache
 
 from ..._validate import check_int
 from ...compare import synchronize
-from .base import EvalData, Task, register_task
+from .base import EvalData, Task, model_context, register_task
 
 __all__ = ["PerplexityOptions", "PerplexityResult", "window_perplexity", "windows"]
 
@@ -34,13 +34,13 @@ CacheFactory = Callable[[], Cache]
 class PerplexityOptions:
     """Options of the ``perplexity`` task."""
 
-    max_tokens: int = field(default=2048, metadata={"help": "perplexity: cut the text to this many tokens"})
-    context: int = field(default=1024, metadata={"help": "perplexity: tokens per window"})
-    prefill: int = field(default=512, metadata={"help": "perplexity: unscored tokens per window, one forward"})
-    chunk: int = field(default=1, metadata={"help": "perplexity: tokens per scored forward (1: pure decode)"})
-    batch_size: int = field(default=8, metadata={"help": "perplexity: windows scored together"})
+    max_tokens: int = field(default=2048, metadata={"help": "cut the text to this many tokens"})
+    context: int = field(default=1024, metadata={"help": "tokens per window"})
+    prefill: int = field(default=512, metadata={"help": "unscored tokens per window, one forward"})
+    chunk: int = field(default=1, metadata={"help": "tokens per scored forward (1: pure decode)"})
+    batch_size: int = field(default=8, metadata={"help": "windows scored together"})
 
-    def validate_perplexity(self) -> None:
+    def validate(self) -> None:
         for name in ("max_tokens", "context", "prefill", "chunk", "batch_size"):
             check_int(f"--{name.replace('_', '-')}", getattr(self, name), 1)
         if self.prefill >= self.context:
@@ -182,11 +182,43 @@ def shard_windows(ids: torch.Tensor, context: int, shard: tuple[int, int]) -> to
 @register_task
 class PerplexityTask(Task):
     name = "perplexity"
+    title = "Perplexity through the cache (windows)"
     options = PerplexityOptions
     summary_keys = ("perplexity",)
+    default = True
+    shardable = True
 
     def tokens_needed(self, config) -> int:
         return config.max_tokens
+
+    def units(self, config) -> int:
+        return -(-config.max_tokens // config.context)
+
+    def check_model(self, config, model_config) -> None:
+        limit = model_context(model_config)
+        if limit and config.context > limit:
+            raise ValueError(f"--context {config.context} is longer than the model's context ({limit} tokens)")
+
+    def describe(self, config) -> str:
+        return (
+            f"perplexity: windows of {config.context} tokens, {config.prefill} prefilled, then scored {config.chunk} "
+            f"token(s) per forward through the cache; text cut to {config.max_tokens} tokens."
+        )
+
+    def merge(self, parts: list[dict]) -> dict:
+        """NLL and token counts add up (no average of averages); decode speed is all scored tokens over the slowest
+        shard's decode time (the shards run in parallel)."""
+        nll, tokens = sum(r["nll"] for r in parts), sum(r["tokens_scored"] for r in parts)
+        seconds = max(r["decode_seconds"] for r in parts)
+        return parts[0] | {
+            "nll": nll,
+            "tokens_scored": tokens,
+            "windows": sum(r["windows"] for r in parts),
+            "perplexity": math.exp(nll / tokens),
+            "decode_seconds": seconds,
+            "decode_tokens_per_s": tokens / seconds if seconds else float("nan"),
+            "summary": {"perplexity": math.exp(nll / tokens)},
+        }
 
     def run(self, data: EvalData, spec: str, config, progress=None, shard: tuple[int, int] = (0, 1)) -> dict:
         from ...registry import make_cache

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..._validate import check_int
-from .base import EvalData, Task, register_task
+from .base import EvalData, Task, model_context, register_task
 from .perplexity import token_nll
 
 __all__ = ["RepeatOptions", "repeat_nll"]
@@ -27,18 +27,20 @@ __all__ = ["RepeatOptions", "repeat_nll"]
 
 @dataclass
 class RepeatOptions:
-    """Options of the ``repeat`` task (documents per distance: ``--samples``)."""
+    """Options of the ``repeat`` task."""
 
     distances: tuple[int, ...] = field(
-        default=(0, 512, 1500), metadata={"help": "repeat: tokens of other text between the copies, comma-separated"}
+        default=(0, 512, 1500), metadata={"help": "tokens of other text between the copies, comma-separated"}
     )
-    passage: int = field(default=128, metadata={"help": "repeat: tokens per copy of the passage"})
-    repeat_chunk: int = field(default=1, metadata={"help": "repeat: second-copy tokens per forward (1: pure decode)"})
+    passage: int = field(default=128, metadata={"help": "tokens per copy of the passage"})
+    samples: int = field(default=2, metadata={"help": "passages per distance"})
+    repeat_chunk: int = field(default=1, metadata={"help": "second-copy tokens per forward (1: pure decode)"})
 
-    def validate_repeat(self) -> None:
+    def validate(self) -> None:
         for distance in self.distances:
             check_int("--distances", distance, 0)
         check_int("--passage", self.passage, 2)
+        check_int("--samples", self.samples, 1)
         check_int("--repeat-chunk", self.repeat_chunk, 1)
 
 
@@ -67,8 +69,28 @@ def repeat_nll(
 @register_task
 class RepeatTask(Task):
     name = "repeat"
+    title = "Repeated passage: second-copy perplexity through the cache"
     options = RepeatOptions
     summary_keys = ("second_copy_perplexity", "ratio")
+    default = True
+
+    def units(self, config) -> int:
+        return len(config.distances)
+
+    def check_model(self, config, model_config) -> None:
+        limit = model_context(model_config)
+        longest = 2 * config.passage + max(config.distances)
+        if limit and longest > limit:
+            raise ValueError(
+                f"--distances {max(config.distances)} with --passage {config.passage}: the two copies and the text "
+                f"between them take {longest} tokens, more than the model's context ({limit} tokens)"
+            )
+
+    def describe(self, config) -> str:
+        return (
+            f"repeat: {config.samples} passages of {config.passage} tokens per distance, the second copy scored "
+            f"{config.repeat_chunk} token(s) per forward through the cache."
+        )
 
     def tokens_needed(self, config) -> int:
         return (config.passage + max(config.distances)) * config.samples * 2

@@ -26,13 +26,13 @@ STREAM_PREFILL = 16  # tokens of the first forward, not scored
 class StreamOptions:
     """Options of the ``stream`` task."""
 
-    stream_tokens: int = field(default=4096, metadata={"help": "stream: tokens scored through one cache"})
-    bucket: int = field(default=512, metadata={"help": "stream: positions per perplexity bucket"})
+    stream_tokens: int = field(default=4096, metadata={"help": "tokens scored through one cache"})
+    bucket: int = field(default=512, metadata={"help": "positions per perplexity bucket"})
     stream_chunk: int = field(
-        default=1, metadata={"help": "stream: tokens per forward (1: pure decode; more: faster, each chunk exact)"}
+        default=1, metadata={"help": "tokens per forward (1: pure decode; more: faster, each chunk exact)"}
     )
 
-    def validate_stream(self) -> None:
+    def validate(self) -> None:
         check_int("--stream-tokens", self.stream_tokens, STREAM_PREFILL + 1)
         check_int("--bucket", self.bucket, 1)
         check_int("--stream-chunk", self.stream_chunk, 1)
@@ -103,8 +103,17 @@ def stream_perplexity(
 @register_task
 class StreamTask(Task):
     name = "stream"
+    title = "Long stream through one cache, perplexity per bucket of positions"
     options = StreamOptions
     summary_keys = ("overall_perplexity",)
+
+    # No check against the model's context: streaming past it through a bounded window is what this task measures.
+
+    def units(self, config) -> int:
+        return config.stream_tokens
+
+    def describe(self, config) -> str:
+        return f"stream: {config.stream_tokens} tokens through one cache, buckets of {config.bucket}."
 
     def tokens_needed(self, config) -> int:
         return config.stream_tokens
