@@ -77,7 +77,8 @@ def test_python_snippets_run(page, monkeypatch, tmp_path):
         out = io.StringIO()
         try:
             with contextlib.redirect_stdout(out):
-                exec(compile(code, f"{_id(page)}:{line}", "exec"), namespace)
+                # dont_inherit: a snippet runs as a user's script does, without this file's __future__ imports
+                exec(compile(code, f"{_id(page)}:{line}", "exec", dont_inherit=True), namespace)
         except Exception as err:
             raise AssertionError(f"{_id(page)}, block at line {line} failed: {err!r}\n{code}") from err
         ran += 1

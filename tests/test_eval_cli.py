@@ -222,3 +222,45 @@ def test_bench_checks_its_flags_before_loading_the_model(args, message, capsys, 
 def test_bench_rejects_a_bad_option_value_before_timing(capsys):
     assert main(["bench", "--caches", "dynamic,int4:group_size=5", "--contexts", "16", "--new-tokens", "2"]) == 2
     assert "group_size" in capsys.readouterr().err
+
+
+def test_an_unwritable_output_fails_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    import hf_kvcache.eval.runner as runner
+
+    monkeypatch.setattr(runner, "load_model", lambda config: pytest.fail("the model was loaded"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    assert main(["eval", *SMALL, "--output", str(blocker / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"--output '{blocker / 'run'}' cannot be written" in err and len(err.strip().splitlines()) == 1
+
+
+def test_ctrl_c_is_one_line_exit_130_and_leaves_no_results(tmp_path, capsys, monkeypatch):
+    import hf_kvcache.eval.runner as runner
+
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_eval_distributed", interrupted)
+    out = tmp_path / "run"
+    assert main(["eval", *SMALL, "--output", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "hf-kvcache: interrupted"
+    assert list(out.iterdir()) == []  # created and checked before the work, and nothing written into it
+
+
+def test_ctrl_c_while_writing_leaves_no_results_json(tmp_path, capsys, monkeypatch):
+    import hf_kvcache.eval.report as report
+
+    replace = report.os.replace
+
+    def interrupted(src, dst):
+        if str(dst).endswith("results.json"):
+            raise KeyboardInterrupt
+        replace(src, dst)
+
+    monkeypatch.setattr(report.os, "replace", interrupted)
+    out = tmp_path / "run"
+    assert main(["eval", *SMALL, "--caches", "dynamic", "--output", str(out)]) == 130
+    assert capsys.readouterr().err.strip() == "hf-kvcache: interrupted"
+    assert sorted(p.name for p in out.iterdir()) == ["perplexity_bytes.png", "report.md"]  # no results.json, no temp

@@ -112,3 +112,21 @@ def test_task_flags_are_checked_before_the_model_loads(args, message, capsys, mo
     assert main(["eval", "--quiet", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_passkey_length_past_the_model_context_fails_before_the_first_document(capsys, monkeypatch):
+    import hf_kvcache.eval.tasks.passkey as passkey
+
+    monkeypatch.setattr(passkey, "passkey_answer", lambda *a, **k: pytest.fail("a document ran"))
+    assert main(["eval", "--model", "reference", "--quiet", "--task", "passkey", "--lengths", "512,5000"]) == 2
+    err = capsys.readouterr().err
+    assert "--lengths 5000: longer than the model's context (2048 tokens" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_repeat_past_the_model_context_fails_before_the_first_document(capsys, monkeypatch):
+    import hf_kvcache.eval.tasks.repeat as repeat
+
+    monkeypatch.setattr(repeat, "repeat_nll", lambda *a, **k: pytest.fail("a document ran"))
+    assert main(["eval", "--model", "reference", "--quiet", "--task", "repeat", "--distances", "0,2000"]) == 2
+    assert "more than the model's context (2048 tokens)" in capsys.readouterr().err

@@ -236,12 +236,13 @@ class EvalConfig(RunOptions, ModelOptions):
             get_task(name).validate(self)
 
 
+# Task options may not take a shared option's name nor an attribute of EvalConfig (``config.<option>`` reads them).
 reserve(
-    {
+    {name: "EvalConfig" for name in dir(EvalConfig) if not name.startswith("_")}
+    | {"options": "EvalConfig"}
+    | {
         f.name: f"--{f.name.replace('_', '-')} (a model or run option)"
         for cls in _SHARED
         for f in dataclasses.fields(cls)
     }
-    | {name: "EvalConfig" for name in dir(EvalConfig) if not name.startswith("_")}
-    | {"options": "EvalConfig"}
 )
