@@ -1,11 +1,12 @@
 """Compare caches from Python with the evaluation harness: perplexity and copying through each cache, bytes, speed.
 
-The same measurement as ``hf-kvcache eval``, called as a library: an ``EvalConfig`` names the tasks, the caches (spec
-strings, as ``make_cache`` takes them) and the text; ``run_eval`` runs each task through each cache on the default
-model (SmolLM2-135M-Instruct when installed). ``perplexity`` scores the text in windows of ``--context`` tokens (the first ``--prefill`` go in with one
-forward, the rest one token at a time through the cache); ``repeat`` shows a passage, other text, then the passage
-again, and scores the second copy through the cache: what the cache kept of the first copy is all the model can copy
-from. The script prints one table per task and writes ``results.json``, ``report.md`` and plots into ``--output``.
+The same measurement as ``hf-kvcache eval``, called as a library: an ``EvalConfig`` names the tasks, the caches
+(spec strings, as ``make_cache`` takes them) and the text; ``run_eval`` runs each task through each cache on the
+default model (SmolLM2-135M-Instruct when installed). ``perplexity`` scores the text in windows of ``--context``
+tokens (the first ``--prefill`` go in with one forward, the rest one token at a time through the cache); ``repeat``
+shows a passage, other text, then the passage again, and scores the second copy through the cache: what the cache
+kept of the first copy is all the model can copy from. The script prints one table per task and writes
+``results.json``, ``report.md`` and plots into ``--output``.
 
 Run it with::
 
