@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import weakref
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -72,8 +75,31 @@ class PaddingObserverMixin(ForwardObserver):
     padding: PaddingTracker
 
     def _observe_model(self, model: torch.nn.Module | None) -> None:
+        self._observed_model = None if model is None else weakref.ref(model)
         if model is not None:
             observe_forwards(model, self)
+
+    def _observe_again(self) -> None:
+        """A copy reports to its own account of the model's hook: without it, the hook is removed once the
+        original is collected, and the copy stops hearing about left padding."""
+        ref = self.__dict__.get("_observed_model")
+        model = ref() if ref is not None else None
+        if model is not None:
+            observe_forwards(model, self)
+
+    def __copy__(self):
+        clone = self.__class__.__new__(self.__class__)
+        clone.__dict__.update(self.__dict__)
+        clone._observe_again()
+        return clone
+
+    def __deepcopy__(self, memo: dict):
+        clone = self.__class__.__new__(self.__class__)
+        memo[id(self)] = clone
+        for name, value in self.__dict__.items():
+            clone.__dict__[name] = copy.deepcopy(value, memo)  # the model's weakref is copied as itself
+        clone._observe_again()
+        return clone
 
     def before_forward(self, kwargs: dict) -> None:
         self.padding.observe(kwargs.get("attention_mask"))

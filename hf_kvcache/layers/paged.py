@@ -29,6 +29,7 @@ cache frees its pool at once, without waiting for the cycle collector.
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 import torch
@@ -235,6 +236,17 @@ class PagedState:
         """Free every block and every layer's storage: the next forward starts a fresh pool."""
         self.storages.clear()
         self._new_pool()
+
+    def __deepcopy__(self, memo: dict) -> PagedState:
+        # The pool's callbacks hold this state weakly; a copy's pool must call the copy (a plain deepcopy keeps
+        # them pointing at the original: the copy's storage would stop growing once the original is gone).
+        clone = self.__class__.__new__(self.__class__)
+        memo[id(self)] = clone
+        for name, value in self.__dict__.items():
+            clone.__dict__[name] = copy.deepcopy(value, memo)
+        clone.allocator.on_grow = _weak_method(clone._on_grow)
+        clone.tables.copy_block = _weak_method(clone._copy_block)
+        return clone
 
     def storage(self, rank: int, spec: LayerSpec, dtype: torch.dtype, device: torch.device) -> PagedStorage:
         if rank not in self.storages:
