@@ -188,12 +188,14 @@ class BlockTables:
         pads = [min(p, last_block) for p in pad_blocks] if pad_blocks is not None else [0] * batch
         if len(pads) != batch or min(pads, default=0) < 0:
             raise ValueError(f"pad_blocks must give a count >= 0 for each of the {batch} rows, got {pad_blocks}")
+        needed = self.blocks_needed(n_new, batch - len(mirror), sum(p for r, p in enumerate(pads) if r not in mirror))
+        if needed > self.allocator.num_free_blocks and self.allocator.fixed:
+            if prefill:
+                self.tables = []
+            raise PoolExhaustedError(self._exhausted_message(needed, n_new, batch))  # nothing changed
         for row, table in enumerate(self.tables):
             if prefill and row not in mirror:
                 table.extend([PAD_BLOCK] * pads[row])
-        needed = self.blocks_needed(n_new, batch - len(mirror), sum(p for r, p in enumerate(pads) if r not in mirror))
-        if needed > self.allocator.num_free_blocks and self.allocator.fixed:
-            self.allocator.allocate(needed)  # raises PoolExhaustedError with the sizing advice, changing nothing
         bs = self.block_size
         runs: list[list[tuple[int, int, int]]] = []
         for row, table in enumerate(self.tables):
@@ -219,6 +221,19 @@ class BlockTables:
             runs.append(row_runs)
         self.num_tokens += n_new
         return runs
+
+    def _exhausted_message(self, needed: int, n_new: int, batch: int) -> str:
+        alloc, bs = self.allocator, self.block_size
+        used, total = alloc.num_used_blocks, alloc.num_blocks
+        after = self.num_tokens + n_new
+        return (
+            f"the block pool is exhausted: this step ({batch} rows, {self.num_tokens} -> {after} tokens each) needs "
+            f"{needed} more blocks, {alloc.num_free_blocks} of num_blocks={total} are free ({used} in use, "
+            f"block_size={bs}); num_blocks={used + needed} takes this step, and a whole generate() needs "
+            f"rows x ceil((prompt + max_new_tokens) / block_size) blocks, here {batch} x ceil(({after} + tokens still "
+            f"to come) / {bs}) (fewer with shared prompts or left padding); or pass num_blocks=None to grow the pool "
+            "on demand"
+        )
 
     def truncate(self, n: int) -> None:
         """Forget the last ``n`` tokens of every row, freeing blocks that become empty."""

@@ -60,7 +60,7 @@ def test_fixed_pool_exhaustion_is_clear_and_leaves_the_cache_consistent():
     with torch.no_grad():
         model(ids, past_key_values=cache, use_cache=True)
         before = (cache.get_seq_length(), cache.block_report())
-        with pytest.raises(PoolExhaustedError, match=r"raise num_blocks to at least 5") as err:
+        with pytest.raises(PoolExhaustedError, match=r"num_blocks=5 takes this step") as err:
             model(_ids(1, 13, seed=1), past_key_values=cache, use_cache=True)
     assert "num_blocks=None" in str(err.value)
     assert (cache.get_seq_length(), cache.block_report()) == before
@@ -68,6 +68,23 @@ def test_fixed_pool_exhaustion_is_clear_and_leaves_the_cache_consistent():
     with torch.no_grad():  # still usable: a forward that fits goes through
         model(_ids(1, 12, seed=2), past_key_values=cache, use_cache=True)
     assert cache.get_seq_length() == 32
+
+
+def test_exhaustion_message_sizes_a_whole_generate():
+    """The message's formula, rows x ceil((prompt + max_new_tokens) / block_size), is the pool a generate needs:
+    exactly that many blocks run it, one fewer does not (and each failure says so before changing anything)."""
+    model = tiny_model("llama", "eager")
+    inputs = {"input_ids": _ids(2, 10), "attention_mask": torch.ones(2, 10, dtype=torch.long)}
+    with pytest.raises(PoolExhaustedError, match=r"2 x ceil\(\(10 \+ tokens still to come\) / 4\)"):
+        model.generate(**inputs, past_key_values=PagedKVCache(model, block_size=4, num_blocks=5), max_new_tokens=12)
+    needed = 2 * -(-(10 + 12) // 4)
+    with pytest.raises(PoolExhaustedError, match=rf"num_blocks={needed} takes this step"):
+        model.generate(
+            **inputs, past_key_values=PagedKVCache(model, block_size=4, num_blocks=needed - 1), max_new_tokens=12
+        )
+    cache = PagedKVCache(model, block_size=4, num_blocks=needed)
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert out.shape == (2, 22) and cache.block_report()["blocks_used"] == needed
 
 
 def test_growing_pool_keeps_block_ids_and_contents():

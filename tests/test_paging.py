@@ -37,7 +37,9 @@ def test_fixed_pool_exhaustion_says_how_to_size_it_and_changes_nothing():
     tables.append_slots(8, batch=1)  # 2 blocks
     before = (list(allocator.ref_cnt), allocator.num_free_blocks, [list(t) for t in tables.tables], tables.num_tokens)
     with pytest.raises(
-        PoolExhaustedError, match=r"3 blocks needed, 1 free of num_blocks=3.*at least 5.*num_blocks=None"
+        PoolExhaustedError,
+        match=r"needs 3 more blocks, 1 of num_blocks=3 are free \(2 in use.*num_blocks=5 takes this step.*"
+        r"1 x ceil\(\(17 \+ tokens still to come\) / 4\).*num_blocks=None",
     ):
         tables.append_slots(9, batch=1)
     after = (list(allocator.ref_cnt), allocator.num_free_blocks, [list(t) for t in tables.tables], tables.num_tokens)
