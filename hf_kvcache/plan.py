@@ -74,10 +74,13 @@ def _plan_spec(spec: str) -> tuple[str, dict, int | None, int]:
     """``(kind, cache options, share, generated)`` of a plan spec: a cache spec, plus ``share`` / ``generated`` for
     paged specs. Kind and option names are checked here; option values when the cache is built."""
     name, options = parse_spec(spec)
+    for option in ("share", "generated"):
+        if option in options and name != "paged":
+            raise ValueError(f"{option}= is a plan option of paged specs only, got {spec!r}")
+    if "generated" in options and "share" not in options:
+        raise ValueError(f"generated= sizes the shared prompt of paged:share=N specs; add share=N, got {spec!r}")
     share, generated = options.pop("share", None), options.pop("generated", 256)
     if share is not None:
-        if name != "paged":
-            raise ValueError(f"share= is a plan option of paged specs only, got {spec!r}")
         check_int("share", share, 1)
         check_int("generated", generated, 0)
     check_spec(name, **options)
@@ -367,7 +370,12 @@ def _load_config(config):
         return resolve_config(config)
     path = Path(config)
     if path.is_file():
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"--model: {path} is not a JSON config file ({err})") from err
+        if not isinstance(data, dict):
+            raise ValueError(f"--model: {path} is not a config (a JSON object with model_type)")
         model_type_name = data.pop("model_type", None)
         if model_type_name is None:
             raise ValueError(f"--model: {path} has no model_type; give the model's config.json")

@@ -149,9 +149,18 @@ def test_cli_plan_from_a_config_json(tmp_path, capsys):
         (["--memory", "24GiB", "--dtype", "int3"], "--dtype"),
         (["--memory", "24GiB", "--reserve", "lots"], "--reserve"),
         (["--memory", "24GiB", "--caches", "int8:share=2"], "share= is a plan option of paged specs only"),
+        (["--memory", "24GiB", "--caches", "int8:generated=3"], "generated= is a plan option of paged specs only"),
+        (["--memory", "24GiB", "--caches", "paged:generated=3"], "add share=N"),
+        (["--memory", "24GiB", "--model", "EMPTY"], "EMPTY is not a JSON config file"),
+        (["--memory", "24GiB", "--model", "LIST"], "LIST is not a config"),
     ],
 )
-def test_cli_plan_bad_input_is_one_line(argv, message, capsys):
+def test_cli_plan_bad_input_is_one_line(argv, message, capsys, tmp_path):
+    files = {"EMPTY": "", "LIST": "[1, 2]"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    argv = [str(tmp_path / a) if a in files else a for a in argv]
+    message = next((message.replace(n, str(tmp_path / n)) for n in files if message.startswith(n)), message)
     assert cli(["plan", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "Traceback" not in err and len(err.splitlines()) == 1
