@@ -4,10 +4,12 @@ names the model type and the reason. Never a shape error mid-generation, never a
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from models import EXTRA_FAMILIES, extra_model, prompt, tiny_model
-from transformers import DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from hf_kvcache import PagedKVCache, QuantizedKVCache, SlidingWindowKVCache, make_cache
 from hf_kvcache.rope import rerotate
@@ -202,3 +204,26 @@ def test_softcap_and_sinks_change_the_outputs_of_these_models(family, attribute)
     ids = prompt("single")["input_ids"]
     with torch.no_grad():
         assert (model(ids).logits - other(ids).logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "family,spec",
+    # (the sliding cache refuses BLOOM for its ALiBi biases before it looks at the attention)
+    [("bloom", "int8"), ("bloom", "paged:block_size=4"), ("codegen", "int4"), ("codegen", "sink:window=8:sinks=2")],
+)
+def test_hf_kvcache_attention_is_refused_where_the_model_bypasses_attention_interface(family, spec):
+    """BLOOM and CodeGen run their own attention code (``_supports_attention_backend = False``): loaded with the
+    ``hf_kvcache`` attention (transformers accepts it), they would be handed a storage handle they cannot read.
+    Every cache built from such a model refuses it in one line; under eager the same model is served."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(EXTRA_FAMILIES[family](), attn_implementation="hf_kvcache").eval()
+    assert model.config._attn_implementation == "hf_kvcache"
+    with pytest.raises(ValueError, match=rf"model_type '{family}'.*AttentionInterface.*'sdpa' or 'eager'") as err:
+        make_cache(spec, model)
+    assert "\n" not in str(err.value)
+    model.config._attn_implementation = "eager"  # what loading it with attn_implementation="eager" gives
+    cache = make_cache(spec, model)
+    with torch.no_grad():
+        model(torch.randint(3, 100, (1, 6)), past_key_values=cache)
+        model(torch.randint(3, 100, (1, 1)), past_key_values=cache)

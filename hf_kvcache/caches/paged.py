@@ -82,7 +82,7 @@ class PagedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         self.layer_specs = specs
         self.padding = PaddingTracker()
         self.state = PagedState(block_size, num_blocks, grow_blocks, self.padding, bits)
-        self.attention_mode = AttentionMode(config, fusable=not is_latent_attention(config))
+        self.attention_mode = AttentionMode(config, fusable=not is_latent_attention(config), model=model)
         owner, layers, rank = type(self).__name__, [], 0
         for i, spec in enumerate(specs):
             if spec.layer_type == "full_attention":

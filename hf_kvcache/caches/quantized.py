@@ -82,6 +82,7 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
         scale_dtype: str | torch.dtype | None = None,
         key_axis: str | None = None,
     ):
+        model = config if isinstance(config, torch.nn.Module) else None
         config = resolve_config(config)
         check_choice("bits", bits, quant.SUPPORTED_BITS)
         if key_axis is not None:
@@ -122,7 +123,7 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
         self.key_axis = None if bits == 8 else key_axis or "channel"
         self.layer_specs = specs
         self.workspace = Workspace()
-        self.attention_mode = AttentionMode(config, fusable=not is_latent_attention(config))
+        self.attention_mode = AttentionMode(config, fusable=not is_latent_attention(config), model=model)
         super().__init__(layers=[self._make_layer(i, spec) for i, spec in enumerate(specs)])
 
     def _codec(self):

@@ -107,7 +107,7 @@ class SlidingWindowKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         self.layer_specs = specs
         self.padding = PaddingTracker()
         self.workspace = Workspace()
-        self.attention_mode = AttentionMode(config, fusable=not is_latent_attention(config))
+        self.attention_mode = AttentionMode(config, fusable=not is_latent_attention(config), model=model)
         self.rotary = None
         if rerotate and sinks and any(s.layer_type == "full_attention" and s.uses_rope for s in specs):
             self.rotary = rotary_spec(model if model is not None else config, config, "full_attention")

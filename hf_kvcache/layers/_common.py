@@ -77,11 +77,27 @@ class AttentionMode:
     :data:`~hf_kvcache.attention.MAX_DECODE_QUERY` new tokens, there is stored history, and the model's attention
     reads what the cache returns (``fusable``; not so for latent attention, which expands the latents first)."""
 
-    def __init__(self, config, fusable: bool = True):
+    def __init__(self, config, fusable: bool = True, model=None):
         self.config = config
         self.fusable = fusable
+        self.refusal = None
+        if model is not None and getattr(type(model), "_supports_attention_backend", True) is False:
+            self.refusal = (
+                f"{type(model).__name__} (model_type {getattr(config, 'model_type', None)!r}) does not route attention "
+                "through transformers' AttentionInterface (_supports_attention_backend is False), so "
+                "attn_implementation='hf_kvcache' cannot serve it; load or set it with 'sdpa' or 'eager', which "
+                "every hf_kvcache cache serves"
+            )
+        self.check()
+
+    def check(self) -> None:
+        """Refuse the ``hf_kvcache`` attention on a model that would hand our storage handle to its own attention
+        code (checked at construction and every forward: the model may be switched in between)."""
+        if self.refusal is not None and is_hf_kvcache_attention(getattr(self.config, "_attn_implementation", None)):
+            raise ValueError(self.refusal)
 
     def handles(self, new_tokens: int, past_tokens: int) -> bool:
+        self.check()
         return (
             self.fusable
             and past_tokens > 0
