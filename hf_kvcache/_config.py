@@ -20,6 +20,7 @@ __all__ = [
     "layer_specs",
     "model_type",
     "resolve_config",
+    "tensor_parallel_size",
     "uses_alibi",
 ]
 
@@ -85,8 +86,26 @@ def _rope_flags(config: PretrainedConfig, n_layers: int) -> list[bool]:
     return [bool(f) for f in flags]
 
 
-def layer_specs(config: PretrainedConfig, cache_name: str) -> list[LayerSpec]:
-    """One :class:`LayerSpec` per decoder layer; refuses layer kinds a K/V cache cannot serve."""
+def _cached_kv_heads(config: PretrainedConfig, layer_config, q_heads: int) -> int:
+    """KV heads a layer passes to the cache, where the config's attribute names do not say it directly."""
+    if model_type(config) == "falcon":
+        # Falcon's modeling code: the new decoder architecture expands its num_kv_heads to every query head before
+        # caching; multi_query (falcon-7b) caches one head; otherwise num_kv_heads (default: every query head).
+        if config.new_decoder_architecture:
+            return q_heads
+        return 1 if config.multi_query else (config.num_kv_heads or q_heads)
+    return getattr(layer_config, "num_key_value_heads", None) or q_heads
+
+
+def tensor_parallel_size(model) -> int:
+    """How many ranks share each layer's heads: transformers' ``tp_size`` of a model loaded with ``tp_plan``, else 1."""
+    size = getattr(model, "tp_size", None) if not isinstance(model, PretrainedConfig) else None
+    return size if isinstance(size, int) and size > 1 else 1
+
+
+def layer_specs(config: PretrainedConfig, cache_name: str, tp_size: int = 1) -> list[LayerSpec]:
+    """One :class:`LayerSpec` per decoder layer; refuses layer kinds a K/V cache cannot serve. ``tp_size``: under
+    tensor parallelism each rank's layers pass ``1 / tp_size`` of the KV heads (transformers shards them evenly)."""
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
     unsupported = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
     if unsupported:
@@ -102,8 +121,15 @@ def layer_specs(config: PretrainedConfig, cache_name: str) -> list[LayerSpec]:
             heads, key_dim, value_dim = 1, config.kv_lora_rank, config.qk_rope_head_dim
         else:
             q_heads = layer_config.num_attention_heads
-            heads = getattr(layer_config, "num_key_value_heads", None) or q_heads
+            heads = _cached_kv_heads(config, layer_config, q_heads)
             key_dim = value_dim = getattr(layer_config, "head_dim", None) or layer_config.hidden_size // q_heads
+            if tp_size > 1:
+                if heads % tp_size:
+                    raise ValueError(
+                        f"{cache_name}: a tensor-parallel degree of {tp_size} does not divide this "
+                        f"{model_type(config)} config's {heads} KV heads"
+                    )
+                heads //= tp_size
         window = kwargs.get("sliding_window") if kind != "full_attention" else None
         specs.append(LayerSpec(kind, window, heads, key_dim, value_dim, rope[i]))
     return specs

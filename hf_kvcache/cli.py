@@ -220,6 +220,7 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", help="weights and K/V dtype: bfloat16, float16, float32")
     p.add_argument("--weights-bits", type=int, default=16, help="16, 8 or 4 (bitsandbytes)")
     p.add_argument("--reserve", default=None, help="memory kept for activations, CUDA context (1GiB + 5%%)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: plan one rank's share of the KV heads")
     p.add_argument("--caches", default=",".join(DEFAULT_PLAN_CACHES), help="cache specs, comma-separated")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_plan)
@@ -239,6 +240,7 @@ def _plan(args) -> int:
     if args.context is not None:
         check_int("--context", args.context, 1)
     check_int("--batch", args.batch, 1)
+    check_int("--tp", args.tp, 1)
     dtype = dtype_from_name("--dtype", args.dtype)
     for flag, value in (("--memory", args.memory), ("--reserve", args.reserve)):
         if value is not None:
@@ -252,6 +254,7 @@ def _plan(args) -> int:
         weights_bits=args.weights_bits,
         caches=_split(args.caches),
         reserve=args.reserve,
+        tp=args.tp,
     )
     print(json.dumps(dataclasses.asdict(plan), indent=1) if args.json else plan.table())
     return 0

@@ -97,7 +97,13 @@ def _layers_nbytes(cache, specs: list[LayerSpec], tokens: int, dtype: torch.dtyp
 
 
 def kv_bytes(
-    spec: str, config, tokens: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16, prompt: int | None = None
+    spec: str,
+    config,
+    tokens: int,
+    batch: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    prompt: int | None = None,
+    tp: int = 1,
 ) -> int:
     """Bytes ``make_cache(spec, config)`` stores for ``batch`` rows of ``tokens`` tokens of K/V in ``dtype``, taken
     as a ``prompt``-token forward (default: all ``tokens``) and then one token per forward (only a quantized cache's
@@ -107,6 +113,9 @@ def kv_bytes(
     ``generated`` is the spec's ``generated`` option (default 256): the prompt's full blocks are stored once per
     group, every row stores its own last prompt block and what it generates.
 
+    ``tp``: the bytes of one rank under tensor parallelism with ``tp`` ranks, each holding ``1 / tp`` of every
+    layer's KV heads (every layout stores per head, so that is exactly ``1 / tp`` of the bytes).
+
     >>> from transformers import LlamaConfig
     >>> config = LlamaConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
     >>> kv_bytes("dynamic", config, tokens=100, dtype=torch.float32)  # 2 layers x 2 heads x (32 + 32) x 4 bytes x 100
@@ -114,6 +123,10 @@ def kv_bytes(
     """
     check_int("tokens", tokens, 0)
     check_int("batch", batch, 1)
+    check_int("tp", tp, 1)
+    layer_specs(resolve_config(config), "plan", tp)  # the degree must divide every layer's KV heads
+    if tp > 1:
+        return kv_bytes(spec, config, tokens, batch, dtype, prompt) // tp
     name, options, share, generated = _plan_spec(spec)
     cache = make_cache(name, config, **options)
     specs = layer_specs(resolve_config(config), "plan")
@@ -240,7 +253,7 @@ class MemoryPlan:
         return f"{head}\n\n{tabulate(body, headers=headers, tablefmt='github', disable_numparse=True)}\n\n{notes}"
 
 
-def _scratch(spec: str, config, tokens: int, batch: int, dtype: torch.dtype) -> int:
+def _scratch(spec: str, config, tokens: int, batch: int, dtype: torch.dtype, tp: int = 1) -> int:
     """Decode scratch of the quantized caches under eager / sdpa attention: one workspace per distinct layer width,
     shared by the layers, holding a layer's dequantized history (with the buffers' growth headroom). Sink and paged
     caches and ``DynamicCache`` hand attention their own tensors or a gather that is freed per layer."""
@@ -254,7 +267,7 @@ def _scratch(spec: str, config, tokens: int, batch: int, dtype: torch.dtype) -> 
         key = (s.num_kv_heads, s.key_dim, s.value_dim)
         widths[key] = max(widths.get(key, 0), stored)
     return sum(
-        batch * _grown_capacity(stored + 1, 1) * h * (dk + dv) * dtype.itemsize
+        batch * _grown_capacity(stored + 1, 1) * (h // tp) * (dk + dv) * dtype.itemsize
         for (h, dk, dv), stored in widths.items()
     )
 
@@ -279,6 +292,7 @@ def plan_memory(
     caches: tuple[str, ...] | list[str] = DEFAULT_PLAN_CACHES,
     reserve: str | int | None = None,
     max_context: int = 2**24,
+    tp: int = 1,
 ) -> MemoryPlan:
     """Plan the KV cache of a model (a ``PretrainedConfig``, a model, a local folder, a ``config.json`` or a hub id)
     for ``memory`` bytes (``"80GiB"``): per cache spec, bytes, largest context at ``batch``, largest batch at
@@ -286,7 +300,9 @@ def plan_memory(
 
     ``reserve`` (default 1 GiB + 5% of ``memory``) stands for everything else: the CUDA context, activations of the
     prefill (chunk long prompts with ``prefill_chunk_size`` to keep them small), the logits, allocator
-    fragmentation. ``max_context`` caps the search (bounded caches report ``None``: any context).
+    fragmentation. ``max_context`` caps the search (bounded caches report ``None``: any context). ``tp``: plan one
+    rank of ``tp`` under tensor parallelism (``memory`` is one device's; each rank holds ``1 / tp`` of the KV heads,
+    exactly, and of the weights, approximately).
 
     >>> from transformers import LlamaConfig
     >>> config = LlamaConfig(num_hidden_layers=16, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
@@ -302,6 +318,8 @@ def plan_memory(
     if isinstance(dtype, str):
         dtype = dtype_from_name("dtype", dtype)
     check_int("batch", batch, 1)
+    check_int("tp", tp, 1)
+    layer_specs(config, "plan", tp)  # the degree must divide every layer's KV heads
     context = context if context is not None else getattr(config, "max_position_embeddings", None) or 4096
     check_int("context", context, 1)
     if not caches:
@@ -309,15 +327,16 @@ def plan_memory(
     for spec in caches:
         _plan_spec(spec)
     weights = weight_bytes(config, dtype, weights_bits)
+    weights["bytes"] = -(-weights["bytes"] // tp)
     budget = memory_bytes - weights["bytes"] - reserve_bytes
 
     def need(spec: str, tokens: int, rows: int) -> int:
-        return kv_bytes(spec, config, tokens, rows, dtype) + _scratch(spec, config, tokens, rows, dtype)
+        return kv_bytes(spec, config, tokens, rows, dtype, tp=tp) + _scratch(spec, config, tokens, rows, dtype, tp)
 
     rows = []
     for spec in caches:
-        stored = kv_bytes(spec, config, context, batch, dtype)
-        scratch = _scratch(spec, config, context, batch, dtype)
+        stored = kv_bytes(spec, config, context, batch, dtype, tp=tp)
+        scratch = _scratch(spec, config, context, batch, dtype, tp)
         longest_need = need(spec, max_context, batch)
         bounded = longest_need == need(spec, max_context // 2, batch)
         if bounded and longest_need <= budget:
@@ -339,6 +358,14 @@ def plan_memory(
         f"reserve: {_gib(reserve_bytes)} for the CUDA context, prefill activations, logits and fragmentation "
         "(chunk long prompts with prefill_chunk_size; measure yours with `hf-kvcache bench`)",
         "KV bytes: what each cache stores (its nbytes) for every row at the full context; no left padding",
+        *(
+            [
+                f"tensor parallel: one rank of {tp}: 1/{tp} of every layer's KV heads (exact) and of the weights "
+                "(approximate: the model's tp_plan decides which weights are sharded)"
+            ]
+            if tp > 1
+            else []
+        ),
         "decode scratch (counted): int8/int4/int2 under eager or sdpa dequantize one layer's history per step into a "
         "shared workspace; under attn_implementation='hf_kvcache' they read their codes in place and need none",
         "paged:share=N: groups of N rows share one prompt (sampling, beams) and each generates 256 tokens",

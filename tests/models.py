@@ -39,7 +39,7 @@ def prompt(batch: str, length: int = 12, seed: int = 1) -> dict[str, torch.Tenso
 
 # Families beyond the matrix, each with something the caches must handle or refuse by name: latent attention (keys
 # and values of different widths, RoPE in the value slot), ALiBi, sinusoidal-table RoPE (GPT-J, CodeGen), NoPE
-# layers, logit softcapping, learned attention sinks, YaRN.
+# layers, logit softcapping, learned attention sinks, YaRN, multi-query KV heads.
 def _extra_families() -> dict:
     from transformers import (
         BloomConfig,
@@ -48,6 +48,7 @@ def _extra_families() -> dict:
         DeepseekV3Config,
         FalconConfig,
         Gemma2Config,
+        GPTBigCodeConfig,
         GPTJConfig,
         GptOssConfig,
         Llama4TextConfig,
@@ -72,6 +73,27 @@ def _extra_families() -> dict:
             multi_query=False,
             **common,
         ),  # fmt: skip
+        # Multi-query layouts: layers pass fewer KV heads than the config's attention heads suggest (falcon-7b's
+        # multi_query caches 1 head; the new decoder architecture expands its KV heads before caching; StarCoder).
+        "falcon_mq": lambda: FalconConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            alibi=False,
+            new_decoder_architecture=False,
+            multi_query=True,
+            **common,
+        ),  # fmt: skip
+        "falcon_new": lambda: FalconConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_kv_heads=2,
+            alibi=False,
+            new_decoder_architecture=True,
+            **common,
+        ),  # fmt: skip
+        "gpt_bigcode": lambda: GPTBigCodeConfig(n_embd=64, n_layer=2, n_head=4, multi_query=True, **common),
         "bloom": lambda: BloomConfig(hidden_size=64, n_layer=2, n_head=4, **common),
         "gptj": lambda: GPTJConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=512, **common),
         "codegen": lambda: CodeGenConfig(

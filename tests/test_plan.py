@@ -60,7 +60,8 @@ def test_planned_bytes_equal_the_caches_nbytes(family, spec, prompt, new):
     assert abs(planned - cache_nbytes(cache)) <= BOOKKEEPING * model.config.num_hidden_layers
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v2"])  # learned sinks + alternating windows; latent widths
+# learned sinks + alternating windows; latent widths; multi-query layouts (1 KV head; KV heads expanded before caching)
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v2", "falcon_mq", "falcon_new", "gpt_bigcode"])
 def test_planned_bytes_on_more_families(family):
     from tests.models import extra_model
 
@@ -164,3 +165,22 @@ def test_cli_plan_bad_input_is_one_line(argv, message, capsys, tmp_path):
     assert cli(["plan", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("spec", ["dynamic", "int8", "int4", "int2", "sink:window=64:sinks=4", "paged:share=2"])
+def test_tensor_parallel_plan_is_one_ranks_share_of_the_heads(spec):
+    """One rank of tp=2 stores what the same model with half the KV heads stores on one device."""
+    kw = dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=8, max_position_embeddings=4096)
+    full, half = LlamaConfig(num_key_value_heads=4, **kw), LlamaConfig(num_key_value_heads=2, **kw)
+    assert kv_bytes(spec, full, 1000, batch=3, tp=2) == kv_bytes(spec, half, 1000, batch=3)
+    plan = plan_memory(full, "1GiB", context=1000, caches=(spec,), reserve="100MiB", tp=2)
+    assert plan.row(spec).kv_bytes == kv_bytes(spec, half, 1000, batch=1)
+    with pytest.raises(ValueError, match="tensor-parallel degree of 3 does not divide .* 4 KV heads"):
+        kv_bytes(spec, full, 1000, tp=3)
+
+
+def test_cli_plan_tp(capsys):
+    assert cli(["plan", "--memory", "24GiB", "--model", "reference", "--tp", "0"]) == 2
+    assert "--tp must be" in capsys.readouterr().err
+    assert cli(["plan", "--memory", "24GiB", "--model", "reference", "--tp", "2", "--caches", "dynamic"]) == 0
+    assert "tensor parallel: one rank of 2" in capsys.readouterr().out

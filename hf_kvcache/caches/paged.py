@@ -6,7 +6,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
-from .._config import is_latent_attention, layer_specs, resolve_config
+from .._config import is_latent_attention, layer_specs, resolve_config, tensor_parallel_size
 from .._validate import check_int
 from ..layers._common import AttentionMode, PaddingTracker
 from ..layers.paged import PagedLayer, PagedState, page_bytes_per_token
@@ -77,7 +77,7 @@ class PagedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         check_int("grow_blocks", grow_blocks, 1)
         if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int) or bits != 8):
             raise ValueError(f"bits must be None (pages in the model's dtype) or 8 (int8 pages), got {bits!r}")
-        specs = layer_specs(config, type(self).__name__)
+        specs = layer_specs(config, type(self).__name__, tensor_parallel_size(model))
         self.block_size, self.num_blocks, self.grow_blocks, self.bits = block_size, num_blocks, grow_blocks, bits
         self.layer_specs = specs
         self.padding = PaddingTracker()

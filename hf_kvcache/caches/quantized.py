@@ -8,7 +8,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
 from .. import quant
-from .._config import LayerSpec, is_latent_attention, layer_specs, resolve_config
+from .._config import LayerSpec, is_latent_attention, layer_specs, resolve_config, tensor_parallel_size
 from .._validate import check_choice, check_int, dtype_from_name
 from ..layers._codecs import KEY_AXES, Int8Codec, KiviCodec
 from ..layers._common import AttentionMode
@@ -100,7 +100,7 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
                 import bitsandbytes  # noqa: F401
             except ImportError as err:
                 raise ImportError("backend='bitsandbytes' needs bitsandbytes: pip install 'hf-kvcache[bnb]'") from err
-        specs = layer_specs(config, type(self).__name__)
+        specs = layer_specs(config, type(self).__name__, tensor_parallel_size(model))
         widths = sorted({d for s in specs for d in (s.key_dim, s.value_dim)})
         if group_size is None and bits != 8:
             group_size = next(g for g in (64, 32, 16, 8, 4, 2, 1) if all(d % g == 0 for d in widths))

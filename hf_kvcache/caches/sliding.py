@@ -7,7 +7,15 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
-from .._config import LayerSpec, is_latent_attention, layer_specs, model_type, resolve_config, uses_alibi
+from .._config import (
+    LayerSpec,
+    is_latent_attention,
+    layer_specs,
+    model_type,
+    resolve_config,
+    tensor_parallel_size,
+    uses_alibi,
+)
 from .._validate import check_bool, check_int
 from ..layers._codecs import Int8Codec
 from ..layers._common import AttentionMode, PaddingTracker
@@ -102,7 +110,7 @@ class SlidingWindowKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
                 "of tokens, which a window that evicts one token at a time cannot keep"
             )
         _refuse_unservable(config, rerotate, sinks)
-        specs = layer_specs(config, type(self).__name__)
+        specs = layer_specs(config, type(self).__name__, tensor_parallel_size(model))
         self.window, self.sinks, self.rerotate, self.bits = window, sinks, rerotate, bits
         self.layer_specs = specs
         self.padding = PaddingTracker()
