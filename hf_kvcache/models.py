@@ -124,6 +124,12 @@ def model_path(model: str | None = None) -> str:
         return reference_model_path()
     if model == SMOLLM2.name:
         return str(_converted(SMOLLM2))
+    if os.path.isabs(model) or model.startswith(("./", "../", "~")):  # a path, not a hub id: it must exist
+        if not Path(model).expanduser().exists():
+            raise ValueError(
+                f"--model {model!r}: no such file or folder (give smollm2, reference, a local model folder or a hub id)"
+            )
+        return str(Path(model).expanduser())
     return model
 
 

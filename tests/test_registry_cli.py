@@ -73,8 +73,11 @@ def test_cli_demo_runs_offline(capsys):
         (["--document-tokens", "10"], "--document-tokens"),
         (["--new-tokens", "1"], "--new-tokens"),
         (["--model", "reference", "--document-tokens", "4000"], "does not fit the model's context (2048 tokens)"),
+        (["--model", "/no/such/folder"], "--model '/no/such/folder': no such file or folder"),
+        (["--model", "./nope"], "--model './nope': no such file or folder"),
     ],
 )
 def test_cli_demo_refuses_bad_flags(capsys, args, message):
     assert main(["demo", *args]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
