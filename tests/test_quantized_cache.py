@@ -422,3 +422,56 @@ def test_key_axis_spec_option():
     assert cache.key_axis == "token" and "key_axis='token'" in repr(cache)
     with pytest.raises(ValueError, match="cache kind 'int8' has no option key_axis"):
         make_cache("int8:key_axis=token", _config())
+
+
+# -- rotate="hadamard": the head dimension rotated before quantizing (QuaRot) ---------------------------------------
+
+
+@pytest.mark.parametrize("width", [64, 96, 16, 12])
+def test_hadamard_is_orthonormal_symmetric_and_mixes_every_channel_of_its_block(width):
+    from hf_kvcache.layers._codecs import hadamard
+
+    h = hadamard(width, torch.float64, torch.device("cpu"))
+    torch.testing.assert_close(h @ h, torch.eye(width, dtype=torch.float64))  # its own inverse
+    block = width & -width  # 96 -> 32, 12 -> 4
+    torch.testing.assert_close(h[:block, :block].abs(), torch.full((block, block), block**-0.5, dtype=torch.float64))
+    assert (h[:block, block:] == 0).all()
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_rotation_spreads_an_outlier_channel(bits):
+    """One channel 30x the others stretches every per-token scale it belongs to; rotated, its energy is spread over
+    the head and the other channels come back closer. Keys and values both, through the cache's own codec."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 64, 64)
+    x[..., 5] *= 30
+    errors = {}
+    for rotate in (None, "hadamard"):
+        cache = QuantizedKVCache(_config(head_dim=64, layers=1), bits=bits, group_size=64, residual_length=0,
+                                 rotate=rotate)  # fmt: skip
+        codec = cache.layers[0].codec
+        k, v = torch.empty_like(x), torch.empty_like(x)
+        codec.decode(codec.encode(x, x), k, v)
+        others = torch.ones(64, dtype=torch.bool)
+        others[5] = False
+        errors[rotate] = ((v - x)[..., others].abs().mean().item(), (k - x)[..., others].abs().mean().item())
+    assert errors["hadamard"][0] < errors[None][0] / 2  # values: per token, the outlier's group
+    if bits == 8:
+        assert errors["hadamard"][1] < errors[None][1] / 2  # int8 keys are per token too
+
+
+def test_rotate_validation_bytes_and_spec():
+    from hf_kvcache import make_cache
+
+    with pytest.raises(ValueError, match="rotate must be one of"):
+        QuantizedKVCache(_config(), bits=4, rotate="random")
+    model = tiny_model("llama")
+    ids = torch.randint(3, 100, (2, 40))
+    plain, rotated = (
+        make_cache("int2:residual_length=4", model),
+        make_cache("int2:residual_length=4:rotate=hadamard", model),
+    )
+    for cache in (plain, rotated):
+        model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=5, do_sample=False)
+    assert cache_nbytes(rotated) == cache_nbytes(plain) and rotated.bytes_per_token() == plain.bytes_per_token()
+    assert "rotate='hadamard'" in repr(rotated) and rotated.rotate == "hadamard" and plain.rotate is None

@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache
 from .. import quant
 from .._config import LayerSpec, is_latent_attention, layer_specs, resolve_config, tensor_parallel_size
 from .._validate import check_choice, check_int, dtype_from_name
-from ..layers._codecs import KEY_AXES, Int8Codec, KiviCodec
+from ..layers._codecs import KEY_AXES, ROTATIONS, Int8Codec, KiviCodec, RotatedCodec
 from ..layers._common import AttentionMode
 from ..layers._storage import Workspace
 from ..layers.quantized import QuantizedLayer, QuantizedSlidingWindowLayer
@@ -62,6 +62,13 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
             like the values; every token encoded on its own). Under the ``hf_kvcache`` attention per-token keys are
             read by the pure-torch reference kernel on every device (the Triton kernel reads per-channel keys only).
             Not accepted at 8 bits, whose keys are per token already.
+        rotate: ``None`` (default) or ``"hadamard"``: keys and values are rotated by an orthonormal Hadamard
+            transform of the head dimension before quantizing and rotated back when decoded (QuaRot, TurboQuant): an
+            outlier channel is spread over the other channels of its block (the largest power of two dividing the
+            head width) instead of stretching its group's scale. Same bytes; each decode step costs one more
+            ``(tokens x head_dim) @ (head_dim x head_dim)`` product per layer. Under the ``hf_kvcache`` attention a
+            rotated cache hands attention its decoded history (the fused kernels do not yet fold the rotation into
+            the query and the output).
 
     Example:
         >>> from transformers import LlamaConfig
@@ -81,6 +88,7 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
         backend: str = "torch",
         scale_dtype: str | torch.dtype | None = None,
         key_axis: str | None = None,
+        rotate: str | None = None,
     ):
         model = config if isinstance(config, torch.nn.Module) else None
         config = resolve_config(config)
@@ -92,6 +100,8 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
                     f"key_axis applies to the 4/2-bit KIVI kinds only (int8 keys are quantized per token already), "
                     f"got key_axis={key_axis!r} with bits=8"
                 )
+        if rotate is not None:
+            check_choice("rotate", rotate, ROTATIONS)
         check_choice("backend", backend, _BACKENDS)
         if backend == "bitsandbytes":
             if bits != 8:
@@ -121,6 +131,7 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
         self._codec_group = group_size
         self.backend, self.scale_dtype = backend, scale_dtype
         self.key_axis = None if bits == 8 else key_axis or "channel"
+        self.rotate = rotate
         self.layer_specs = specs
         self.workspace = Workspace()
         self.attention_mode = AttentionMode(config, fusable=not is_latent_attention(config), model=model)
@@ -128,8 +139,10 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
 
     def _codec(self):
         if self.bits == 8:
-            return Int8Codec(self._codec_group, self.scale_dtype or torch.float32, self.backend)
-        return KiviCodec(self.bits, self.group_size, self.scale_dtype, self.key_axis)
+            codec = Int8Codec(self._codec_group, self.scale_dtype or torch.float32, self.backend)
+        else:
+            codec = KiviCodec(self.bits, self.group_size, self.scale_dtype, self.key_axis)
+        return RotatedCodec(codec) if self.rotate else codec
 
     def _make_layer(self, layer_idx: int, spec: LayerSpec) -> QuantizedLayer:
         cls = QuantizedLayer if spec.layer_type == "full_attention" else QuantizedSlidingWindowLayer
@@ -148,6 +161,7 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
 
     def __repr__(self) -> str:
         axis = f", key_axis={self.key_axis!r}" if self.key_axis == "token" else ""
+        axis += f", rotate={self.rotate!r}" if self.rotate else ""
         return (
             f"{type(self).__name__}(bits={self.bits}, group_size={self.group_size}, "
             f"residual_length={self.residual_length}, backend={self.backend!r}{axis}, layers={len(self.layers)})"
@@ -162,11 +176,14 @@ def _register(bits: int, summary: str) -> None:
         backend: str = "torch",
         scale_dtype: str | None = None,
         key_axis: str | None = None,
+        rotate: str | None = None,
     ) -> QuantizedKVCache:
-        return QuantizedKVCache(config, bits, group_size, residual_length, backend, scale_dtype, key_axis)
+        return QuantizedKVCache(config, bits, group_size, residual_length, backend, scale_dtype, key_axis, rotate)
 
     # key_axis is a KIVI option: an int8 spec that names it is refused by name (no such option).
-    options = ("group_size", "residual_length", "backend", "scale_dtype") + (("key_axis",) if bits != 8 else ())
+    options = ("group_size", "residual_length", "backend", "scale_dtype", "rotate") + (
+        ("key_axis",) if bits != 8 else ()
+    )
     register_cache(f"int{bits}", summary, options=options)(factory)
 
 

@@ -16,9 +16,10 @@ from .. import quant
 from ..kernels import Int8Segment, KiviSegment
 from ..kernels.segments import KiviTokenSegment
 
-__all__ = ["KEY_AXES", "Int8Codec", "KiviCodec", "kivi_scale_dtype"]
+__all__ = ["KEY_AXES", "ROTATIONS", "Int8Codec", "KiviCodec", "RotatedCodec", "hadamard", "kivi_scale_dtype"]
 
 KEY_AXES = ("channel", "token")  # KIVI keys: per channel (the paper's choice, the default) or per token (its ablation)
+ROTATIONS = ("hadamard",)
 
 Parts = dict[str, torch.Tensor]
 
@@ -180,3 +181,58 @@ class KiviCodec:
             key_params = 2 * key_dim * scale / self.group_size
         value_params = 2 * (value_dim // self.group_size) * scale
         return num_kv_heads * (data + key_params + value_params)
+
+
+_HADAMARD: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def hadamard(width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An orthonormal, symmetric ``(width, width)`` Hadamard transform (so it is its own inverse): Sylvester's
+    construction on blocks of the largest power of two dividing ``width``, block-diagonal for other widths
+    (96 = 3 blocks of 32). Built in float64, cached per width, dtype and device."""
+    key = (width, dtype, torch.device(device))
+    if key not in _HADAMARD:
+        block = width & -width  # the largest power of two dividing width
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < block:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        h = torch.block_diag(*[h / block**0.5] * (width // block))
+        _HADAMARD[key] = h.to(dtype=dtype, device=device)
+    return _HADAMARD[key]
+
+
+class RotatedCodec:
+    """Any codec, applied to keys and values rotated by a Hadamard transform of the head dimension (QuaRot,
+    TurboQuant): an outlier channel is spread over every channel of its block before quantizing, and decoding
+    rotates back (the transform is orthonormal and symmetric, its own inverse). Stored tensors and bytes are the
+    inner codec's. Not served in place by the fused kernels (``fusable = False``): the layer hands attention the
+    decoded history instead."""
+
+    fusable = False
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.unit, self.units = inner.unit, inner.units
+
+    def __getattr__(self, name):  # group_size, bits, key_axis, ... of the inner codec
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor) -> torch.Tensor:
+        return x @ hadamard(x.shape[-1], x.dtype, x.device)
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
+        return self.inner.encode(self._rotate(k), self._rotate(v))
+
+    def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        self.inner.decode(parts, k_out, v_out)
+        k_out.copy_(self._rotate(k_out))
+        v_out.copy_(self._rotate(v_out))
+
+    def segment(self, parts: Parts, start: int = 0):
+        raise RuntimeError("a rotated codec is not read in place by the kernels (fusable is False)")
+
+    def bytes_per_token(self, *args, **kwargs) -> float:
+        return self.inner.bytes_per_token(*args, **kwargs)
