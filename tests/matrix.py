@@ -72,6 +72,23 @@ CACHE_CASES = [
         families=VARIANT,
         attn="hf_kvcache",
     ),
+    # The first real tokens of each row kept in full precision (attention sinks), left padding included: a dense
+    # segment before the codes, under sdpa and read in place by the kernels under hf_kvcache.
+    CacheCase(
+        "int4-sinks",
+        "int4:residual_length=4:group_size=8:sinks=3",
+        lossless=False,
+        logit_bound=LOGIT_BOUNDS["int4"],
+        families=VARIANT,
+    ),
+    CacheCase(
+        "int2-sinks-hf",
+        "int2:residual_length=4:group_size=8:sinks=3",
+        lossless=False,
+        logit_bound=LOGIT_BOUNDS["int2"],
+        families=VARIANT,
+        attn="hf_kvcache",
+    ),
     # A residual longer than the whole text: nothing is ever quantized, so the cache must be exact.
     CacheCase("int4-resid", "int4:group_size=8:residual_length=1000", lossless=True, families=VARIANT),
     # sinks + window larger than the text: nothing is evicted, so the sink cache must be exact (eviction is tested

@@ -26,6 +26,8 @@ SPECS = [
     "int8:residual_length=8",
     "int4:group_size=8:residual_length=8",
     "int2:group_size=16:residual_length=4",
+    "int2:group_size=8:residual_length=4:sinks=3",  # the first 3 tokens of each row in full precision
+    "int4:group_size=8:residual_length=8:rotate=hadamard",
     "int4",  # default residual (128): all of a short run stays in full precision
     "sink:window=16:sinks=2",
     "sink:window=16:sinks=2:bits=8",

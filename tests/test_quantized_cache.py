@@ -475,3 +475,72 @@ def test_rotate_validation_bytes_and_spec():
         model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=5, do_sample=False)
     assert cache_nbytes(rotated) == cache_nbytes(plain) and rotated.bytes_per_token() == plain.bytes_per_token()
     assert "rotate='hadamard'" in repr(rotated) and rotated.rotate == "hadamard" and plain.rotate is None
+
+
+# -- sinks=N: the first real tokens of every row in full precision --------------------------------------------------
+
+
+def _padded(batch=2, length=20, pad=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 100, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    ids[-1, :pad], mask[-1, :pad] = 0, 0
+    return ids, mask
+
+
+def test_sinks_keep_each_rows_first_real_tokens_exact_through_left_padding():
+    model = tiny_model("llama")
+    ids, mask = _padded(pad=3)
+    ref, cache = DynamicCache(config=model.config), QuantizedKVCache(model, bits=2, group_size=4, residual_length=0,
+                                                                     sinks=2)  # fmt: skip
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=ref)
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    layer = cache.layers[0]
+    assert layer.sink_length == 2 + 3 and layer.sink.length == 5  # sinks + the batch's largest padding
+    torch.testing.assert_close(layer.sink.view("k"), ref.layers[0].keys[:, :, :5], rtol=0, atol=0)
+    torch.testing.assert_close(layer.sink.view("v"), ref.layers[0].values[:, :, :5], rtol=0, atol=0)
+    assert layer.quantized_tokens == 20 - 5 - (20 - 5) % 4 and layer.stored_tokens == 20
+    assert "sinks=2" in repr(cache)
+
+
+def test_sinks_cost_their_full_precision_bytes_and_help_where_the_first_tokens_matter():
+    model = tiny_model("llama")
+    ids, mask = _padded(batch=1, length=40, pad=0)
+    sizes, errors = {}, {}
+    with torch.no_grad():
+        want = model(input_ids=ids).logits[:, -1]
+        for sinks in (0, 4):
+            cache = QuantizedKVCache(model, bits=2, group_size=4, residual_length=0, sinks=sinks)
+            model(input_ids=ids[:, :-1], past_key_values=cache)
+            got = model(input_ids=ids[:, -1:], past_key_values=cache).logits[:, -1]
+            sizes[sinks], errors[sinks] = cache.nbytes, (got - want).abs().max().item()
+    per_token_fp = 2 * 2 * 16 * 4 * 2  # K and V, 2 KV heads x 16 channels x float32, 2 layers
+    coded = QuantizedKVCache(model, bits=2, group_size=4).bytes_per_token(torch.float32)
+    assert sizes[4] - sizes[0] == pytest.approx(4 * (per_token_fp - coded), abs=16)
+    assert errors[4] < errors[0]
+
+
+def test_crop_into_the_sinks_then_continue():
+    model = tiny_model("llama")
+    ids, mask = _padded(batch=2, length=12, pad=2)
+    cache = QuantizedKVCache(model, bits=4, group_size=4, residual_length=0, sinks=4)
+    fresh = QuantizedKVCache(model, bits=4, group_size=4, residual_length=0, sinks=4)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        cache.crop(-9)  # keep 3 of the 6 sink slots
+        assert cache.layers[0].sink.length == 3 and cache.layers[0].stored_tokens == 3
+        model(input_ids=ids[:, 3:8], attention_mask=mask[:, :8], past_key_values=cache)  # refill the sinks, go on
+        got = model(input_ids=ids[:, 8:], attention_mask=mask, past_key_values=cache).logits
+        model(input_ids=ids[:, :8], attention_mask=mask[:, :8], past_key_values=fresh)
+        want = model(input_ids=ids[:, 8:], attention_mask=mask, past_key_values=fresh).logits
+    torch.testing.assert_close(got, want)
+
+
+def test_sinks_validation_and_a_cache_built_from_a_config():
+    with pytest.raises(ValueError, match="sinks"):
+        QuantizedKVCache(_config(), bits=2, sinks=-1)
+    cache = QuantizedKVCache(_config(), bits=2, group_size=4, residual_length=0, sinks=2)
+    k = torch.randn(2, 2, 10, 16)
+    cache.update(k, k.clone(), 0)
+    assert cache.layers[0].sink_length == 2  # no model: rows count as unpadded

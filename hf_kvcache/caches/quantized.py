@@ -11,11 +11,11 @@ from .. import quant
 from .._config import LayerSpec, is_latent_attention, layer_specs, resolve_config, tensor_parallel_size
 from .._validate import check_choice, check_int, dtype_from_name
 from ..layers._codecs import KEY_AXES, ROTATIONS, Int8Codec, KiviCodec, RotatedCodec
-from ..layers._common import AttentionMode
+from ..layers._common import AttentionMode, PaddingTracker
 from ..layers._storage import Workspace
 from ..layers.quantized import QuantizedLayer, QuantizedSlidingWindowLayer
 from ..registry import register_cache
-from ._base import KVCacheReportMixin
+from ._base import KVCacheReportMixin, PaddingObserverMixin
 
 __all__ = ["QuantizedKVCache"]
 
@@ -23,7 +23,7 @@ _BACKENDS = ("torch", "bitsandbytes")
 _DEFAULT_RESIDUAL = {8: 0, 4: 128, 2: 128}
 
 
-class QuantizedKVCache(KVCacheReportMixin, Cache):
+class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
     """A KV cache that stores keys and values in 8, 4 or 2 bits, for any ``generate()`` mode.
 
     * ``bits=8`` (default): symmetric absmax int8 with one float32 scale per token, head and ``group_size``
@@ -69,6 +69,11 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
             ``(tokens x head_dim) @ (head_dim x head_dim)`` product per layer. Under the ``hf_kvcache`` attention a
             rotated cache hands attention its decoded history (the fused kernels do not yet fold the rotation into
             the query and the output).
+        sinks: the first ``sinks`` real tokens of every row kept in full precision on full-attention layers
+            (attention sinks, as KVQuant and StreamingLLM observe: most heads put much attention on the first tokens).
+            Built from a model, the cache reads each row's left padding from the prefill's attention mask, and keeps
+            ``sinks`` plus the batch's largest padding positions exact (a padded row's extra positions are padding);
+            built from a config, rows count as unpadded. Default 0.
 
     Example:
         >>> from transformers import LlamaConfig
@@ -89,6 +94,7 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
         scale_dtype: str | torch.dtype | None = None,
         key_axis: str | None = None,
         rotate: str | None = None,
+        sinks: int = 0,
     ):
         model = config if isinstance(config, torch.nn.Module) else None
         config = resolve_config(config)
@@ -102,6 +108,7 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
                 )
         if rotate is not None:
             check_choice("rotate", rotate, ROTATIONS)
+        check_int("sinks", sinks, 0)
         check_choice("backend", backend, _BACKENDS)
         if backend == "bitsandbytes":
             if bits != 8:
@@ -132,10 +139,14 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
         self.backend, self.scale_dtype = backend, scale_dtype
         self.key_axis = None if bits == 8 else key_axis or "channel"
         self.rotate = rotate
+        self.sinks = sinks
+        self.padding = PaddingTracker()
         self.layer_specs = specs
         self.workspace = Workspace()
         self.attention_mode = AttentionMode(config, fusable=not is_latent_attention(config), model=model)
         super().__init__(layers=[self._make_layer(i, spec) for i, spec in enumerate(specs)])
+        if sinks:  # the sinks are each row's first real tokens: read the left padding of the prefill's mask
+            self._observe_model(model)
 
     def _codec(self):
         if self.bits == 8:
@@ -145,9 +156,19 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
         return RotatedCodec(codec) if self.rotate else codec
 
     def _make_layer(self, layer_idx: int, spec: LayerSpec) -> QuantizedLayer:
-        cls = QuantizedLayer if spec.layer_type == "full_attention" else QuantizedSlidingWindowLayer
         owner, codec = type(self).__name__, self._codec()
-        return cls(spec, layer_idx, owner, codec, self.residual_length, self.workspace, self.attention_mode)
+        if spec.layer_type != "full_attention":  # the model's own window: its sinks would be evicted anyway
+            return QuantizedSlidingWindowLayer(
+                spec, layer_idx, owner, codec, self.residual_length, self.workspace, self.attention_mode
+            )
+        return QuantizedLayer(
+            spec, layer_idx, owner, codec, self.residual_length, self.workspace, self.attention_mode,
+            self.sinks, self.padding,
+        )  # fmt: skip
+
+    def before_forward(self, kwargs: dict) -> None:
+        if self.get_seq_length() == 0:  # the sinks are placed at the prefill; later masks are not needed
+            self.padding.observe(kwargs.get("attention_mask"))
 
     def bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> float:
         """Analytic stored bytes per quantized token, summed over layers, for K/V of ``dtype``.
@@ -162,6 +183,7 @@ class QuantizedKVCache(KVCacheReportMixin, Cache):
     def __repr__(self) -> str:
         axis = f", key_axis={self.key_axis!r}" if self.key_axis == "token" else ""
         axis += f", rotate={self.rotate!r}" if self.rotate else ""
+        axis += f", sinks={self.sinks}" if self.sinks else ""
         return (
             f"{type(self).__name__}(bits={self.bits}, group_size={self.group_size}, "
             f"residual_length={self.residual_length}, backend={self.backend!r}{axis}, layers={len(self.layers)})"
@@ -177,11 +199,14 @@ def _register(bits: int, summary: str) -> None:
         scale_dtype: str | None = None,
         key_axis: str | None = None,
         rotate: str | None = None,
+        sinks: int = 0,
     ) -> QuantizedKVCache:
-        return QuantizedKVCache(config, bits, group_size, residual_length, backend, scale_dtype, key_axis, rotate)
+        return QuantizedKVCache(
+            config, bits, group_size, residual_length, backend, scale_dtype, key_axis, rotate, sinks
+        )
 
     # key_axis is a KIVI option: an int8 spec that names it is refused by name (no such option).
-    options = ("group_size", "residual_length", "backend", "scale_dtype", "rotate") + (
+    options = ("group_size", "residual_length", "backend", "scale_dtype", "rotate", "sinks") + (
         ("key_axis",) if bits != 8 else ()
     )
     register_cache(f"int{bits}", summary, options=options)(factory)

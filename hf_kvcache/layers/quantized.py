@@ -19,7 +19,7 @@ import torch
 
 from .._config import LayerSpec
 from ..kernels import DenseSegment, KVHandle
-from ._common import AttentionMode, KVLayer, tokens_to_crop
+from ._common import AttentionMode, KVLayer, PaddingTracker, tokens_to_crop
 from ._storage import TokenBuffers, Workspace
 
 
@@ -75,22 +75,34 @@ class QuantizedLayer(KVLayer):
         residual_length: int,
         workspace: Workspace,
         mode: AttentionMode | None = None,
+        sinks: int = 0,
+        padding: PaddingTracker | None = None,
     ):
         super().__init__(spec, layer_idx, owner, mode)
         self.codec = codec
         self.residual_length = residual_length
         self.workspace = workspace
+        self.sinks = sinks  # first real tokens of every row kept in full precision (attention sinks)
+        self.padding = padding
+        self.sink_length = 0  # sink slots of the current batch: sinks + the batch's largest left padding
         self.store: TokenBuffers | None = None
         self.residual: TokenBuffers | None = None
+        self.sink: TokenBuffers | None = None
 
     # -- CacheLayerMixin ------------------------------------------------------------------------------------------
 
     def _initialize(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.store = TokenBuffers(self.codec.units)
         self.residual = TokenBuffers({"k": 1, "v": 1})
+        self.sink = TokenBuffers({"k": 1, "v": 1})
+        # Row r's first real token is at its left padding p_r: the first sinks + max(p) slots hold every row's first
+        # `sinks` real tokens (a padded row's extra slots are padding, masked by attention).
+        pads = self.padding.pads(self.batch_size) if (self.sinks and self.padding is not None) else (0,)
+        self.sink_length = self.sinks + max(pads) if self.sinks else 0
 
     def _release(self) -> None:
-        self.store = self.residual = None
+        self.store = self.residual = self.sink = None
+        self.sink_length = 0
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -132,19 +144,19 @@ class QuantizedLayer(KVLayer):
 
     def offload(self) -> None:
         if self.is_initialized:
-            self.store.to("cpu", non_blocking=True)
-            self.residual.to("cpu", non_blocking=True)
+            for buffers in (self.store, self.residual, self.sink):
+                buffers.to("cpu", non_blocking=True)
 
     def prefetch(self) -> None:
         if self.is_initialized:
-            self.store.to(self.device, non_blocking=True)
-            self.residual.to(self.device, non_blocking=True)
+            for buffers in (self.store, self.residual, self.sink):
+                buffers.to(self.device, non_blocking=True)
 
     # -- reporting -----------------------------------------------------------------------------------------------
 
     @property
     def stored_tokens(self) -> int:
-        return (self.store.length + self.residual.length) if self.is_initialized else 0
+        return (self.sink.length + self.store.length + self.residual.length) if self.is_initialized else 0
 
     @property
     def quantized_tokens(self) -> int:
@@ -153,20 +165,24 @@ class QuantizedLayer(KVLayer):
     @property
     def nbytes(self) -> int:
         """Bytes of live storage: codes, scales, zero points and the residual."""
-        return (self.store.nbytes + self.residual.nbytes) if self.is_initialized else 0
+        return (self.sink.nbytes + self.store.nbytes + self.residual.nbytes) if self.is_initialized else 0
 
     @property
     def reserved_nbytes(self) -> int:
         """Bytes allocated, including growth headroom."""
-        return (self.store.reserved_nbytes + self.residual.reserved_nbytes) if self.is_initialized else 0
+        if not self.is_initialized:
+            return 0
+        return self.sink.reserved_nbytes + self.store.reserved_nbytes + self.residual.reserved_nbytes
 
     def planned_nbytes(self, tokens: int, dtype: torch.dtype, prompt: int | None = None) -> float:
         """Bytes one row stores after ``tokens`` tokens of ``dtype`` K/V, ``prompt`` of them in the first forward
         (default: all) and the rest one per forward (:mod:`hf_kvcache.plan`)."""
-        encoded, residual = self._planned_split(tokens, tokens if prompt is None else prompt)
+        sinks = min(self.sinks, tokens)  # no left padding in a plan
+        prompt = tokens if prompt is None else prompt
+        encoded, residual = self._planned_split(tokens - sinks, max(prompt - sinks, 0))
         spec = self.spec
         coded = self.codec.bytes_per_token(spec.num_kv_heads, spec.key_dim, spec.value_dim, dtype)
-        return encoded * coded + residual * spec.bytes_per_token_factor * dtype.itemsize
+        return encoded * coded + (residual + sinks) * spec.bytes_per_token_factor * dtype.itemsize
 
     def _planned_split(self, tokens: int, prompt: int) -> tuple[int, int]:
         return encoded_split(tokens, self.residual_length, self.codec.unit)
@@ -179,27 +195,32 @@ class QuantizedLayer(KVLayer):
 
     def _attended(self, k_new: torch.Tensor, v_new: torch.Tensor, visible: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[last `visible` stored tokens ; new tokens]``, built in the shared workspace."""
-        nq, nr, n = self.store.length, self.residual.length, k_new.shape[-2]
-        if nq + nr == 0:
+        ns, nq, nr, n = self.sink.length, self.store.length, self.residual.length, k_new.shape[-2]
+        if ns + nq + nr == 0:
             return k_new, v_new
         # Decode the whole stored sequence (at most unit - 1 tokens more than needed on a sliding layer).
-        keys, values = self.workspace.take(k_new, v_new, nq + nr + n)
+        keys, values = self.workspace.take(k_new, v_new, ns + nq + nr + n)
+        if ns:
+            keys[:, :, :ns].copy_(self.sink.view("k"))
+            values[:, :, :ns].copy_(self.sink.view("v"))
         if nq:
-            self.codec.decode(self.store.views(), keys[:, :, :nq], values[:, :, :nq])
+            self.codec.decode(self.store.views(), keys[:, :, ns : ns + nq], values[:, :, ns : ns + nq])
         if nr:
-            keys[:, :, nq : nq + nr].copy_(self.residual.view("k"))
-            values[:, :, nq : nq + nr].copy_(self.residual.view("v"))
-        keys[:, :, nq + nr :].copy_(k_new)
-        values[:, :, nq + nr :].copy_(v_new)
-        skip = nq + nr - visible
+            keys[:, :, ns + nq : ns + nq + nr].copy_(self.residual.view("k"))
+            values[:, :, ns + nq : ns + nq + nr].copy_(self.residual.view("v"))
+        keys[:, :, ns + nq + nr :].copy_(k_new)
+        values[:, :, ns + nq + nr :].copy_(v_new)
+        skip = ns + nq + nr - visible
         return keys[:, :, skip:], values[:, :, skip:]
 
     def _handle(self, k_new: torch.Tensor, v_new: torch.Tensor, visible: int) -> KVHandle:
         """``[last `visible` stored tokens ; new tokens]`` as views for the kernels. Taken before the new tokens are
         stored: a later append writes past these views or into fresh tensors, never over them."""
-        nq, nr = self.store.length, self.residual.length
-        skip = nq + nr - visible
+        ns, nq, nr = self.sink.length, self.store.length, self.residual.length
+        skip = ns + nq + nr - visible  # tokens out of a sliding layer's window (there are no sinks there)
         segments = []
+        if ns:  # full-attention layers only: the sinks are always visible
+            segments.append(DenseSegment(self.sink.view("k"), self.sink.view("v")))
         if skip < nq:
             segments.append(self.codec.segment(self.store.views(), skip))
         if nr:
@@ -209,7 +230,12 @@ class QuantizedLayer(KVLayer):
         return KVHandle(tuple(segments))
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Add new tokens; encode the oldest residual tokens, ``unit`` at a time, while it exceeds its length."""
+        """Add new tokens: the first ``sink_length`` of a row to the sinks, then the residual; encode the oldest
+        residual tokens, ``unit`` at a time, while it exceeds its length."""
+        room = self.sink_length - self.sink.length
+        if room > 0:
+            self.sink.append({"k": k[:, :, :room], "v": v[:, :, :room]})
+            k, v = k[:, :, room:], v[:, :, room:]
         unit = self.codec.unit
         overflow = self.residual.length + k.shape[-2] - self.residual_length
         n_encode = max(overflow, 0) // unit * unit
@@ -232,6 +258,12 @@ class QuantizedLayer(KVLayer):
     def _remove_tail(self, n: int) -> None:
         if n > self.stored_tokens:
             raise ValueError(self._crop_limit_message(n))
+        into_sinks = max(n - self.store.length - self.residual.length, 0)
+        if into_sinks:  # everything after the sinks goes, then the sinks' tail
+            self.residual.clear()
+            self.store.clear()
+            self.sink.truncate(into_sinks)
+            return
         from_res = min(n, self.residual.length)
         self.residual.truncate(from_res)
         rest = n - from_res
@@ -254,6 +286,7 @@ class QuantizedLayer(KVLayer):
             self.store.truncate(popped)
 
     def _decode_all(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The quantized tokens (not the sinks or the residual), decoded."""
         b, h, t = self.batch_size, self.spec.num_kv_heads, self.store.length
         k = torch.empty((b, h, t, self.spec.key_dim), dtype=self.dtype, device=self.device)
         v = torch.empty((b, h, t, self.spec.value_dim), dtype=self.dtype, device=self.device)
@@ -265,8 +298,8 @@ class QuantizedLayer(KVLayer):
 
     def _map_batch(self, fn, batch: int | None) -> None:
         if self.is_initialized:
-            self.store.map_batch(fn)
-            self.residual.map_batch(fn)
+            for buffers in (self.store, self.residual, self.sink):
+                buffers.map_batch(fn)
         self._set_batch(batch)
 
 
