@@ -21,6 +21,8 @@ from transformers import (
     MistralConfig,
     Phi3Config,
     Qwen2Config,
+    StoppingCriteria,
+    StoppingCriteriaList,
 )
 from transformers.cache_utils import Cache
 
@@ -40,6 +42,7 @@ __all__ = [
     "compare_caches",
     "format_table",
     "synchronize",
+    "StepClock",
     "time_decode",
     "timed_generate",
     "tiny_llama",
@@ -141,7 +144,7 @@ class DecodeTiming:
     """Timings of :func:`time_decode`: medians over repeats, and the last full generation's cache and output."""
 
     ttft_s: float  # median time to first token (prefill + 1 token)
-    rates: list[float]  # decode tokens/s of each repeat, all rows together
+    rates: list[float]  # decode tokens/s of each repeat, all rows together, from the steps' own times
     cache: Cache
     output: torch.Tensor
     peak_memory_bytes: int | None  # CUDA max_memory_allocated of the last full generation; None elsewhere
@@ -156,11 +159,26 @@ class DecodeTiming:
         return (max(self.rates) - min(self.rates)) / self.decode_tokens_per_s
 
 
+class StepClock(StoppingCriteria):
+    """Records when each generated token is ready (``generate`` calls its stopping criteria once per step, after
+    the step's token is chosen), synchronizing CUDA first so the time is the step's work."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times = device, []
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        synchronize(self.device)
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 def time_decode(
     model, inputs: dict, make_cache: Callable[[], Cache], new_tokens: int, repeats: int = 3, **generate_kwargs
 ) -> DecodeTiming:
-    """One warm-up, then ``repeats`` pairs of synchronized generations of 1 and ``new_tokens`` tokens, each through a
-    fresh cache. Decode rate = the tokens after the first, all rows, over the time beyond the first token."""
+    """One warm-up, then ``repeats`` synchronized generations of ``new_tokens`` tokens, each through a fresh cache,
+    each step timed as it happens (:class:`StepClock`): TTFT is the time to the first token (prefill and the first
+    step), the decode rate the tokens of the following steps, all rows, over those steps' own time. Nothing is
+    derived from the difference of two separately timed runs."""
     if new_tokens < 2:
         raise ValueError(f"new_tokens must be >= 2 (decode speed needs a token after the first), got {new_tokens}")
     generate_kwargs = {"do_sample": False, "min_new_tokens": new_tokens} | generate_kwargs
@@ -169,14 +187,24 @@ def time_decode(
     timed_generate(model, inputs, make_cache(), 2, **(generate_kwargs | {"min_new_tokens": 2}))
     ttft, rates, peak = [], [], None
     for _ in range(repeats):
-        ttft.append(timed_generate(model, inputs, make_cache(), 1, **(generate_kwargs | {"min_new_tokens": 1}))[1])
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        cache = make_cache()
-        out, seconds = timed_generate(model, inputs, cache, new_tokens, **generate_kwargs)
+        cache, clock = make_cache(), StepClock(device)
+        criteria = StoppingCriteriaList([*generate_kwargs.get("stopping_criteria", []), clock])
+        synchronize(device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                **inputs,
+                past_key_values=cache,
+                max_new_tokens=new_tokens,
+                **(generate_kwargs | {"stopping_criteria": criteria}),
+            )
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
-        rates.append(rows * (new_tokens - 1) / max(seconds - ttft[-1], 1e-9))
+        times = clock.times
+        ttft.append(times[0] - start)
+        rates.append(rows * (len(times) - 1) / (times[-1] - times[0]))
     return DecodeTiming(statistics.median(ttft), rates, cache, out, peak)
 
 

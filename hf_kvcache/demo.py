@@ -21,10 +21,10 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteriaList
 
 from ._validate import check_int, dtype_name
-from .compare import LOGIT_BOUNDS, synchronize
+from .compare import LOGIT_BOUNDS, StepClock, synchronize
 from .memory import cache_nbytes, dynamic_bytes_per_token
 from .registry import make_cache, parse_spec
 
@@ -66,18 +66,6 @@ def analytic_ratio(model, spec: str, dtype: torch.dtype) -> float | None:
     return per_token / dynamic_bytes_per_token(model.config, dtype) if per_token else 1.0
 
 
-class _StepClock(StoppingCriteria):
-    """Records when each generated token is ready (``generate`` calls stopping criteria once per step)."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.times = device, []
-
-    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
-        synchronize(self.device)
-        self.times.append(time.perf_counter())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
 def _prompt(tokenizer, text: str) -> str:
     """``text`` as a user turn of the chat template, or as a plain question where the tokenizer has none."""
     if getattr(tokenizer, "chat_template", None):
@@ -102,7 +90,7 @@ def _document(tokenizer, tokens: int) -> str:
 def _generate(model, tokenizer, prompts: list[str], spec: str, new_tokens: int):
     """Greedy answers to ``prompts`` (one left-padded batch) through a fresh ``spec`` cache, the cache and the clock."""
     batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-    cache, clock = make_cache(spec, model), _StepClock(model.device)
+    cache, clock = make_cache(spec, model), StepClock(model.device)
     synchronize(model.device)
     start = time.perf_counter()
     with torch.inference_mode():

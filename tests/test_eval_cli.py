@@ -264,3 +264,25 @@ def test_ctrl_c_while_writing_leaves_no_results_json(tmp_path, capsys, monkeypat
     assert main(["eval", *SMALL, "--caches", "dynamic", "--output", str(out)]) == 130
     assert capsys.readouterr().err.strip() == "hf-kvcache: interrupted"
     assert sorted(p.name for p in out.iterdir()) == ["perplexity_bytes.png", "report.md"]  # no results.json, no temp
+
+
+def test_decode_rate_comes_from_the_steps_own_times(monkeypatch):
+    """TTFT is the time to the first token and the decode rate the later steps' tokens over their own time, both
+    from one generation per repeat: a slow prefill cannot make the rate absurd (it used to be a clamped difference of
+    two separately timed generations, which printed 6.2e10 tok/s when prefill noise exceeded the decode time)."""
+    import itertools
+
+    import torch
+
+    from hf_kvcache import compare, make_cache
+
+    torch.set_num_threads(1)
+    model = tiny_model("llama")
+    ticks = itertools.count()
+    # A fake clock: 1 s per reading, so every step of a generation takes exactly 1 s after the first token.
+    monkeypatch.setattr(compare.time, "perf_counter", lambda: float(next(ticks)))
+    ids = torch.randint(3, 100, (3, 8))
+    timing = compare.time_decode(model, {"input_ids": ids}, lambda: make_cache("int8", model), new_tokens=5, repeats=2)
+    assert timing.rates == [3 * 4 / 4.0] * 2  # 3 rows x 4 steps after the first, over 4 s
+    assert timing.ttft_s == 1.0 and timing.spread == 0.0
+    assert timing.output.shape == (3, 13)

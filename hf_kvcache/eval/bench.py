@@ -1,9 +1,10 @@
 """``hf-kvcache bench``: time to first token and decode speed at several context lengths, side by side.
 
-Per context length and cache: a random prompt of that length, one warm-up generation, then ``repeats`` pairs of
-generations of 1 and ``new_tokens`` tokens (synchronized on CUDA; :func:`hf_kvcache.compare.time_decode`). TTFT is the
-1-token time; decode tokens/s is the extra tokens over the extra time, all rows together. Medians and spread
-((max - min) / median) over the repeats. On CUDA also the peak allocated memory of the long generation, and, per
+Per context length and cache: a random prompt of that length, one warm-up generation, then ``repeats`` generations
+of ``new_tokens`` tokens with every step timed as it happens (synchronized on CUDA;
+:func:`hf_kvcache.compare.time_decode`). TTFT is the time to the first token; decode tokens/s is the tokens of the
+following steps, all rows together, over those steps' own time. Medians and spread ((max - min) / median) over the
+repeats. On CUDA also the peak allocated memory of the long generation, and, per
 cache, the largest context that fits in ``memory_budget`` bytes, extrapolated linearly from the measured peaks (stated
 as an estimate).
 """
