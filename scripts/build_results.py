@@ -38,6 +38,10 @@ REAL = ["--model", "smollm2", "--threads", "1"]
 EVAL_CACHES = "dynamic,int8,int4,int2,sink:window=256:sinks=4"
 LONG_CACHES = "dynamic,int4,int2,sink:window=1024:sinks=4"
 STREAM_CACHES = "dynamic,sink:window=1024:sinks=0,sink:window=1024:sinks=4"
+# 4 and 2 bits: KIVI's layout, then a Hadamard rotation of head_dim, then the first 4 tokens in full precision.
+LOWBIT_CACHES = ",".join(
+    f"int{b}{o}" for b in (4, 2) for o in ("", ":rotate=hadamard", ":sinks=4", ":sinks=4:rotate=hadamard")
+)
 RUNS: dict[str, list[str]] = {
     "eval-default": [
         "eval",
@@ -58,6 +62,12 @@ RUNS: dict[str, list[str]] = {
         *["--caches", "dynamic"],
     ],
     "eval-repeat": ["eval", *REAL, *"--task repeat --distances 0,1000,3000,7000".split(), "--caches", LONG_CACHES],
+    "eval-lowbit": [
+        "eval",
+        *REAL,
+        *"--task perplexity --max-tokens 2048 --context 1024 --prefill 512".split(),
+        *["--caches", "dynamic," + LOWBIT_CACHES],
+    ],
     "eval-stream": [
         "eval",
         *REAL,
