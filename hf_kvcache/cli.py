@@ -130,7 +130,8 @@ def _add_bench_parser(sub) -> None:
         "bench",
         help="time to first token and decode speed at several context lengths, side by side",
         description="Generate from random prompts of each --contexts length with each cache: warm-up, then "
-        "--repeats timed runs; medians and spread. On CUDA also peak memory and the largest context per budget.",
+        "--repeats timed runs, each step timed; medians and spread; peak memory (CUDA: allocator statistics; CPU: "
+        "tracked tensor bytes); with --memory-budget-gib the largest context per cache that fits, found by running.",
     )
     names = add_flags(p.add_argument_group("model options"), ModelOptions)
     names += add_flags(p.add_argument_group("bench options"), BenchConfig)

@@ -43,6 +43,7 @@ __all__ = [
     "format_table",
     "synchronize",
     "StepClock",
+    "generation_peak_bytes",
     "time_decode",
     "timed_generate",
     "tiny_llama",
@@ -147,7 +148,9 @@ class DecodeTiming:
     rates: list[float]  # decode tokens/s of each repeat, all rows together, from the steps' own times
     cache: Cache
     output: torch.Tensor
-    peak_memory_bytes: int | None  # CUDA max_memory_allocated of the last full generation; None elsewhere
+    # Peak memory of one full generation: CUDA's max_memory_allocated; elsewhere the model's bytes plus the peak
+    # of the tensors the generation creates (memory.PeakTensorBytes, on one extra untimed run).
+    peak_memory_bytes: int | None
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -173,12 +176,19 @@ class StepClock(StoppingCriteria):
 
 
 def time_decode(
-    model, inputs: dict, make_cache: Callable[[], Cache], new_tokens: int, repeats: int = 3, **generate_kwargs
+    model,
+    inputs: dict,
+    make_cache: Callable[[], Cache],
+    new_tokens: int,
+    repeats: int = 3,
+    measure_memory: bool = True,
+    **generate_kwargs,
 ) -> DecodeTiming:
     """One warm-up, then ``repeats`` synchronized generations of ``new_tokens`` tokens, each through a fresh cache,
     each step timed as it happens (:class:`StepClock`): TTFT is the time to the first token (prefill and the first
     step), the decode rate the tokens of the following steps, all rows, over those steps' own time. Nothing is
-    derived from the difference of two separately timed runs."""
+    derived from the difference of two separately timed runs. Peak memory: CUDA's ``max_memory_allocated`` of a
+    timed run; elsewhere (``measure_memory``) :func:`generation_peak_bytes` on one more, untimed run."""
     if new_tokens < 2:
         raise ValueError(f"new_tokens must be >= 2 (decode speed needs a token after the first), got {new_tokens}")
     generate_kwargs = {"do_sample": False, "min_new_tokens": new_tokens} | generate_kwargs
@@ -205,7 +215,21 @@ def time_decode(
         times = clock.times
         ttft.append(times[0] - start)
         rates.append(rows * (len(times) - 1) / (times[-1] - times[0]))
+    if device.type != "cuda" and measure_memory:
+        peak = generation_peak_bytes(model, inputs, make_cache, new_tokens, **generate_kwargs)
     return DecodeTiming(statistics.median(ttft), rates, cache, out, peak)
+
+
+def generation_peak_bytes(model, inputs: dict, make_cache: Callable[[], Cache], new_tokens: int, **kwargs) -> int:
+    """Peak memory of one generation through a fresh cache, measured without CUDA: the model's parameters and
+    buffers plus the peak of the tensors the generation creates (:class:`~hf_kvcache.memory.PeakTensorBytes`)."""
+    from .memory import PeakTensorBytes, model_nbytes
+
+    kwargs = {"do_sample": False, "min_new_tokens": new_tokens} | kwargs
+    cache = make_cache()
+    with PeakTensorBytes() as tracker, torch.inference_mode():
+        model.generate(**inputs, past_key_values=cache, max_new_tokens=new_tokens, **kwargs)
+    return model_nbytes(model) + tracker.peak_bytes
 
 
 def compare_caches(

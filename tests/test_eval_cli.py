@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from models import tiny_model
 from tables import table_rows
 
@@ -158,7 +159,47 @@ def test_bench_rows_side_by_side():
         (32, "dynamic"),
         (32, "int8"),
     ]
-    assert all(r["decode_tokens_per_s"] > 0 and r["peak_memory_bytes"] is None for r in bench["rows"])
+    from hf_kvcache.memory import model_nbytes
+
+    weights = model_nbytes(model)
+    assert all(r["decode_tokens_per_s"] > 0 and r["peak_memory_bytes"] > weights for r in bench["rows"])
+
+
+def test_peak_tensor_bytes_sees_the_cache_grow():
+    """Measured on CPU: what a DynamicCache holds after a generation is exactly what the tracker still counts live,
+    and the peak grows by at least the cache's growth between two prompt lengths."""
+    from transformers import DynamicCache
+
+    from hf_kvcache import cache_nbytes
+    from hf_kvcache.memory import PeakTensorBytes
+
+    model = tiny_model("llama")
+    peaks, sizes = [], []
+    for n in (64, 256):
+        cache = DynamicCache(config=model.config)
+        with PeakTensorBytes() as tracker, torch.inference_mode():
+            model.generate(input_ids=torch.randint(3, 100, (2, n)), past_key_values=cache, max_new_tokens=3)
+        assert tracker.live == cache_nbytes(cache)
+        peaks.append(tracker.peak_bytes)
+        sizes.append(cache_nbytes(cache))
+    assert peaks[1] - peaks[0] >= sizes[1] - sizes[0] > 0
+
+
+def test_budget_search_is_measured_monotone_and_respected():
+    from hf_kvcache.eval.bench import BUDGET_RESOLUTION, largest_context
+
+    model = tiny_model("llama")
+    found = {}
+    for budget_mib in (6, 12):
+        gen = torch.Generator().manual_seed(0)
+        found[budget_mib] = r = largest_context(model, "int8", None, budget_mib * 2**20, 2, 3, gen)
+        peaks = {int(k): v for k, v in r["peaks"].items()}
+        assert peaks[r["measured"]] <= budget_mib * 2**20  # the answer was measured, and fits
+        if not r["capped"]:  # and a probe within the resolution above it did not fit
+            assert any(r["measured"] < k <= r["measured"] + BUDGET_RESOLUTION and v > budget_mib * 2**20
+                       for k, v in peaks.items())  # fmt: skip
+        assert r["planned"] >= r["measured"]  # the plan counts no activations
+    assert found[12]["measured"] >= found[6]["measured"] > 0
 
 
 def test_load_text_sources(tmp_path):
@@ -271,8 +312,6 @@ def test_decode_rate_comes_from_the_steps_own_times(monkeypatch):
     from one generation per repeat: a slow prefill cannot make the rate absurd (it used to be a clamped difference of
     two separately timed generations, which printed 6.2e10 tok/s when prefill noise exceeded the decode time)."""
     import itertools
-
-    import torch
 
     from hf_kvcache import compare, make_cache
 

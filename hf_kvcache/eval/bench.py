@@ -4,9 +4,10 @@ Per context length and cache: a random prompt of that length, one warm-up genera
 of ``new_tokens`` tokens with every step timed as it happens (synchronized on CUDA;
 :func:`hf_kvcache.compare.time_decode`). TTFT is the time to the first token; decode tokens/s is the tokens of the
 following steps, all rows together, over those steps' own time. Medians and spread ((max - min) / median) over the
-repeats. On CUDA also the peak allocated memory of the long generation, and, per
-cache, the largest context that fits in ``memory_budget`` bytes, extrapolated linearly from the measured peaks (stated
-as an estimate).
+repeats. Peak memory of a generation: CUDA's ``max_memory_allocated``; on CPU the model's bytes plus the peak of
+the tensors the generation creates (:class:`hf_kvcache.memory.PeakTensorBytes`, on an untimed run). With
+``memory_budget``, per cache, the largest context whose generation peaks within it, found by running
+(:func:`largest_context`), next to what ``hf-kvcache plan`` predicts.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class BenchConfig(ModelOptions):
         },
     )
     memory_budget_gib: float | None = field(
-        default=None, metadata={"help": "CUDA: report the largest context per cache within this many GiB"}
+        default=None,
+        metadata={"help": "also find, by running, the largest context per cache whose peak memory fits this many GiB"},
     )
 
     def validate(self) -> None:
@@ -82,6 +84,68 @@ def default_contexts(config, new_tokens: int) -> tuple[int, ...]:
         return CANDIDATE_CONTEXTS
     fits = tuple(c for c in CANDIDATE_CONTEXTS if c + new_tokens <= limit)
     return fits or (max(limit - new_tokens, 1),)
+
+
+BUDGET_RESOLUTION = 256  # tokens: the budget search stops within this of the largest context that fits
+
+
+def _generation_peak(model, spec: str, context: int, batch: int, new_tokens: int, gen: torch.Generator) -> int:
+    """Measured peak memory of one generation of ``new_tokens`` from a random ``context``-token prompt."""
+    from ..compare import generation_peak_bytes, timed_generate
+    from ..registry import make_cache
+
+    device = next(model.parameters()).device
+    ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=gen).to(device)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if device.type != "cuda":
+        return generation_peak_bytes(model, inputs, lambda: make_cache(spec, model), new_tokens)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    timed_generate(model, inputs, make_cache(spec, model), new_tokens, do_sample=False, min_new_tokens=new_tokens)
+    return torch.cuda.max_memory_allocated(device)
+
+
+def largest_context(
+    model, spec: str, attn: str | None, budget: int, batch: int, new_tokens: int, gen: torch.Generator
+) -> dict:
+    """The largest prompt length whose generation (``batch`` rows, ``new_tokens`` new) peaks within ``budget``
+    bytes, found by running: doubling from 256 tokens, then bisection to :data:`BUDGET_RESOLUTION` tokens, capped by
+    the model's trained context. Next to it, what :func:`hf_kvcache.plan.plan_memory` predicts for the same budget
+    with no reserve (weights and KV only: the measured peak also holds activations, so it finds less)."""
+    from ..plan import plan_memory
+
+    if attn is not None:
+        model.set_attn_implementation(attn)
+    limit = (trained_context(model.config) or 2**17) - new_tokens
+    peaks: dict[int, int] = {}
+
+    def fits(n: int) -> bool:
+        if n not in peaks:
+            peaks[n] = _generation_peak(model, spec, n, batch, new_tokens, gen)
+        return peaks[n] <= budget
+
+    low, high = 0, None  # low fits (0: nothing yet), high does not
+    n = min(256, limit)
+    while high is None:
+        if fits(n):
+            low = n
+            if n >= limit:
+                break
+            n = min(2 * n, limit)
+        else:
+            high = n
+    while high is not None and high - low > BUDGET_RESOLUTION:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    dtype = next(model.parameters()).dtype
+    plan = plan_memory(model.config, budget, batch=batch, dtype=dtype, caches=(spec,), reserve=1, max_context=limit)
+    planned = plan.rows[0].max_context
+    return {
+        "measured": low,
+        "capped": high is None,  # the whole trained context fits
+        "planned": limit if planned is None else min(planned, limit),
+        "peaks": {str(k): v for k, v in sorted(peaks.items())},
+    }
 
 
 def run_bench(
@@ -129,14 +193,13 @@ def run_bench(
             )
             if progress is not None:
                 progress(1)
-    fits = {}
-    if memory_budget and device.type == "cuda":
-        for spec in dict.fromkeys(r["cache"] for r in rows):
-            points = [(r["context"], r["peak_memory_bytes"]) for r in rows if r["cache"] == spec]
-            if len(points) >= 2 and points[-1][0] != points[0][0]:
-                (c0, m0), (c1, m1) = points[0], points[-1]
-                slope = (m1 - m0) / (c1 - c0)
-                fits[spec] = int(c1 + (memory_budget - m1) / slope) if slope > 0 else None
+    budget = None
+    if memory_budget:
+        budget = {
+            label: largest_context(model, spec, attn, memory_budget, batch, new_tokens, gen)
+            for attn, spec in runs
+            for label in [spec if attn is None else f"{spec} [{attn}]"]
+        }
     return {
         "device": str(device),
         "batch": batch,
@@ -144,5 +207,5 @@ def run_bench(
         "repeats": repeats,
         "rows": rows,
         "memory_budget_bytes": memory_budget,
-        "max_context_estimate": fits or None,
+        "max_context": budget,
     }

@@ -117,7 +117,10 @@ def write_report(results: dict, output: str | Path, command: str | None = None) 
 
 
 def format_bench_table(bench: dict) -> str:
-    """Markdown table of ``run_bench`` rows, with decode speed relative to the first cache at each context."""
+    """Markdown table of ``run_bench`` rows, with decode speed relative to the first cache at each context, and the
+    budget search's table when there is one."""
+    from .bench import BUDGET_RESOLUTION
+
     rows, first = [], {}
     for r in bench["rows"]:
         base = first.setdefault(r["context"], r["decode_tokens_per_s"])
@@ -135,11 +138,24 @@ def format_bench_table(bench: dict) -> str:
         )
     headers = ["context", "cache", "TTFT ms", "decode tok/s", "x first", "spread", "cache bytes", "peak memory"]
     lines = [markdown_table(headers, rows)]
-    if bench.get("max_context_estimate"):
+    if bench.get("max_context"):
         budget = bench["memory_budget_bytes"] / 2**30
-        lines += ["", f"Largest context within {budget:.1f} GiB (linear estimate from the measured peaks):"]
-        for spec, context in bench["max_context_estimate"].items():
-            lines.append(f"- {spec}: {context:,} tokens" if context else f"- {spec}: n/a")
+        found = [
+            [
+                spec,
+                f"{r['measured']:,}" + (" (all of the trained context)" if r["capped"] else ""),
+                f"{r['planned']:,}",
+                f"{r['measured'] / r['planned']:.2f}" if r["planned"] else "n/a",
+            ]
+            for spec, r in bench["max_context"].items()
+        ]
+        lines += [
+            "",
+            f"Largest context whose generation peaks within {budget:.2f} GiB, found by running (to "
+            f"{BUDGET_RESOLUTION} tokens), next to `hf-kvcache plan` (weights + KV, no reserve):",
+            "",
+            markdown_table(["cache", "measured", "planned", "measured / planned"], found),
+        ]
     return "\n".join(lines)
 
 
