@@ -59,11 +59,18 @@ def model_type(config: PretrainedConfig) -> str:
     return getattr(config, "model_type", None) or type(config).__name__
 
 
+def _global(config, name: str):
+    """A config attribute, or None where it is unset or per-layer (transformers' heterogeneous configs raise on a
+    global read of an attribute that varies across layers)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001  (AmbiguousGlobalPerLayerAttributeError is not an AttributeError)
+        return None
+
+
 def is_latent_attention(config: PretrainedConfig) -> bool:
     """Multi-head latent attention: the model caches a compressed latent and a shared rotated key, not K/V."""
-    return isinstance(getattr(config, "kv_lora_rank", None), int) and isinstance(
-        getattr(config, "qk_rope_head_dim", None), int
-    )
+    return isinstance(_global(config, "kv_lora_rank"), int) and isinstance(_global(config, "qk_rope_head_dim"), int)
 
 
 def uses_alibi(config: PretrainedConfig) -> bool:
@@ -110,9 +117,14 @@ def layer_specs(config: PretrainedConfig, cache_name: str, tp_size: int = 1) -> 
     unsupported = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
     if unsupported:
         raise ValueError(
-            f"{cache_name} supports models whose layers are {', '.join(ATTENTION_LAYER_TYPES)}; this "
-            f"{model_type(config)} config has {', '.join(unsupported)} layers (linear attention, KV sharing or "
-            "MoE-only layers are not supported)"
+            f"{cache_name} supports models whose layers are {', '.join(ATTENTION_LAYER_TYPES)}; this config "
+            f"(model_type {model_type(config)!r}) has {', '.join(unsupported)} layers (linear attention, KV sharing "
+            "or MoE-only layers are not supported)"
+        )
+    if _global(config, "cross_attention_layers"):
+        raise ValueError(
+            f"{cache_name} cannot serve model_type {model_type(config)!r}: it has cross-attention layers (states "
+            "of another modality, kept beside the self-attention cache), which hf_kvcache caches do not hold"
         )
     rope = _rope_flags(config, len(layer_types))
     specs = []
@@ -120,7 +132,12 @@ def layer_specs(config: PretrainedConfig, cache_name: str, tp_size: int = 1) -> 
         if is_latent_attention(config):
             heads, key_dim, value_dim = 1, config.kv_lora_rank, config.qk_rope_head_dim
         else:
-            q_heads = layer_config.num_attention_heads
+            q_heads = _global(layer_config, "num_attention_heads")
+            if not isinstance(q_heads, int):
+                raise ValueError(
+                    f"{cache_name} cannot serve model_type {model_type(config)!r}: its config names no attention "
+                    f"heads for layer {i} (a recurrent or state-space model keeps no KV cache)"
+                )
             heads = _cached_kv_heads(config, layer_config, q_heads)
             key_dim = value_dim = getattr(layer_config, "head_dim", None) or layer_config.hidden_size // q_heads
             if tp_size > 1:

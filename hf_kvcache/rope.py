@@ -167,6 +167,8 @@ def rotary_spec(model_or_config, config, layer_type: str = "full_attention") -> 
     rope_parameters = getattr(config, "rope_parameters", None) or {}
     if isinstance(rope_parameters, dict) and layer_type in rope_parameters:
         rope_parameters = rope_parameters[layer_type]
+        if rope_parameters is None:
+            return None  # per-layer-kind parameters, none for this kind: its layers are NoPE (Beam's full layers)
     if isinstance(rope_parameters, dict) and "mrope_section" in rope_parameters:
         raise ValueError("multimodal RoPE (mrope_section) cannot be re-rotated; use rerotate=False")
     module = _rotary_module(model_or_config, config)

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from models import EXTRA_FAMILIES, extra_model, prompt, tiny_model
+from models import EXTRA_FAMILIES, VOCAB, extra_model, prompt, tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from hf_kvcache import PagedKVCache, QuantizedKVCache, SlidingWindowKVCache, make_cache
@@ -227,3 +227,48 @@ def test_hf_kvcache_attention_is_refused_where_the_model_bypasses_attention_inte
     with torch.no_grad():
         model(torch.randint(3, 100, (1, 6)), past_key_values=cache)
         model(torch.randint(3, 100, (1, 1)), past_key_values=cache)
+
+
+def test_a_model_that_works_on_the_cached_values_itself_is_refused_by_name_under_hf_kvcache():
+    """DiffLlama splits the values it gets back from the cache before calling attention: under the hf_kvcache
+    attention it would be handed our storage handle. A one-line ValueError naming the model type, never a TypeError
+    from inside the model; with sdpa the same cache serves it."""
+    from transformers import DiffLlamaConfig
+
+    config = DiffLlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=0,
+    )  # fmt: skip
+    for attn, refused in (("hf_kvcache", True), ("sdpa", False)):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+        model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
+        run = lambda: _generate(model, make_cache("int8", model), "padded")  # noqa: E731
+        if refused:
+            with pytest.raises(ValueError, match=r"^model_type 'diffllama' works on the cached keys or values") as err:
+                run()
+            assert "\n" not in str(err.value)
+        else:
+            run()
+
+
+def test_paged_materialized_keys_are_contiguous_like_dynamic_caches():
+    """GPT-NeoX-Japanese .view()s the keys it gets back; DynamicCache's are contiguous and so are the paged ones."""
+    model = tiny_model("llama")
+    cache = PagedKVCache(model, block_size=4)
+    with torch.no_grad():
+        model(**prompt("padded"), past_key_values=cache)
+    keys, values = cache.layers[0].update(torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16))
+    assert keys.is_contiguous() and values.is_contiguous()
+
+
+def test_models_without_a_kv_cache_are_refused_by_name():
+    """RWKV keeps a recurrent state (its config names no attention heads); OpenAI GPT takes no past_key_values."""
+    from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel, RwkvConfig
+
+    with pytest.raises(ValueError, match=r"model_type 'rwkv'.*no attention heads"):
+        make_cache("int8", RwkvConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2))
+    model = OpenAIGPTLMHeadModel(OpenAIGPTConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4))
+    for spec in ("int8", "paged", "sink:window=64"):
+        with pytest.raises(ValueError, match=r"model_type 'openai-gpt'\) takes no past_key_values"):
+            make_cache(spec, model)

@@ -25,7 +25,7 @@ Layouts (``B`` batch, ``H`` KV heads, ``T`` tokens, ``D`` channels):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -179,9 +179,33 @@ def segment_value_dim(segment: Segment) -> int:
 
 @dataclass(frozen=True)
 class KVHandle:
-    """What a layer of our caches returns (as both "keys" and "values") under the ``hf_kvcache`` attention."""
+    """What a layer of our caches returns (as both "keys" and "values") under the ``hf_kvcache`` attention.
+
+    Only the ``hf_kvcache`` attention function reads it. A model whose attention code works on the cached keys or
+    values itself between the cache and the attention function (DiffLlama splits the values, Doge transposes them,
+    JetMoE repeats them) gets a one-line ``ValueError`` naming its ``model_type`` at the first such use, never a
+    ``TypeError`` from deep inside the model: load it with ``sdpa`` or ``eager`` attention.
+    """
 
     segments: tuple[Segment, ...]
+    model_type: str | None = field(default=None, compare=False)
+
+    def _refuse(self, use: str):
+        raise ValueError(
+            f"model_type {self.model_type!r} works on the cached keys or values itself ({use}) before calling its "
+            "attention function, so attn_implementation='hf_kvcache' cannot serve it; load or set the model with "
+            "'sdpa' or 'eager' attention, which every hf_kvcache cache serves"
+        )
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):  # copy, pickle and friends probe these: a plain AttributeError
+            raise AttributeError(name)
+        self._refuse(f".{name}")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        handle = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, KVHandle))
+        handle._refuse(f"{getattr(func, '__name__', func)}()")
 
     @property
     def length(self) -> int:

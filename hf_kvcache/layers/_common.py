@@ -14,6 +14,7 @@ Lifecycle contract (every layer, every cache kind):
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -71,6 +72,15 @@ class BatchOpsMixin:
         self._map_batch(lambda t: t.index_select(0, index.to(t.device)), len(index))
 
 
+def _takes_a_cache(model) -> bool:
+    forward = getattr(model, "forward", None)
+    try:
+        parameters = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return True  # nothing to read: let the first forward decide
+    return "past_key_values" in parameters  # every causal LM of transformers that takes a cache names it
+
+
 class AttentionMode:
     """Whether a cache's layers answer a forward with a storage handle (:mod:`hf_kvcache.attention`) instead of
     materialized K/V: when the model's config names the ``hf_kvcache`` attention, the forward brings at most
@@ -81,6 +91,11 @@ class AttentionMode:
         self.config = config
         self.fusable = fusable
         self.refusal = None
+        if model is not None and not _takes_a_cache(model):
+            raise ValueError(
+                f"{type(model).__name__} (model_type {getattr(config, 'model_type', None)!r}) takes no "
+                "past_key_values (it keeps its own state or no cache), so no KV cache can serve it"
+            )
         if model is not None and getattr(type(model), "_supports_attention_backend", True) is False:
             self.refusal = (
                 f"{type(model).__name__} (model_type {getattr(config, 'model_type', None)!r}) does not route attention "
@@ -89,6 +104,10 @@ class AttentionMode:
                 "every hf_kvcache cache serves"
             )
         self.check()
+
+    @property
+    def model_type(self) -> str | None:
+        return getattr(self.config, "model_type", None)
 
     def check(self) -> None:
         """Refuse the ``hf_kvcache`` attention on a model that would hand our storage handle to its own attention
@@ -158,8 +177,10 @@ class KVLayer(BatchOpsMixin, CacheLayerMixin):
         got = (key_states.shape[1], key_states.shape[-1], value_states.shape[1], value_states.shape[-1])
         want = (spec.num_kv_heads, spec.key_dim, spec.num_kv_heads, spec.value_dim)
         if got != want or key_states.dim() != 4 or key_states.shape[:3] != value_states.shape[:3]:
+            model_type = self.mode.model_type
+            named = f" (model_type {model_type!r})" if model_type else ""
             raise ValueError(
-                f"{self.owner} layer {self.layer_idx} was built from a config whose layer passes keys "
+                f"{self.owner} layer {self.layer_idx}{named} was built from a config whose layer passes keys "
                 f"(B, {want[0]}, T, {want[1]}) and values (B, {want[2]}, T, {want[3]}); this forward passed keys "
                 f"{tuple(key_states.shape)} and values {tuple(value_states.shape)}. Build the cache from this "
                 "model's config."

@@ -132,7 +132,8 @@ class PagedStorage:
             if self.codec is not None:
                 scale = self.tensors[name[:-1] + "_scales"].index_select(0, flat)
                 x = (x.float() * scale.unsqueeze(-1)).to(self.dtype)
-            out.append(x.view(b, t, *x.shape[1:]).transpose(1, 2))  # (B, n, H, D) -> (B, H, n, D)
+            # (B, n, H, D) -> (B, H, n, D), contiguous as DynamicCache's are: some models .view() what they get back
+            out.append(x.view(b, t, *x.shape[1:]).transpose(1, 2).contiguous())
         return out[0], out[1]
 
     def segment(self, block_table: torch.Tensor, block_size: int, length: int) -> PagedSegment:
@@ -435,7 +436,7 @@ class PagedLayer(KVLayer):
         # The forward's own tokens are attended exactly, as the quantized cache does (int8 pages store them rounded).
         if self.mode.handles(q, total - q):
             pages = self.storage.segment(state.block_table(self.device), state.block_size, total - q)
-            handle = KVHandle((pages, DenseSegment(key_states, value_states)))
+            handle = KVHandle((pages, DenseSegment(key_states, value_states)), self.mode.model_type)
             return handle, handle
         keys, values = self.storage.read(state.read_slots(self.device))
         if self.storage.codec is not None:

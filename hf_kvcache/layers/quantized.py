@@ -227,7 +227,7 @@ class QuantizedLayer(KVLayer):
             r0 = max(skip - nq, 0)
             segments.append(DenseSegment(self.residual.view("k")[:, :, r0:], self.residual.view("v")[:, :, r0:]))
         segments.append(DenseSegment(k_new, v_new))
-        return KVHandle(tuple(segments))
+        return KVHandle(tuple(segments), self.mode.model_type)
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Add new tokens: the first ``sink_length`` of a row to the sinks, then the residual; encode the oldest

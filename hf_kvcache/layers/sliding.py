@@ -282,7 +282,7 @@ class SinkWindowLayer(KVLayer):
         if nb:
             segments.append(self.codec.segment(body))
         segments.append(DenseSegment(k_new, v_new))
-        return KVHandle(tuple(segments))
+        return KVHandle(tuple(segments), self.mode.model_type)
 
     def _attended(self, head, body, k_new, v_new) -> tuple[torch.Tensor, torch.Tensor]:
         """``[sinks (re-rotated) ; window ; new]`` in full precision."""

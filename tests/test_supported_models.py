@@ -1,0 +1,66 @@
+"""The supported-models matrix (scripts/supported_models.py): the saved results cover every causal-LM type of the
+installed transformers, the page renders from them, none of their cells is a crash or a wrong answer, and a fixed
+spread of model types re-run here gives the same cells."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import supported_models  # noqa: E402
+
+SAVED = json.loads(supported_models.SAVED.read_text())
+
+
+def test_the_results_cover_every_causal_lm_type_of_the_installed_transformers():
+    import transformers
+
+    assert SAVED["transformers"] == transformers.__version__, "re-run scripts/supported_models.py --run"
+    assert sorted(SAVED["families"]) == supported_models.model_types()
+
+
+def test_the_page_is_rendered_from_the_results():
+    assert supported_models.PAGE.read_text() == supported_models.render(SAVED), (
+        "docs/supported-models.md is stale: python scripts/supported_models.py --write"
+    )
+
+
+def test_no_cell_is_a_crash_an_unclear_refusal_or_a_wrong_answer():
+    fails = [
+        f"{model_type}/{attn}/{column}: {cell['detail']}"
+        for model_type, row in SAVED["families"].items()
+        for attn, cells in row.items()
+        for column, cell in cells.items()
+        if cell["status"] == "FAIL"
+    ]
+    assert not fails, fails
+
+
+def test_refusals_are_one_line_and_name_the_model_type():
+    for model_type, row in SAVED["families"].items():
+        for cells in row.values():
+            for column, cell in cells.items():
+                if cell["status"] == "refused":
+                    assert "\n" not in cell["detail"] and "'" in cell["detail"], (model_type, column, cell)
+
+
+@pytest.mark.parametrize("model_type", supported_models.SPREAD)
+def test_a_spread_of_the_matrix_reproduces_its_saved_cells(model_type):
+    """Statuses and refusal reasons equal the saved ones; lossy errors agree to rounding (same torch build)."""
+    got = supported_models.run([model_type], verbose=False)[model_type]
+    want = SAVED["families"][model_type]
+    for attn, cells in want.items():
+        for column, cell in cells.items():
+            mine = got[attn][column]
+            where = f"{model_type}/{attn}/{column}"
+            assert mine["status"] == cell["status"], f"{where}: {mine} != saved {cell}"
+            if "error" in cell:
+                assert math.isclose(mine["error"], cell["error"], rel_tol=0.05, abs_tol=1e-3), where
+            elif cell["status"] in ("refused", "equal"):
+                assert mine["detail"] == cell["detail"], where
