@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
@@ -110,9 +111,31 @@ def tensor_parallel_size(model) -> int:
     return size if isinstance(size, int) and size > 1 else 1
 
 
-def layer_specs(config: PretrainedConfig, cache_name: str, tp_size: int = 1) -> list[LayerSpec]:
+def _module_layouts(model) -> dict[int, tuple[int, int, int]]:
+    """``{layer_idx: (kv heads, key width, value width)}`` read from the model's self-attention modules that project
+    keys and values with ``k_proj`` / ``v_proj`` and name their ``head_dim``: what the layers really pass, where a
+    modeling file departs from its config (MiMo-V2-Flash doubles the KV heads of its sliding layers). Layers with
+    no such module, or with more than one reading, are left to the config."""
+    found: dict[int, set] = {}
+    for name, module in model.named_modules():
+        idx, head_dim = getattr(module, "layer_idx", None), getattr(module, "head_dim", None)
+        k, v = getattr(module, "k_proj", None), getattr(module, "v_proj", None)
+        if not (isinstance(idx, int) and isinstance(head_dim, int) and head_dim > 0):
+            continue
+        if not (isinstance(k, torch.nn.Linear) and isinstance(v, torch.nn.Linear)) or "cross" in name.lower():
+            continue
+        heads = k.out_features // head_dim
+        if heads and k.out_features == heads * head_dim and v.out_features % heads == 0:
+            found.setdefault(idx, set()).add((heads, head_dim, v.out_features // heads))
+    return {i: next(iter(layouts)) for i, layouts in found.items() if len(layouts) == 1}
+
+
+def layer_specs(config: PretrainedConfig, cache_name: str, tp_size: int = 1, model=None) -> list[LayerSpec]:
     """One :class:`LayerSpec` per decoder layer; refuses layer kinds a K/V cache cannot serve. ``tp_size``: under
-    tensor parallelism each rank's layers pass ``1 / tp_size`` of the KV heads (transformers shards them evenly)."""
+    tensor parallelism each rank's layers pass ``1 / tp_size`` of the KV heads (transformers shards them evenly).
+    ``model``: where its attention modules show other widths than the config (see :func:`_module_layouts`), the
+    modules win."""
+    layouts = _module_layouts(model) if isinstance(model, torch.nn.Module) and tp_size == 1 else {}
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
     unsupported = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
     if unsupported:
@@ -139,7 +162,9 @@ def layer_specs(config: PretrainedConfig, cache_name: str, tp_size: int = 1) -> 
                     f"heads for layer {i} (a recurrent or state-space model keeps no KV cache)"
                 )
             heads = _cached_kv_heads(config, layer_config, q_heads)
-            key_dim = value_dim = getattr(layer_config, "head_dim", None) or layer_config.hidden_size // q_heads
+            key_dim = value_dim = (
+                _global(layer_config, "head_dim") or _global(layer_config, "dim_head")  # dim_head: CPM-Ant
+            ) or layer_config.hidden_size // q_heads
             if tp_size > 1:
                 if heads % tp_size:
                     raise ValueError(
@@ -147,6 +172,7 @@ def layer_specs(config: PretrainedConfig, cache_name: str, tp_size: int = 1) -> 
                         f"{model_type(config)} config's {heads} KV heads"
                     )
                 heads //= tp_size
+            heads, key_dim, value_dim = layouts.get(i, (heads, key_dim, value_dim))
         window = kwargs.get("sliding_window") if kind != "full_attention" else None
         specs.append(LayerSpec(kind, window, heads, key_dim, value_dim, rope[i]))
     return specs

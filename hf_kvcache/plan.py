@@ -124,12 +124,13 @@ def kv_bytes(
     check_int("tokens", tokens, 0)
     check_int("batch", batch, 1)
     check_int("tp", tp, 1)
+    model = config if isinstance(config, torch.nn.Module) else None  # its attention modules may override widths
     layer_specs(resolve_config(config), "plan", tp)  # the degree must divide every layer's KV heads
     if tp > 1:
         return kv_bytes(spec, config, tokens, batch, dtype, prompt) // tp
     name, options, share, generated = _plan_spec(spec)
     cache = make_cache(name, config, **options)
-    specs = layer_specs(resolve_config(config), "plan")
+    specs = layer_specs(resolve_config(config), "plan", model=model)
     if share is None or share == 1:
         return int(batch * sum(_layers_nbytes(cache, specs, tokens, dtype, prompt)))
     prompt = max(0, tokens - generated)

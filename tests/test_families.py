@@ -272,3 +272,32 @@ def test_models_without_a_kv_cache_are_refused_by_name():
     for spec in ("int8", "paged", "sink:window=64"):
         with pytest.raises(ValueError, match=r"model_type 'openai-gpt'\) takes no past_key_values"):
             make_cache(spec, model)
+
+
+def test_caches_size_each_layer_from_what_its_attention_module_projects():
+    """MiMo-V2-Flash's modeling file doubles the KV heads of its sliding layers, which its config does not say: the
+    caches read the attention modules (k_proj / v_proj and head_dim) and serve it, lossless ones exactly, and the
+    plan counts what a DynamicCache holds. Built from the config alone, the first forward is refused by name."""
+    from transformers import MiMoV2FlashConfig
+
+    from hf_kvcache.plan import kv_bytes
+
+    config = MiMoV2FlashConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, v_head_dim=16, layer_types=["full_attention", "sliding_attention"],
+        mlp_layer_types=["dense", "dense"], sliding_window=8, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
+    paged = make_cache("paged:block_size=4", model)
+    assert [s.num_kv_heads for s in paged.layer_specs] == [2, 4]
+    ref, out = _generate(model, DynamicCache(config=config), "padded"), _generate(model, paged, "padded")
+    torch.testing.assert_close(out.sequences, ref.sequences, rtol=0, atol=0)
+    dynamic = DynamicCache(config=config)
+    with torch.no_grad():
+        model(**prompt("padded"), past_key_values=dynamic)
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in dynamic.layers)
+    assert kv_bytes("dynamic", model, tokens=12, batch=2, dtype=torch.float32) == held
+    with pytest.raises(ValueError, match=r"layer 1 \(model_type 'mimo_v2_flash'\) was built from a config"):
+        _generate(model, make_cache("int8", config), "padded")

@@ -77,7 +77,7 @@ class PagedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         check_int("grow_blocks", grow_blocks, 1)
         if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int) or bits != 8):
             raise ValueError(f"bits must be None (pages in the model's dtype) or 8 (int8 pages), got {bits!r}")
-        specs = layer_specs(config, type(self).__name__, tensor_parallel_size(model))
+        specs = layer_specs(config, type(self).__name__, tensor_parallel_size(model), model)
         self.block_size, self.num_blocks, self.grow_blocks, self.bits = block_size, num_blocks, grow_blocks, bits
         self.layer_specs = specs
         self.padding = PaddingTracker()

@@ -117,7 +117,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
                 import bitsandbytes  # noqa: F401
             except ImportError as err:
                 raise ImportError("backend='bitsandbytes' needs bitsandbytes: pip install 'hf-kvcache[bnb]'") from err
-        specs = layer_specs(config, type(self).__name__, tensor_parallel_size(model))
+        specs = layer_specs(config, type(self).__name__, tensor_parallel_size(model), model)
         widths = sorted({d for s in specs for d in (s.key_dim, s.value_dim)})
         if group_size is None and bits != 8:
             group_size = next(g for g in (64, 32, 16, 8, 4, 2, 1) if all(d % g == 0 for d in widths))

@@ -30,6 +30,11 @@ from ._base import KVCacheReportMixin, PaddingObserverMixin
 __all__ = ["SlidingWindowKVCache"]
 
 
+# Models that size their attention mask from their own token count instead of the cache's mask sizes (found by the
+# supported-models matrix: CPM-Ant, which also prepends 32 prompt-tuning tokens of its own).
+OWN_MASK_MODELS = ("cpmant",)
+
+
 def _refuse_unservable(config: PretrainedConfig, rerotate: bool, sinks: int) -> None:
     """Models whose positions a cache that evicts tokens cannot keep right: refused at construction."""
     if uses_alibi(config):
@@ -37,6 +42,12 @@ def _refuse_unservable(config: PretrainedConfig, rerotate: bool, sinks: int) -> 
             f"SlidingWindowKVCache cannot serve model_type {model_type(config)!r}: it uses ALiBi position biases, "
             "which the model builds from the full attention mask of every token seen, so they stop matching the stored "
             "keys once the window evicts; use QuantizedKVCache or PagedKVCache (which keep every token)"
+        )
+    if model_type(config) in OWN_MASK_MODELS:
+        raise ValueError(
+            f"SlidingWindowKVCache cannot serve model_type {model_type(config)!r}: it builds its attention mask from "
+            "its own count of every token seen (not from the cache), so the mask stops lining up with the stored keys "
+            "once the window evicts; use QuantizedKVCache or PagedKVCache (which keep every token)"
         )
     if rerotate and sinks and is_latent_attention(config):
         raise ValueError(
@@ -110,7 +121,7 @@ class SlidingWindowKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
                 "of tokens, which a window that evicts one token at a time cannot keep"
             )
         _refuse_unservable(config, rerotate, sinks)
-        specs = layer_specs(config, type(self).__name__, tensor_parallel_size(model))
+        specs = layer_specs(config, type(self).__name__, tensor_parallel_size(model), model)
         self.window, self.sinks, self.rerotate, self.bits = window, sinks, rerotate, bits
         self.layer_specs = specs
         self.padding = PaddingTracker()
