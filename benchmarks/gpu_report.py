@@ -579,6 +579,24 @@ def instruction_mix(report: dict) -> list[dict]:
     return out
 
 
+BEFORE = Path(__file__).resolve().parent.parent / "docs" / "data" / "gpu-report-before.json"
+COMPARED = ("regs", "spills (B)", "smem (KB)", "blocks/SM", "loop instr/tile", "launches/layer-step")
+
+
+def before_after(report: dict, before: dict) -> list[dict]:
+    """Each summary row as ``before -> after`` where a figure changed (the issue's closing table)."""
+    old = {(r["kind"], r.get("arch")): r for r in before["summary"]}
+    out = []
+    for row in summary(report):
+        prev = old.get((row["kind"], row.get("arch")), {})
+        cells = {"kind": row["kind"], "arch": row.get("arch", "")}
+        for name in (*COMPARED, "est. vs sdpa 16k x 8"):
+            a, b = prev.get(name, ""), row.get(name, "")
+            cells[name] = f"{a} → {b}" if a != b and a != "" else str(b)
+        out.append(cells)
+    return out
+
+
 def render(report: dict) -> str:
     tools = report["toolchain"]
     lines = [
@@ -598,6 +616,18 @@ def render(report: dict) -> str:
         _table(summary(report), list(summary(report)[0]) if summary(report) else []),
         "",
     ]
+    if BEFORE.exists() and summary(report):
+        before = json.loads(BEFORE.read_text())
+        rows = before_after(report, before)
+        lines += [
+            "## Before and after the kernel changes",
+            "",
+            f"`before → after` where a figure changed; before: {before['what']}. The estimate is the roofline "
+            "model's, not a measurement.",
+            "",
+            _table(rows, list(rows[0])),
+            "",
+        ]
     mix = instruction_mix(report)
     if mix:
         lines += [

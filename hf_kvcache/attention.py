@@ -91,10 +91,11 @@ def hf_kvcache_attention(
 
 
 def _mask(*args, **kwargs):
-    """sdpa's boolean mask, always materialized: the kernels have no ``is_causal`` shortcut."""
+    """sdpa's boolean mask, skipped (None) where it is plainly causal, as sdpa's own: a prefill then takes sdpa's
+    ``is_causal`` path instead of reading a materialized ``(q, T)`` mask, and a decode step over a storage handle
+    builds its causal mask itself (:func:`_causal_mask`, a ``(B, 1, q, T)`` comparison)."""
     from transformers.masking_utils import sdpa_mask
 
-    kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, **kwargs)
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import tiny_model
+from models import prompt, tiny_model
 from transformers import DynamicCache, LlamaConfig
 
-from hf_kvcache import QuantizedKVCache, cache_nbytes, dynamic_bytes_per_token
+from hf_kvcache import QuantizedKVCache, cache_nbytes, dynamic_bytes_per_token, make_cache
 from hf_kvcache.layers import _storage
 
 
@@ -544,3 +544,26 @@ def test_sinks_validation_and_a_cache_built_from_a_config():
     k = torch.randn(2, 2, 10, 16)
     cache.update(k, k.clone(), 0)
     assert cache.layers[0].sink_length == 2  # no model: rows count as unpadded
+
+
+@pytest.mark.parametrize("batch, materialized", [("single", False), ("padded", True)])
+def test_hf_kvcache_prefill_takes_sdpas_causal_path_unless_padded(batch, materialized, monkeypatch):
+    """An unpadded prefill under the hf_kvcache attention reaches sdpa with no mask (its ``is_causal`` path: a
+    materialized mask made prefill 1.45x slower than sdpa's at 4k tokens on the real model); a padded one gets the
+    mask; decode steps over the storage handle build their causal mask themselves, and the outputs stay sdpa's."""
+    import transformers.integrations.sdpa_attention as sdpa_module
+
+    seen = []
+    original = sdpa_module.sdpa_attention_forward
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append(attention_mask is not None)
+        return original(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setattr(sdpa_module, "sdpa_attention_forward", spy)
+    model = tiny_model("llama", "hf_kvcache")
+    out = model.generate(**prompt(batch), past_key_values=make_cache("int8", model), max_new_tokens=4, do_sample=False)
+    assert seen and set(seen) == {materialized}  # the prefill's layers: the only forwards sdpa serves
+    ref = tiny_model("llama", "sdpa")
+    want = ref.generate(**prompt(batch), past_key_values=make_cache("int8", ref), max_new_tokens=4, do_sample=False)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)

@@ -29,14 +29,17 @@ def _load_kv(
     s_b, s_h, s_t, s_d, ss_b, ss_h, ss_t, ss_d,
     TABLE, stab_b, stab_n, START,
     KIND: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, IS_KEY: tl.constexpr, BS: tl.constexpr,
+    FOLD: tl.constexpr,
 ):  # fmt: skip
-    """A ``(BLOCK_N, BLOCK_D)`` float32 tile of keys (``IS_KEY``) or values of tokens ``t``, channels ``d``."""
+    """A ``(BLOCK_N, BLOCK_D)`` float32 tile of keys (``IS_KEY``) or values of tokens ``t``, channels ``d``.
+    ``FOLD``: int8 codes with one scale per token and head are returned unscaled; the caller folds the scales (see
+    :func:`_load_scale`) into the scores and the probabilities instead of scaling every element."""
     ok = tok_ok[:, None] & d_ok[None, :]
     if KIND == 3 or KIND == 4:  # paged: token -> block table entry -> slot
         block = tl.load(TABLE + b * stab_b + (t // BS) * stab_n, mask=tok_ok, other=0)
         slot = tl.maximum(block, 0) * BS + t % BS
         x = tl.load(K + slot[:, None] * s_t + h * s_h + d[None, :] * s_d, mask=ok, other=0).to(tl.float32)
-        if KIND == 4:
+        if KIND == 4 and not FOLD:
             scale = tl.load(KS + slot * ss_t + h * ss_h, mask=tok_ok, other=0).to(tl.float32)
             x = x * scale[:, None]
         return x
@@ -54,10 +57,22 @@ def _load_kv(
         zero = tl.load(KZ + where, mask=ok, other=0).to(tl.float32)
         return code * scale + zero
     x = tl.load(K + base + t[:, None] * s_t + d[None, :] * s_d, mask=ok, other=0).to(tl.float32)
-    if KIND == 1:  # int8: one scale per token and group of GROUP channels
+    if KIND == 1 and not FOLD:  # int8: one scale per token and group of GROUP channels
         where = b * ss_b + h * ss_h + t[:, None] * ss_t + (d[None, :] // GROUP) * ss_d
         x = x * tl.load(KS + where, mask=ok, other=0).to(tl.float32)
     return x
+
+
+@triton.jit
+def _load_scale(
+    KS, b, h, t, tok_ok, ss_b, ss_h, ss_t, TABLE, stab_b, stab_n, KIND: tl.constexpr, BS: tl.constexpr,
+):  # fmt: skip
+    """The ``(BLOCK_N,)`` int8 scales of tokens ``t`` (one per token and head): a 1-D load, not a tile."""
+    if KIND == 4:
+        block = tl.load(TABLE + b * stab_b + (t // BS) * stab_n, mask=tok_ok, other=0)
+        slot = tl.maximum(block, 0) * BS + t % BS
+        return tl.load(KS + slot * ss_t + h * ss_h, mask=tok_ok, other=0).to(tl.float32)
+    return tl.load(KS + b * ss_b + h * ss_h + t * ss_t, mask=tok_ok, other=0).to(tl.float32)
 
 
 @triton.jit
@@ -69,7 +84,7 @@ def _partial_kernel(
     stab_b, stab_n, sm_b, sm_q, sm_t,
     H, T, START, q_len, G, DK, DV, per_split, scaling, softcap,
     KIND: tl.constexpr, BITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, BS: tl.constexpr,
-    HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
+    HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, FOLD: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -97,16 +112,18 @@ def _partial_kernel(
         tok_ok = t < hi
         k = _load_kv(
             K, KS, KZ, b, h, t, tok_ok, dk, dk_ok, sk_b, sk_h, sk_t, sk_d, sks_b, sks_h, sks_t, sks_d,
-            TABLE, stab_b, stab_n, START, KIND, BITS, GK, True, BS,
+            TABLE, stab_b, stab_n, START, KIND, BITS, GK, True, BS, FOLD,
         )  # fmt: skip
         v = _load_kv(
             V, VS, VZ, b, h, t, tok_ok, dv, dv_ok, sv_b, sv_h, sv_t, sv_d, svs_b, svs_h, svs_t, svs_d,
-            TABLE, stab_b, stab_n, START, KIND, BITS, GV, False, BS,
+            TABLE, stab_b, stab_n, START, KIND, BITS, GV, False, BS, FOLD,
         )  # fmt: skip
         if DOT_FP32:
             s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
-        else:  # the model's 16-bit dtype on tensor cores, accumulated in float32
+        else:  # the model's 16-bit dtype on tensor cores (int8 codes are exact in it), accumulated in float32
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        if FOLD:  # q . (code_t x scale_t) = (q . code_t) x scale_t
+            s = s * _load_scale(KS, b, h, t, tok_ok, sks_b, sks_h, sks_t, TABLE, stab_b, stab_n, KIND, BS)[None, :]
         s = s * scaling
         if SOFTCAP:
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
@@ -120,10 +137,13 @@ def _partial_kernel(
         p = tl.exp(s - safe[:, None])
         alpha = tl.exp(m_i - safe)
         l_i = l_i * alpha + tl.sum(p, 1)
+        pv = p
+        if FOLD:  # sum_t p_t (code_t x scale_t) = sum_t (p_t x scale_t) code_t
+            pv = p * _load_scale(VS, b, h, t, tok_ok, svs_b, svs_h, svs_t, TABLE, stab_b, stab_n, KIND, BS)[None, :]
         if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+            acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype))
         m_i = m_new
     R = G * q_len
     out = (pid * R + rows) * num_splits + split  # (B * H, R, S) row-major
@@ -179,6 +199,8 @@ def triton_partial(
     v_strides = [0, v.stride(1), v.stride(0), v.stride(2)] if kind >= PAGED else list(v.stride())
     ks_strides = [0, ks.stride(1), ks.stride(0), 0] if kind == PAGED_INT8 else _strides(ks)
     vs_strides = [0, vs.stride(1), vs.stride(0), 0] if kind == PAGED_INT8 else _strides(vs)
+    # One int8 scale per token and head (int8's default, and every int8 page): folded into scores and probabilities.
+    fold = kind == PAGED_INT8 or (kind == INT8 and ks.shape[-1] == 1 and vs.shape[-1] == 1)
     mask_u8 = mask.view(torch.uint8) if mask is not None else None
     per_split = -(-max(length, 1) // splits)
     per_split = -(-per_split // BLOCK_N) * BLOCK_N
@@ -193,7 +215,7 @@ def triton_partial(
         hkv, length, start, q_len, g, k.shape[-1] * (8 // bits if kind == KIVI else 1),
         dv, per_split, float(scaling), float(softcap or 0.0),
         KIND=kind, BITS=bits, GK=gk, GV=gv, BS=bs, HAS_MASK=mask is not None, SOFTCAP=bool(softcap),
-        DOT_FP32=query.dtype == torch.float32, BLOCK_R=_block(rows), BLOCK_N=BLOCK_N,
+        DOT_FP32=query.dtype == torch.float32, FOLD=fold, BLOCK_R=_block(rows), BLOCK_N=BLOCK_N,
         BLOCK_DK=_block(dk), BLOCK_DV=_block(dv),
     )  # fmt: skip
     return m.view(b, hkv, g, q_len, splits), l_.view(b, hkv, g, q_len, splits), acc.view(b, hkv, g, q_len, splits, dv)
