@@ -302,10 +302,12 @@ def derived_findings(rows: list[dict]) -> dict:
     pairs = [k for k in key if k[3] and (*k[:3], False, k[4]) in key]
     differ = [k for k in pairs if key[k] != key[(*k[:3], False, k[4])]]
     if pairs:
-        out["left padding"] = (
-            f"changes the specialization in {len(differ)} of {len(pairs)} variants: the mask is always materialized "
-            "(the hf_kvcache mask function never skips it), so padding only changes its contents"
+        why = (
+            "an unpadded single-token step gets no mask (the kernel skips the mask tile) and a padded one loads it"
+            if differ
+            else "the mask is always materialized, so padding only changes its contents"
         )
+        out["left padding"] = f"changes the specialization in {len(differ)} of {len(pairs)} variants: {why}"
     return out
 
 
