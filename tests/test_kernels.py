@@ -183,7 +183,8 @@ def test_reference_scratch_is_bounded_by_its_chunk(monkeypatch):
 
     query, seg, _, _, mask = _case("int8", 2000)
     widths = []
-    real = Int8Segment.read
-    monkeypatch.setattr(Int8Segment, "read", lambda self, a, b: widths.append(b - a) or real(self, a, b))
+    for name in ("read", "read_folded"):  # one int8 scale per token: the codes are read, the scales folded
+        real = getattr(Int8Segment, name)
+        monkeypatch.setattr(Int8Segment, name, lambda self, a, b, real=real: widths.append(b - a) or real(self, a, b))
     partial(query, seg, mask, 0.125, 0.0, 1)
     assert max(widths) <= reference.REFERENCE_CHUNK and sum(widths) == 2000

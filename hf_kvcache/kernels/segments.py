@@ -71,6 +71,14 @@ class Int8Segment:
     def length(self) -> int:
         return self.k.shape[2]
 
+    def read_folded(self, a: int, b: int) -> tuple[torch.Tensor, ...] | None:
+        """Codes and ``(B, H, n)`` scales of tokens ``a:b`` when there is one scale per token and head (the scales
+        then fold into scores and weights), else None."""
+        if self.ks.shape[-1] != 1 or self.vs.shape[-1] != 1:
+            return None
+        k, v = self.k[:, :, a:b].float(), self.v[:, :, a:b].float()
+        return k, self.ks[:, :, a:b, 0].float(), v, self.vs[:, :, a:b, 0].float()
+
     def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.k[:, :, a:b].float() * _group_expand(self.ks[:, :, a:b], self.k.shape[-1])
         v = self.v[:, :, a:b].float() * _group_expand(self.vs[:, :, a:b], self.v.shape[-1])
