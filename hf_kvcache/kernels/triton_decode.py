@@ -75,7 +75,14 @@ def _load_scale(
     return tl.load(KS + b * ss_b + h * ss_h + t * ss_t, mask=tok_ok, other=0).to(tl.float32)
 
 
-@triton.jit
+# Arguments that change between decode steps are not specialized on (Triton marks integers divisible by 16 and
+# pointers aligned to 16 bytes, so each would compile another kernel and switch between them as lengths grow): the
+# lengths, the scales' batch strides (their buffers grow with the history) and the mask, a slice whose offset and
+# strides follow the length. K/V strides stay specialized: their divisibility is what lets the tile loads vectorize.
+@triton.jit(
+    do_not_specialize=["T", "sm_b", "sm_q"],
+    do_not_specialize_on_alignment=["MASK"],
+)
 def _partial_kernel(
     Q, K, V, KS, KZ, VS, VZ, TABLE, MASK, M_OUT, L_OUT, ACC_OUT,
     sq_b, sq_h, sq_q, sq_d,

@@ -8,6 +8,7 @@ the token axis by a fraction of the current size, so an append costs amortized O
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -18,8 +19,11 @@ MIN_GROWTH_TOKENS = 64
 
 
 def _grown_capacity(needed: int, unit: int) -> int:
+    """Tokens to allocate for ``needed``: with headroom, a multiple of ``unit`` and of 16, so that the buffers' batch
+    and head strides keep the same divisibility as they grow (the Triton kernels compile once, not per capacity)."""
     cap = needed + max(MIN_GROWTH_TOKENS, int(needed * GROWTH))
-    return -(-cap // unit) * unit
+    align = unit * 16 // math.gcd(unit, 16)
+    return -(-cap // align) * align
 
 
 def _nbytes(t: torch.Tensor) -> int:
