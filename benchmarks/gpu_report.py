@@ -303,9 +303,9 @@ def derived_findings(rows: list[dict]) -> dict:
     differ = [k for k in pairs if key[k] != key[(*k[:3], False, k[4])]]
     if pairs:
         why = (
-            "an unpadded single-token step gets no mask (the kernel skips the mask tile) and a padded one loads it"
+            "the mask's alignment or presence follows the padding"
             if differ
-            else "the mask is always materialized, so padding only changes its contents"
+            else "padded and unpadded steps share one kernel (padding changes the mask's contents, not the build)"
         )
         out["left padding"] = f"changes the specialization in {len(differ)} of {len(pairs)} variants: {why}"
     return out
