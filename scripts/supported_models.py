@@ -416,7 +416,9 @@ LABELS = {"equal": "equal", "bound": "within bound", "over": "over bound", "runs
 def _key(detail: str, names: set[str]) -> str:
     """A refusal's message with the model's own names taken out, so that one reason groups many model types."""
     detail = re.sub(r"\b\w+(ForCausalLM|LMHeadModel|ForConditionalGeneration|Decoder)\b", "…", detail)
-    return re.sub(r"'([\w-]+)'", lambda m: "'…'" if m[1] in names or m[1].endswith("_text") else m[0], detail)
+    detail = re.sub(r"'([\w-]+)'", lambda m: "'…'" if m[1] in names or m[1].endswith("_text") else m[0], detail)
+    # Saved messages are cut at 300 characters, where names of different lengths move the cut: group on less.
+    return detail if len(detail) <= 240 else detail[:240] + "…"
 
 
 def render(saved: dict) -> str:
