@@ -42,6 +42,10 @@ STREAM_CACHES = "dynamic,sink:window=1024:sinks=0,sink:window=1024:sinks=4"
 LOWBIT_CACHES = ",".join(
     f"int{b}{o}" for b in (4, 2) for o in ("", ":rotate=hadamard", ":sinks=4", ":sinks=4:rotate=hadamard")
 )
+BENCH = [
+    *"--new-tokens 8 --repeats 1 --caches".split(),
+    "dynamic,int8,int4,int2,sink:window=1024:sinks=4,paged:block_size=16",
+]
 RUNS: dict[str, list[str]] = {
     "eval-default": [
         "eval",
@@ -67,6 +71,21 @@ RUNS: dict[str, list[str]] = {
         *REAL,
         *"--task perplexity --max-tokens 2048 --context 1024 --prefill 512".split(),
         *["--caches", "dynamic," + LOWBIT_CACHES],
+    ],
+    "eval-lowbit-passkey": [
+        "eval",
+        *REAL,
+        *"--task passkey --lengths 1024,2048 --depths 0.1,0.3,0.5,0.7,0.9 --samples 2".split(),
+        *["--caches", "dynamic,int4,int2,int2:rotate=hadamard,int2:sinks=4:rotate=hadamard"],
+    ],
+    # CPU speed and memory on the real model (2 cores, one thread each; 1 repeat: read ratios, not spreads).
+    "bench-cpu": ["bench", *REAL, *BENCH, "--contexts", "1024,4096", "--attn", "sdpa,hf_kvcache"],
+    "bench-cpu-8k": ["bench", *REAL, *BENCH, "--contexts", "8000"],
+    "bench-cpu-batch4": ["bench", *REAL, *BENCH, "--contexts", "4096", "--batch", "4"],
+    "bench-cpu-budget": [
+        "bench",
+        *REAL,
+        *"--new-tokens 4 --repeats 1 --contexts 1024 --caches dynamic,int8,int4,int2 --memory-budget-gib 0.75".split(),
     ],
     "eval-stream": [
         "eval",

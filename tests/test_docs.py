@@ -201,6 +201,7 @@ def test_site_builds_strictly_with_every_page(site):
         "eval-default/perplexity_bytes.png",
         "eval-stream/perplexity_vs_position.png",
         "eval-passkey/passkey_heatmap.png",
+        "bench-cpu/bench.png",
     ):
         assert (site / "results" / plot).stat().st_size > 10_000, plot
 
