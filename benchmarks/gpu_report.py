@@ -7,7 +7,8 @@ Deterministic (no GPU needed, the same numbers on every run):
    bundled ptxas, from the exact specialization a real launch gets: a decode step of the real cache runs on CPU at
    the Llama-3-8B attention shape (32 query / 8 KV heads, bfloat16) and each launch is intercepted (see
    ``_gpu_aot``). Per variant: registers, spills, shared memory, resident blocks per SM, waves at 4k x 1, 16k x 8 and
-   32k x 8, SASS instructions per warp in the main loop (one 64-token tile per iteration) and bytes read.
+   32k x 8, SASS instructions per warp in the main loop (per 64 tokens: one tile per iteration, KIVI's tiles being
+   one key group, scaled to 64 tokens where a group is smaller) and bytes read.
 2. Kernel launches per layer per decode step for every cache under the ``hf_kvcache`` attention and for
    ``DynamicCache`` under sdpa, counted with a ``TorchDispatchMode`` over decode steps of a tiny Llama (the rule is
    :func:`counts_as_launch`); the distinct compiled variants 100 decode steps of varying length and padding produce.
@@ -244,6 +245,10 @@ def compile_variants(grid: list[dict], log) -> tuple[list[dict], dict]:
             c = compiled[(main.key, arch)]
             row = {**v, "arch": arch, "segment": main.segment, "launches": len(launches), **c}
             row["block_dk"], row["block_dv"] = constexprs["BLOCK_DK"], constexprs["BLOCK_DV"]
+            row["block_n"] = constexprs["BLOCK_N"]
+            if c.get("loop_instructions") and row["block_n"] != 64:  # KIVI tiles are one key group: per 64 tokens
+                row["loop_instructions"] = round(c["loop_instructions"] * 64 / row["block_n"])
+                row["loop_ops"] = {op: round(n * 64 / row["block_n"]) for op, n in c["loop_ops"].items()}
             row["rows"], row["block_r"] = main.bound["G"] * v["q_len"], constexprs["BLOCK_R"]
             row["specialized"] = _specialized(main)
             row["variant"] = hashlib.sha1(main.key.encode()).hexdigest()[:10]  # Triton's cache key, shortened
@@ -612,7 +617,8 @@ def render(report: dict) -> str:
         "",
         f"Each kernel compiled from the specialization of a real launch: one decode step of the real cache after a "
         f"{PROMPT}-token prompt, batch 2, row 0 left-padded by {PAD} tokens. `loop instr/tile`: SASS instructions per "
-        "warp in the main loop, one 64-token tile per iteration. `est. vs sdpa`: the roofline estimate below "
+        "warp in the main loop per 64 tokens (one tile per iteration; a KIVI tile is one key group). "
+        "`est. vs sdpa`: the roofline estimate below "
         "(> 1 is faster than sdpa over bfloat16), not a measurement.",
         "",
         _table(summary(report), list(summary(report)[0]) if summary(report) else []),

@@ -163,6 +163,28 @@ def test_kivi_segment_starting_inside_a_key_group():
     _close(tri, ref, torch.float32)
 
 
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("group, head_dim", [(16, 64), (32, 96), (64, 64), (128, 128), (8, 64), (24, 96)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_kivi_group_sizes(bits, group, head_dim, dtype):
+    """Key groups of 16-128 tokens (powers of two) take one group per tile with the channel scales folded into the
+    query; other sizes (8, 24) dequantize per element. Both equal the reference, from a start inside a key group and
+    over several splits."""
+    g = torch.Generator().manual_seed(group + head_dim + bits)
+    t = 4 * 128 - 4 * 128 % group
+    k, v = torch.randn(2, 2, t, head_dim, generator=g), torch.randn(2, 2, t, head_dim, generator=g)
+    codec = KiviCodec(bits, group, torch.float32)
+    p = codec.encode(k, v)
+    start = group // 2 + 3
+    seg = KiviSegment(bits, group, start, t - start, p["k"], p["ks"], p["kz"], p["v"], p["vs"], p["vz"])
+    mask = torch.ones(2, 2, seg.length, dtype=torch.bool)
+    mask[1, :, :9] = False
+    mask[:, 0, -1] = False
+    query = torch.randn(2, 8, 2, head_dim, generator=g).to(dtype)
+    ref, tri = _run(query, seg, mask, splits=3)
+    _close(tri, ref, dtype)
+
+
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 def test_paged_kernel_with_padding_blocks_and_any_block_size(block_size):
     g = torch.Generator().manual_seed(1)

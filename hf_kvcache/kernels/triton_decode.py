@@ -2,8 +2,9 @@
 
 Flash-decoding: the grid is (batch x KV heads, splits); a program takes all query rows of one KV head (``G`` query
 heads x ``q`` query tokens, so K/V are read once per KV head, not once per query head), walks its split of the tokens
-``BLOCK_N`` at a time, dequantizes each tile in registers (int8: code x scale; KIVI: unpack, code x scale + zero;
-paged: slots through the block table) and keeps an online softmax; :func:`~hf_kvcache.kernels.reference.combine`
+``BLOCK_N`` at a time, dequantizes each tile in registers (int8: codes, scales folded into scores and probabilities;
+KIVI: a tile is one key group, its packed rows loaded whole and unpacked in registers, the group's channel scales and
+zero points folded into the query; paged: slots through the block table) and keeps an online softmax; :func:`~hf_kvcache.kernels.reference.combine`
 reduces the splits. Every load is masked (out-of-range tokens, channels and rows), so the kernels also run under
 ``TRITON_INTERPRET=1`` on CPU tensors, which is how the CPU test suite checks them (float32 and float16: the
 interpreter is wrong for bfloat16, which only a GPU run checks).
@@ -64,6 +65,47 @@ def _load_kv(
 
 
 @triton.jit
+def _kivi_codes(P, base, ta, tok_ok, s_t, s_d, D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr):  # fmt: skip
+    """A ``(BLOCK_N, BLOCK_D)`` int32 tile of KIVI codes: each packed byte loaded once (a row of ``D * BITS / 8``
+    bytes per token) and unpacked in registers, low bits first."""
+    PER: tl.constexpr = 8 // BITS
+    w = tl.arange(0, BLOCK_D // PER)
+    ok = tok_ok[:, None] & (w < D // PER)[None, :]
+    byte = tl.load(P + base + ta[:, None] * s_t + w[None, :] * s_d, mask=ok, other=0).to(tl.int32)
+    LOW: tl.constexpr = (1 << BITS) - 1
+    if PER == 2:
+        code = tl.interleave(byte & LOW, byte >> 4)
+    else:
+        code = tl.interleave(tl.interleave(byte & LOW, (byte >> 4) & LOW), tl.interleave((byte >> 2) & LOW, byte >> 6))
+    return code
+
+
+@triton.jit
+def _codes_as(code, dtype: tl.constexpr):
+    """Small non-negative integer codes as ``dtype`` without a conversion instruction: OR the code into the mantissa
+    of a power of two (2^23 in float32, 1024 in float16, 128 in bfloat16: each code is exact there) and subtract it."""
+    if dtype == tl.float16:
+        return (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    elif dtype == tl.bfloat16:
+        return (code | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 128.0
+    else:
+        return (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _kivi_group_expand(X, base, ta, tok_ok, s_t, s_d, D: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_D: tl.constexpr):  # fmt: skip
+    """Per-token values of ``GROUP``-channel groups, loaded as a ``(BLOCK_N, groups)`` tile and broadcast over each
+    group's channels to ``(BLOCK_N, BLOCK_D)`` in registers (not addressed per element)."""
+    NG: tl.constexpr = BLOCK_D // GROUP
+    gi = tl.arange(0, NG)
+    x = tl.load(X + base + ta[:, None] * s_t + gi[None, :] * s_d, mask=tok_ok[:, None] & (gi < D // GROUP)[None, :],
+                other=0).to(tl.float32)  # fmt: skip
+    return tl.reshape(tl.broadcast_to(x[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, BLOCK_D))
+
+
+@triton.jit
 def _load_scale(
     KS, b, h, t, tok_ok, ss_b, ss_h, ss_t, TABLE, stab_b, stab_n, KIND: tl.constexpr, BS: tl.constexpr,
 ):  # fmt: skip
@@ -93,6 +135,7 @@ def _partial_kernel(
     DK: tl.constexpr, DV: tl.constexpr,
     KIND: tl.constexpr, BITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, BS: tl.constexpr,
     HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, FOLD: tl.constexpr,
+    KIVI_TILE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -115,21 +158,44 @@ def _partial_kernel(
     acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
     lo = split * per_split
     hi = tl.minimum(lo + per_split, T)
-    for t0 in range(lo, hi, BLOCK_N):
+    first = lo
+    if KIVI_TILE:  # tiles of one key group each, aligned to the groups of the stored tokens
+        first = lo - (lo + START) % BLOCK_N
+    for t0 in range(first, hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tok_ok = t < hi
-        k = _load_kv(
-            K, KS, KZ, b, h, t, tok_ok, dk, dk_ok, sk_b, sk_h, sk_t, sk_d, sks_b, sks_h, sks_t, sks_d,
-            TABLE, stab_b, stab_n, START, KIND, BITS, GK, True, BS, FOLD,
-        )  # fmt: skip
-        v = _load_kv(
-            V, VS, VZ, b, h, t, tok_ok, dv, dv_ok, sv_b, sv_h, sv_t, sv_d, svs_b, svs_h, svs_t, svs_d,
-            TABLE, stab_b, stab_n, START, KIND, BITS, GV, False, BS, FOLD,
-        )  # fmt: skip
-        if DOT_FP32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
-        else:  # the model's 16-bit dtype on tensor cores (int8 codes are exact in it), accumulated in float32
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        if KIVI_TILE:
+            tok_ok = tok_ok & (t >= lo)
+            ta = t + START
+            # keys: q . (code x scale_c + zero_c) = (q x scale) . code + q . zero, with this group's channel scales
+            k = _kivi_codes(K, b * sk_b + h * sk_h, ta, tok_ok, sk_t, sk_d, DK, BITS, BLOCK_N, BLOCK_DK)
+            kgroup = b * sks_b + h * sks_h + ((t0 + START) // GK) * sks_t + dk * sks_d
+            qf = q.to(tl.float32)
+            qk = qf * tl.load(KS + kgroup, mask=dk_ok, other=0).to(tl.float32)[None, :]
+            bias = tl.sum(qf * tl.load(KZ + kgroup, mask=dk_ok, other=0).to(tl.float32)[None, :], 1)
+            vbase = b * svs_b + h * svs_h
+            v = _codes_as(
+                _kivi_codes(V, b * sv_b + h * sv_h, ta, tok_ok, sv_t, sv_d, DV, BITS, BLOCK_N, BLOCK_DV), tl.float32
+            )
+            v = v * _kivi_group_expand(VS, vbase, ta, tok_ok, svs_t, svs_d, DV, GV, BLOCK_N, BLOCK_DV)
+            v = v + _kivi_group_expand(VZ, vbase, ta, tok_ok, svs_t, svs_d, DV, GV, BLOCK_N, BLOCK_DV)
+            if DOT_FP32:
+                s = tl.dot(qk, tl.trans(_codes_as(k, tl.float32)), input_precision="ieee") + bias[:, None]
+            else:  # codes are exact in 16 bits
+                s = tl.dot(qk.to(q.dtype), tl.trans(_codes_as(k, q.dtype))) + bias[:, None]
+        else:
+            k = _load_kv(
+                K, KS, KZ, b, h, t, tok_ok, dk, dk_ok, sk_b, sk_h, sk_t, sk_d, sks_b, sks_h, sks_t, sks_d,
+                TABLE, stab_b, stab_n, START, KIND, BITS, GK, True, BS, FOLD,
+            )  # fmt: skip
+            v = _load_kv(
+                V, VS, VZ, b, h, t, tok_ok, dv, dv_ok, sv_b, sv_h, sv_t, sv_d, svs_b, svs_h, svs_t, svs_d,
+                TABLE, stab_b, stab_n, START, KIND, BITS, GV, False, BS, FOLD,
+            )  # fmt: skip
+            if DOT_FP32:
+                s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
+            else:  # the model's 16-bit dtype on tensor cores (int8 codes are exact in it), accumulated in float32
+                s = tl.dot(q, tl.trans(k.to(q.dtype)))
         if FOLD:  # q . (code_t x scale_t) = (q . code_t) x scale_t
             s = s * _load_scale(KS, b, h, t, tok_ok, sks_b, sks_h, sks_t, TABLE, stab_b, stab_n, KIND, BS)[None, :]
         s = s * scaling
@@ -209,9 +275,13 @@ def triton_partial(
     vs_strides = [0, vs.stride(1), vs.stride(0), 0] if kind == PAGED_INT8 else _strides(vs)
     # One int8 scale per token and head (int8's default, and every int8 page): folded into scores and probabilities.
     fold = kind == PAGED_INT8 or (kind == INT8 and ks.shape[-1] == 1 and vs.shape[-1] == 1)
+    # KIVI with key groups of 16-128 tokens (a power of two): one group per tile, its channel scales folded into the
+    # query; other group sizes dequantize every element of the tile.
+    kivi_tile = kind == KIVI and 16 <= gk <= 128 and gk & (gk - 1) == 0
+    block_n = gk if kivi_tile else BLOCK_N
     mask_u8 = mask.view(torch.uint8) if mask is not None else None
     per_split = -(-max(length, 1) // splits)
-    per_split = -(-per_split // BLOCK_N) * BLOCK_N
+    per_split = -(-per_split // block_n) * block_n
     _partial_kernel[(b * hkv, splits)](
         query, k, v,
         ks if ks is not None else dummy, kz if kz is not None else dummy,
@@ -223,7 +293,7 @@ def triton_partial(
         hkv, length, start, q_len, g, per_split, float(scaling), float(softcap or 0.0),
         DK=k.shape[-1] * (8 // bits if kind == KIVI else 1), DV=dv,
         KIND=kind, BITS=bits, GK=gk, GV=gv, BS=bs, HAS_MASK=mask is not None, SOFTCAP=bool(softcap),
-        DOT_FP32=query.dtype == torch.float32, FOLD=fold, BLOCK_R=_block(rows), BLOCK_N=BLOCK_N,
+        DOT_FP32=query.dtype == torch.float32, FOLD=fold, KIVI_TILE=kivi_tile, BLOCK_R=_block(rows), BLOCK_N=block_n,
         BLOCK_DK=_block(dk), BLOCK_DV=_block(dv),
     )  # fmt: skip
     return m.view(b, hkv, g, q_len, splits), l_.view(b, hkv, g, q_len, splits), acc.view(b, hkv, g, q_len, splits, dv)
