@@ -4,7 +4,9 @@ are deterministic, and kernel launches are really counted.
 The report compiles with Triton's CUDA backend, which cannot run in a process where ``TRITON_INTERPRET=1`` was set
 before triton was imported (conftest sets it without a GPU), so the command runs in a subprocess without it. The
 quick subset (one variant per storage kind at the 8B shape, both targets) keeps this file near 60 s; the script
-compiles the whole grid. No thresholds here: the report records today's values (issue 22).
+compiles the whole grid. The thresholds of issue 22 that the kernels meet are tested here (the compiled numbers are
+deterministic); the report lists the ones they do not meet yet (int8 >= 3 resident blocks per SM, launches per
+layer-step within sdpa's + 2).
 """
 
 import json
@@ -86,6 +88,33 @@ def test_launches_are_counted(reports):
     assert baseline["attention"] == "sdpa" and baseline["launches_per_layer"] > 0
     for kind in gpu_report.KINDS:  # every cache under hf_kvcache has a row, and its attention launches something
         assert rows[(kind, True)]["launches_per_layer"] > 0
+
+
+def _main_rows(report: dict) -> dict:
+    return {(r["kind"], r["arch"]): r for r in report["variants"] if r["q_len"] == 1 and r["head_dim"] == 128}
+
+
+@needs_ptxas
+def test_thresholds_no_spills_and_loop_cost_against_dense(reports):
+    """At the 8B shape with one query token: no kernel spills on sm_80 or sm_90, and on sm_90 (the issue's target;
+    sm_80's int8 is 1.6x) per 64 tokens the int8 main loop costs <= 1.5x the dense kernel's instructions, KIVI 4-bit's
+    <= 2x."""
+    rows = _main_rows(reports[0])
+    for (kind, arch), r in rows.items():
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (kind, arch, r["spill_stores"], r["spill_loads"])
+        assert r["fits"], (kind, arch, r["limited_by"])
+    dense = rows[("dense", 90)]["loop_instructions"]
+    assert rows[("int8", 90)]["loop_instructions"] <= 1.5 * dense, (rows[("int8", 90)]["loop_instructions"], dense)
+    assert rows[("int4", 90)]["loop_instructions"] <= 2.0 * dense, (rows[("int4", 90)]["loop_instructions"], dense)
+
+
+@needs_ptxas
+def test_threshold_one_compiled_variant_per_storage_kind(reports):
+    """Decode steps of varying length and padding compile each segment kind once (the history length and the mask's
+    alignment are not specialized on)."""
+    for row in reports[0]["compiled_variants"]:
+        per_segment = {k: n for k, n in row.items() if k.startswith("variants ")}
+        assert per_segment and all(n == 1 for n in per_segment.values()), row
 
 
 def test_counter_counts_kernels_not_views():

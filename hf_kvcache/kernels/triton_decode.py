@@ -4,10 +4,10 @@ Flash-decoding: the grid is (batch x KV heads, splits); a program takes all quer
 heads x ``q`` query tokens, so K/V are read once per KV head, not once per query head), walks its split of the tokens
 ``BLOCK_N`` at a time, dequantizes each tile in registers (int8: codes, scales folded into scores and probabilities;
 KIVI: a tile is one key group, its packed rows loaded whole and unpacked in registers, the group's channel scales and
-zero points folded into the query; paged: slots through the block table) and keeps an online softmax; :func:`~hf_kvcache.kernels.reference.combine`
-reduces the splits. Every load is masked (out-of-range tokens, channels and rows), so the kernels also run under
-``TRITON_INTERPRET=1`` on CPU tensors, which is how the CPU test suite checks them (float32 and float16: the
-interpreter is wrong for bfloat16, which only a GPU run checks).
+zero points folded into the query; paged: slots through the block table) and keeps an online softmax;
+:func:`~hf_kvcache.kernels.reference.combine` reduces the splits. Every load is masked (out-of-range tokens, channels
+and rows), so the kernels also run under ``TRITON_INTERPRET=1`` on CPU tensors, which is how the CPU test suite checks
+them (float32 and float16: the interpreter is wrong for bfloat16, which only a GPU run checks).
 """
 
 from __future__ import annotations
@@ -72,13 +72,14 @@ def _kivi_codes(P, base, ta, tok_ok, s_t, s_d, D: tl.constexpr, BITS: tl.constex
     PER: tl.constexpr = 8 // BITS
     w = tl.arange(0, BLOCK_D // PER)
     ok = tok_ok[:, None] & (w < D // PER)[None, :]
-    byte = tl.load(P + base + ta[:, None] * s_t + w[None, :] * s_d, mask=ok, other=0).to(tl.int32)
+    byte = tl.load(P + base + ta[:, None] * s_t + w[None, :] * s_d, mask=ok, other=0)  # uint8
     LOW: tl.constexpr = (1 << BITS) - 1
     if PER == 2:
-        code = tl.interleave(byte & LOW, byte >> 4)
-    else:
+        wide = byte.to(tl.int32)
+        code = tl.interleave(wide & LOW, wide >> 4)
+    else:  # 2 bits: unpacked as bytes, widened once (widening first spills at the 8B shape on sm_90)
         code = tl.interleave(tl.interleave(byte & LOW, (byte >> 4) & LOW), tl.interleave((byte >> 2) & LOW, byte >> 6))
-    return code
+    return code.to(tl.int32)
 
 
 @triton.jit
