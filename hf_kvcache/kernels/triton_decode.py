@@ -279,6 +279,10 @@ def triton_partial(
     # KIVI with key groups of 16-128 tokens (a power of two): one group per tile, its channel scales folded into the
     # query; other group sizes dequantize every element of the tile.
     kivi_tile = kind == KIVI and 16 <= gk <= 128 and gk & (gk - 1) == 0
+    # Pipelining depth, from the kernels compiled for sm_80 / sm_90 (benchmarks/gpu_report.py): the paged gathers and
+    # the KIVI tiles need fewer instructions and registers with 2 stages (paged at 4 query tokens spilled with 3);
+    # dense and int8 fewer with Triton's default 3, and int8 pages spill with 2 at head_dim 64.
+    stages = 2 if kind == PAGED or kivi_tile else 3
     block_n = gk if kivi_tile else BLOCK_N
     mask_u8 = mask.view(torch.uint8) if mask is not None else None
     per_split = -(-max(length, 1) // splits)
@@ -295,6 +299,6 @@ def triton_partial(
         DK=k.shape[-1] * (8 // bits if kind == KIVI else 1), DV=dv,
         KIND=kind, BITS=bits, GK=gk, GV=gv, BS=bs, HAS_MASK=mask is not None, SOFTCAP=bool(softcap),
         DOT_FP32=query.dtype == torch.float32, FOLD=fold, KIVI_TILE=kivi_tile, BLOCK_R=_block(rows), BLOCK_N=block_n,
-        BLOCK_DK=_block(dk), BLOCK_DV=_block(dv),
+        BLOCK_DK=_block(dk), BLOCK_DV=_block(dv), num_stages=stages,
     )  # fmt: skip
     return m.view(b, hkv, g, q_len, splits), l_.view(b, hkv, g, q_len, splits), acc.view(b, hkv, g, q_len, splits, dv)
