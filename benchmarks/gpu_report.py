@@ -590,11 +590,11 @@ BEFORE = Path(__file__).resolve().parent.parent / "docs" / "data" / "gpu-report-
 COMPARED = ("regs", "spills (B)", "smem (KB)", "blocks/SM", "loop instr/tile", "launches/layer-step")
 
 
-def before_after(report: dict, before: dict) -> list[dict]:
-    """Each summary row as ``before -> after`` where a figure changed (the issue's closing table)."""
+def before_after(rows: list[dict], before: dict) -> list[dict]:
+    """Each summary row (:func:`summary`) as ``before -> after`` where a figure changed (the issue's closing table)."""
     old = {(r["kind"], r.get("arch")): r for r in before["summary"]}
     out = []
-    for row in summary(report):
+    for row in rows:
         prev = old.get((row["kind"], row.get("arch")), {})
         cells = {"kind": row["kind"], "arch": row.get("arch", "")}
         for name in (*COMPARED, "est. vs sdpa 16k x 8"):
@@ -606,6 +606,7 @@ def before_after(report: dict, before: dict) -> list[dict]:
 
 def render(report: dict) -> str:
     tools = report["toolchain"]
+    rows = summary(report)
     lines = [
         "# GPU report (CPU-only: compiled for sm_80 / sm_90, counted on CPU; times are estimates)",
         "",
@@ -621,19 +622,19 @@ def render(report: dict) -> str:
         "`est. vs sdpa`: the roofline estimate below "
         "(> 1 is faster than sdpa over bfloat16), not a measurement.",
         "",
-        _table(summary(report), list(summary(report)[0]) if summary(report) else []),
+        _table(rows, list(rows[0]) if rows else []),
         "",
     ]
-    if BEFORE.exists() and summary(report):
+    if BEFORE.exists() and rows:
         before = json.loads(BEFORE.read_text())
-        rows = before_after(report, before)
+        compared = before_after(rows, before)
         lines += [
             "## Before and after the kernel changes",
             "",
             f"`before → after` where a figure changed; before: {before['what']}. The estimate is the roofline "
             "model's, not a measurement.",
             "",
-            _table(rows, list(rows[0])),
+            _table(compared, list(compared[0])),
             "",
         ]
     mix = instruction_mix(report)

@@ -71,10 +71,15 @@ class Int8Segment:
     def length(self) -> int:
         return self.k.shape[2]
 
+    @property
+    def per_token_scales(self) -> bool:
+        """One scale per token and head (int8's default): the scales fold into scores and weights, in the reference
+        (:meth:`read_folded`) and the Triton kernel alike."""
+        return self.ks.shape[-1] == 1 and self.vs.shape[-1] == 1
+
     def read_folded(self, a: int, b: int) -> tuple[torch.Tensor, ...] | None:
-        """Codes and ``(B, H, n)`` scales of tokens ``a:b`` when there is one scale per token and head (the scales
-        then fold into scores and weights), else None."""
-        if self.ks.shape[-1] != 1 or self.vs.shape[-1] != 1:
+        """Codes and ``(B, H, n)`` scales of tokens ``a:b`` when :attr:`per_token_scales`, else None."""
+        if not self.per_token_scales:
             return None
         k, v = self.k[:, :, a:b].float(), self.v[:, :, a:b].float()
         return k, self.ks[:, :, a:b, 0].float(), v, self.vs[:, :, a:b, 0].float()

@@ -275,7 +275,7 @@ def triton_partial(
     ks_strides = [0, ks.stride(1), ks.stride(0), 0] if kind == PAGED_INT8 else _strides(ks)
     vs_strides = [0, vs.stride(1), vs.stride(0), 0] if kind == PAGED_INT8 else _strides(vs)
     # One int8 scale per token and head (int8's default, and every int8 page): folded into scores and probabilities.
-    fold = kind == PAGED_INT8 or (kind == INT8 and ks.shape[-1] == 1 and vs.shape[-1] == 1)
+    fold = kind == PAGED_INT8 or (kind == INT8 and segment.per_token_scales)
     # KIVI with key groups of 16-128 tokens (a power of two): one group per tile, its channel scales folded into the
     # query; other group sizes dequantize every element of the tile.
     kivi_tile = kind == KIVI and 16 <= gk <= 128 and gk & (gk - 1) == 0

@@ -93,12 +93,12 @@ class AttentionMode:
         self.refusal = None
         if model is not None and not _takes_a_cache(model):
             raise ValueError(
-                f"{type(model).__name__} (model_type {getattr(config, 'model_type', None)!r}) takes no "
+                f"{type(model).__name__} (model_type {self.model_type!r}) takes no "
                 "past_key_values (it keeps its own state or no cache), so no KV cache can serve it"
             )
         if model is not None and getattr(type(model), "_supports_attention_backend", True) is False:
             self.refusal = (
-                f"{type(model).__name__} (model_type {getattr(config, 'model_type', None)!r}) does not route attention "
+                f"{type(model).__name__} (model_type {self.model_type!r}) does not route attention "
                 "through transformers' AttentionInterface (_supports_attention_backend is False), so "
                 "attn_implementation='hf_kvcache' cannot serve it; load or set it with 'sdpa' or 'eager', which "
                 "every hf_kvcache cache serves"
