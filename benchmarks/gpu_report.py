@@ -2,7 +2,7 @@
 
 Deterministic (no GPU needed, the same numbers on every run):
 
-1. Every Triton decode-kernel variant (dense, int8, KIVI int4/int2, paged, paged int8; 1, 4 and 16 query tokens;
+1. Every Triton decode-kernel variant (dense, int8, KIVI int4/int3/int2, paged, paged int8; 1, 4 and 16 query tokens;
    head_dim 64, 128 and 96; with and without left padding), compiled ahead of time for sm_80 and sm_90 with Triton's
    bundled ptxas, from the exact specialization a real launch gets: a decode step of the real cache runs on CPU at
    the Llama-3-8B attention shape (32 query / 8 KV heads, bfloat16) and each launch is intercepted (see
@@ -48,11 +48,12 @@ KINDS = {
     "dense": "sink:window=4096",
     "int8": "int8",
     "int4": "int4",
+    "int3": "int3",
     "int2": "int2",
     "paged": "paged",
     "paged int8": "paged:bits=8",
 }
-STORAGE = {"dense": "DenseSegment", "int8": "Int8Segment", "int4": "KiviSegment", "int2": "KiviSegment"}
+STORAGE = {"dense": "DenseSegment", "int8": "Int8Segment"} | dict.fromkeys(("int4", "int3", "int2"), "KiviSegment")
 STORAGE |= {"paged": "PagedSegment", "paged int8": "PagedSegment"}
 Q_LENS = (1, 4, 16)
 HEAD_DIMS = (64, 128, 96)

@@ -1,4 +1,4 @@
-"""Pure tensor math for KV quantization: symmetric int8, asymmetric 4/2-bit with packing.
+"""Pure tensor math for KV quantization: symmetric int8, asymmetric 4/3/2-bit with packing.
 
 No transformers imports here: this module is the reference the cache layers (and any future kernel) are tested
 against.
@@ -29,11 +29,12 @@ __all__ = [
     "quantize_asymmetric",
     "dequantize_asymmetric",
     "pack",
+    "pack_width",
     "unpack",
     "levels",
 ]
 
-SUPPORTED_BITS = (2, 4, 8)
+SUPPORTED_BITS = (2, 3, 4, 8)
 
 
 def levels(bits: int) -> int:
@@ -156,15 +157,19 @@ def dequantize_asymmetric(
     return out.add_(zero)
 
 
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack unsigned ``bits``-bit codes along the last dimension, ``8 // bits`` codes per byte (low bits first)."""
+def pack_width(width: int, bits: int) -> int:
+    """Bytes :func:`pack` stores for ``width`` codes of ``bits`` bits (``width * bits / 8``)."""
+    return width * bits // 8
+
+
+def _check_packable(width: int, bits: int) -> None:
+    multiple = 8 if bits == 3 else 8 // bits
+    if width % multiple:
+        raise ValueError(f"last dimension ({width}) must be a multiple of {multiple} to pack {bits}-bit codes")
+
+
+def _pack_uniform(codes: torch.Tensor, bits: int) -> torch.Tensor:
     per_byte = 8 // bits
-    if codes.shape[-1] % per_byte:
-        raise ValueError(
-            f"last dimension ({codes.shape[-1]}) must be a multiple of {per_byte} to pack {bits}-bit codes"
-        )
-    if bits == 8:
-        return codes
     grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)  # (..., D/k, k)
     packed = grouped[..., 0].clone()
     for j in range(1, per_byte):
@@ -172,16 +177,42 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return packed
 
 
-def unpack(packed: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse of :func:`pack`. With ``out`` (any dtype, last dim ``8 // bits`` times larger) the codes are written
-    there directly, so a float workspace can receive them without an intermediate full-size uint8 tensor."""
-    per_byte = 8 // bits
-    mask = (1 << bits) - 1
-    if out is None:
-        out = torch.empty(*packed.shape[:-1], packed.shape[-1] * per_byte, dtype=torch.uint8, device=packed.device)
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned ``bits``-bit codes along the last dimension, low bits first.
+
+    8, 4 and 2 bits: ``8 // bits`` codes per byte. 3 bits: two bit planes, 8 codes in 3 bytes: the low 2 bits of
+    every code packed 4 per byte (``D / 4`` bytes, as 2-bit codes), then their high bits 8 per byte (``D / 8``
+    bytes). Planes keep every code inside one byte, so a kernel unpacks them with the 2-bit shifts plus one more plane
+    (a 3-byte run of codes would straddle bytes), at exactly 3 bits per code (10 codes per int32 would spend 3.2).
+    """
+    _check_packable(codes.shape[-1], bits)
     if bits == 8:
-        return out.copy_(packed)
+        return codes
+    if bits == 3:
+        return torch.cat([_pack_uniform(codes & 3, 2), _pack_uniform(codes >> 2, 1)], dim=-1)
+    return _pack_uniform(codes, bits)
+
+
+def _unpack_uniform(packed: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    per_byte, mask = 8 // bits, (1 << bits) - 1
     view = out.view(*out.shape[:-1], packed.shape[-1], per_byte)  # (..., D/k, k)
     for j in range(per_byte):
         view[..., j].copy_((packed >> (bits * j)) & mask)
+
+
+def unpack(packed: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of :func:`pack`. With ``out`` (any dtype, last dim ``8 / bits`` times larger) the codes are written
+    there directly, so a float workspace can receive them without an intermediate full-size uint8 tensor."""
+    width = packed.shape[-1] * 8 // bits
+    if out is None:
+        out = torch.empty(*packed.shape[:-1], width, dtype=torch.uint8, device=packed.device)
+    if bits == 8:
+        return out.copy_(packed)
+    if bits == 3:
+        low = width // 4
+        _unpack_uniform(packed[..., :low], 2, out)
+        high = torch.empty_like(out)
+        _unpack_uniform(packed[..., low:], 1, high)
+        return out.add_(high.mul_(4))
+    _unpack_uniform(packed, bits, out)
     return out

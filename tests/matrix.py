@@ -32,7 +32,7 @@ class CacheCase:
 
 VARIANT = ("llama", "gemma3")
 
-# 4/2-bit cases use a small residual and groups so that tokens really are quantized within short test sequences.
+# 4/3/2-bit cases use a small residual and groups so that tokens really are quantized within short test sequences.
 CACHE_CASES = [
     CacheCase("int8", "int8", lossless=False, logit_bound=LOGIT_BOUNDS["int8"], greedy_exact=True),
     CacheCase(
@@ -44,6 +44,13 @@ CACHE_CASES = [
         families=VARIANT,
     ),
     CacheCase("int4", "int4:residual_length=4:group_size=8", lossless=False, logit_bound=LOGIT_BOUNDS["int4"]),
+    CacheCase(
+        "int3",
+        "int3:residual_length=4:group_size=8",
+        lossless=False,
+        logit_bound=LOGIT_BOUNDS["int3"],
+        families=VARIANT,
+    ),
     CacheCase("int2", "int2:residual_length=4:group_size=8", lossless=False, logit_bound=LOGIT_BOUNDS["int2"]),
     # KIVI's ablation: keys per token like the values (key_axis=token), encoded one token at a time. Per-token keys
     # lose more than per-channel ones (the paper's point): teacher-forced error 0.23-0.26 x std on gemma3 (int4
@@ -109,6 +116,14 @@ CACHE_CASES = [
         lossless=False,
         logit_bound=LOGIT_BOUNDS["int4"],
         attn="hf_kvcache",
+    ),
+    CacheCase(
+        "int3-hf",
+        "int3:residual_length=4:group_size=8",
+        lossless=False,
+        logit_bound=LOGIT_BOUNDS["int3"],
+        attn="hf_kvcache",
+        families=VARIANT,
     ),
     CacheCase(
         "int2-hf",

@@ -17,7 +17,7 @@ from hf_kvcache.paging import PAD_BLOCK
 triton_decode = pytest.importorskip("hf_kvcache.kernels.triton_decode", reason="needs triton")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-KINDS = ("dense", "int8", "int8-g16", "kivi4", "kivi2", "paged", "paged-int8")
+KINDS = ("dense", "int8", "int8-g16", "kivi4", "kivi3", "kivi2", "paged", "paged-int8")
 
 
 def _segment(kind: str, k: torch.Tensor, v: torch.Tensor, start: int = 0, block_size: int = 5):
@@ -163,7 +163,7 @@ def test_kivi_segment_starting_inside_a_key_group():
     _close(tri, ref, torch.float32)
 
 
-@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("bits", [4, 3, 2])
 @pytest.mark.parametrize("group, head_dim", [(16, 64), (32, 96), (64, 64), (128, 128), (8, 64), (24, 96)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_kivi_group_sizes(bits, group, head_dim, dtype):

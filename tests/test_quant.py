@@ -31,7 +31,7 @@ def test_symmetric_round_trip_within_half_step(array):
 
 
 @settings(max_examples=200, deadline=None)
-@given(groups, st.sampled_from([2, 4]), st.sampled_from(SCALE_DTYPES))
+@given(groups, st.sampled_from([2, 3, 4]), st.sampled_from(SCALE_DTYPES))
 def test_asymmetric_round_trip_within_half_step(array, bits, scale_dtype):
     x = torch.from_numpy(array)
     if scale_dtype == torch.float16:
@@ -42,7 +42,7 @@ def test_asymmetric_round_trip_within_half_step(array, bits, scale_dtype):
     assert ((back - x).abs() <= scale.float() / 2 + _slack(x)).all()
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 def test_zeros_and_constant_rows_are_exact(bits):
     x = torch.tensor([[0.0] * 8, [3.5] * 8, [-2.25] * 8])
     codes, scale, zero = quant.quantize_asymmetric(x, bits, dim=-1)
@@ -51,7 +51,7 @@ def test_zeros_and_constant_rows_are_exact(bits):
     torch.testing.assert_close(quant.dequantize_symmetric(codes, scale, dtype=torch.float32), x)
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_non_finite_values_do_not_poison_their_group(bits):
     x = torch.tensor([[1.0, -2.0, float("inf"), 0.5, float("nan"), -float("inf"), 0.25, 1.5]])
     finite = torch.isfinite(x)
@@ -75,7 +75,7 @@ def test_all_non_finite_group_reads_back_as_zeros():
     assert torch.equal(quant.dequantize_symmetric(codes, scale, dtype=torch.float32), torch.zeros_like(x))
 
 
-@given(st.sampled_from([2, 4, 8]), st.integers(1, 5), st.integers(0, 2**31))
+@given(st.sampled_from([2, 3, 4, 8]), st.integers(1, 5), st.integers(0, 2**31))
 def test_pack_unpack_round_trip(bits, rows, seed):
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 1 << bits, (rows, 3, 16), generator=g, dtype=torch.uint8)
@@ -86,11 +86,24 @@ def test_pack_unpack_round_trip(bits, rows, seed):
     assert torch.equal(quant.unpack(packed, bits, out=out), codes.float())
 
 
+def test_three_bit_packing_is_two_bit_planes():
+    """8 codes in 3 bytes: the low 2 bits packed like 2-bit codes, then the high bits 8 per byte, low bit first."""
+    codes = torch.tensor([[7, 0, 5, 2, 1, 6, 3, 4, 0, 0, 0, 0, 0, 0, 0, 7]], dtype=torch.uint8)
+    packed = quant.pack(codes, 3)
+    assert packed.shape[-1] == quant.pack_width(16, 3) == 6
+    assert torch.equal(packed[:, :4], quant.pack(codes & 3, 2))
+    high = (codes >> 2).view(1, 2, 8)
+    assert packed[0, 4] == sum(int(high[0, 0, j]) << j for j in range(8)) == 0b10100101
+    assert packed[0, 5] == 0b10000000
+
+
 def test_bad_bits_and_pack_shape_are_value_errors():
     with pytest.raises(ValueError, match="bits must be one of"):
-        quant.levels(3)
+        quant.levels(5)
     with pytest.raises(ValueError, match="multiple of 4"):
         quant.pack(torch.zeros(2, 6, dtype=torch.uint8), 2)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        quant.pack(torch.zeros(2, 12, dtype=torch.uint8), 3)
 
 
 def test_subnormal_scale_rounded_down_is_stepped_up():

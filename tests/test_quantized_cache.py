@@ -41,7 +41,7 @@ def _feed(cache, k, v, chunks=(None,)):
     return out
 
 
-@pytest.mark.parametrize(("bits", "limit"), [(8, 0.52), (4, 0.30), (2, 0.19)])
+@pytest.mark.parametrize(("bits", "limit"), [(8, 0.52), (4, 0.30), (3, 0.25), (2, 0.19)])
 def test_storage_ratio_at_head_dim_128_bf16(bits, limit):
     """Stored bytes vs DynamicCache on a head_dim-128 bf16 model shape, 8k context (much longer than the residual)."""
     config = _config(head_dim=128, kv_heads=2)
@@ -203,9 +203,9 @@ def test_memory_report_adds_up():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(bits=3), "bits must be one of"),
+        (dict(bits=5), "bits must be one of"),
         (dict(bits=True), "bits must be one of"),
-        (dict(bits=4.0), r"bits must be one of 2, 4, 8, got 4\.0"),
+        (dict(bits=4.0), r"bits must be one of 2, 3, 4, 8, got 4\.0"),
         (dict(group_size=64.0), "group_size must be an integer"),
         (dict(bits=4, group_size=5), "group_size must divide head_dim"),
         (dict(group_size=0), "group_size must be an integer >= 1"),
@@ -406,8 +406,8 @@ def test_per_token_keys_under_hf_kvcache_attention_match_sdpa(family):
     [
         (dict(bits=2, key_axis="tokens"), "key_axis must be one of 'channel', 'token', got 'tokens'"),
         (dict(bits=4, key_axis=1), "key_axis must be one of"),
-        (dict(bits=8, key_axis="token"), "key_axis applies to the 4/2-bit KIVI kinds only"),
-        (dict(bits=8, key_axis="channel"), "key_axis applies to the 4/2-bit KIVI kinds only"),
+        (dict(bits=8, key_axis="token"), "key_axis applies to the 4/3/2-bit KIVI kinds only"),
+        (dict(bits=8, key_axis="channel"), "key_axis applies to the 4/3/2-bit KIVI kinds only"),
     ],
 )
 def test_bad_key_axis_is_a_value_error(kwargs, match):

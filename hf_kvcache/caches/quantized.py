@@ -1,5 +1,5 @@
-"""``QuantizedKVCache``: int8, and KIVI 4/2-bit keys and values, for any ``generate()`` mode; registers the ``int8``,
-``int4`` and ``int2`` cache kinds."""
+"""``QuantizedKVCache``: int8, and KIVI 4/3/2-bit keys and values, for any ``generate()`` mode; registers the ``int8``,
+``int4``, ``int3`` and ``int2`` cache kinds."""
 
 from __future__ import annotations
 
@@ -20,18 +20,19 @@ from ._base import KVCacheReportMixin, PaddingObserverMixin
 __all__ = ["QuantizedKVCache"]
 
 _BACKENDS = ("torch", "bitsandbytes")
-_DEFAULT_RESIDUAL = {8: 0, 4: 128, 2: 128}
+_DEFAULT_RESIDUAL = {8: 0, 4: 128, 3: 128, 2: 128}
 
 
 class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
-    """A KV cache that stores keys and values in 8, 4 or 2 bits, for any ``generate()`` mode.
+    """A KV cache that stores keys and values in 8, 4, 3 or 2 bits, for any ``generate()`` mode.
 
     * ``bits=8`` (default): symmetric absmax int8 with one float32 scale per token, head and ``group_size``
       channels (the whole head by default), about 0.52x of a bf16 cache at head_dim 128. Each token is encoded as it
       arrives; greedy decoding keeps the tokens of the default cache in our tests.
-    * ``bits=4`` / ``bits=2``: KIVI (https://arxiv.org/abs/2402.02750): keys quantized per channel over groups of
-      ``group_size`` tokens, values per token over groups of ``group_size`` channels, asymmetric (scale + zero point),
-      packed 2 or 4 codes per byte, with the most recent ``residual_length`` tokens kept in full precision.
+    * ``bits=4`` / ``bits=3`` / ``bits=2``: KIVI (https://arxiv.org/abs/2402.02750): keys quantized per channel over
+      groups of ``group_size`` tokens, values per token over groups of ``group_size`` channels, asymmetric (scale +
+      zero point), packed 2 or 4 codes per byte (3 bits: 8 codes in 3 bytes, as a 2-bit and a 1-bit plane), with the
+      most recent ``residual_length`` tokens kept in full precision.
       ``key_axis="token"`` quantizes keys per token like the values instead: the paper's ablation (its per-token
       keys fail at 2 bits), offered to reproduce that finding, not for use.
 
@@ -46,18 +47,18 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
 
     Args:
         config: the model's ``PretrainedConfig``, or the model itself.
-        bits: 8, 4 or 2.
+        bits: 8, 4, 3 or 2.
         group_size: elements that share a scale. 8 bits: channels per scale group (default: the whole head, one scale
-            per token and head). 4/2 bits: tokens per key group and channels per value group (default: the largest
+            per token and head). 4/3/2 bits: tokens per key group and channels per value group (default: the largest
             of 64, 32, 16, 8, 4, 2, 1 that divides the head width). Must divide the key and value widths.
-        residual_length: most recent tokens kept in full precision (default 0 at 8 bits, 128 at 4 and 2 bits, as in
-            KIVI). Tokens leave the residual ``group_size`` at a time at 4/2 bits, so it holds between
+        residual_length: most recent tokens kept in full precision (default 0 at 8 bits, 128 at 4, 3 and 2 bits, as in
+            KIVI). Tokens leave the residual ``group_size`` at a time at 4/3/2 bits, so it holds between
             ``residual_length`` and ``residual_length + group_size - 1`` tokens once full.
         backend: ``"torch"`` or, for 8 bits, ``"bitsandbytes"`` (codes from ``bitsandbytes.functional.
             int8_vectorwise_quant``; needs the ``bnb`` extra).
         scale_dtype: dtype of scales and zero points: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (or the torch
-            dtype). Default: float32 at 8 bits; at 4/2 bits the K/V dtype when it is 16-bit, else float32.
-        key_axis: 4/2 bits only: ``"channel"`` (default, KIVI: one scale and zero point per channel over groups of
+            dtype). Default: float32 at 8 bits; at 4/3/2 bits the K/V dtype when it is 16-bit, else float32.
+        key_axis: 4/3/2 bits only: ``"channel"`` (default, KIVI: one scale and zero point per channel over groups of
             ``group_size`` tokens) or ``"token"`` (KIVI's ablation: per token over groups of ``group_size`` channels,
             like the values; every token encoded on its own). Under the ``hf_kvcache`` attention per-token keys are
             read by the pure-torch reference kernel on every device (the Triton kernel reads per-channel keys only).
@@ -103,7 +104,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             check_choice("key_axis", key_axis, KEY_AXES)
             if bits == 8:
                 raise ValueError(
-                    f"key_axis applies to the 4/2-bit KIVI kinds only (int8 keys are quantized per token already), "
+                    f"key_axis applies to the 4/3/2-bit KIVI kinds only (int8 keys are quantized per token already), "
                     f"got key_axis={key_axis!r} with bits=8"
                 )
         if rotate is not None:
@@ -125,8 +126,11 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             check_int("group_size", group_size, 1)
             if any(d % group_size for d in widths):
                 raise ValueError(f"group_size must divide head_dim ({', '.join(map(str, widths))}), got {group_size}")
-        if any(d % (8 // bits) for d in widths):
-            raise ValueError(f"{bits}-bit codes pack {8 // bits} per byte: head widths {widths} must be multiples")
+        per_pack = 8 if bits == 3 else 8 // bits  # codes that fill whole bytes
+        if any(d % per_pack for d in widths):
+            raise ValueError(
+                f"{bits}-bit codes pack {per_pack} per whole bytes: head widths {widths} must be multiples"
+            )
         residual_length = _DEFAULT_RESIDUAL[bits] if residual_length is None else residual_length
         check_int("residual_length", residual_length, 0)
         if scale_dtype is not None:
@@ -214,4 +218,8 @@ def _register(bits: int, summary: str) -> None:
 
 _register(8, "QuantizedKVCache bits=8: int8 per token and head, ~0.52x of bf16")
 _register(4, "QuantizedKVCache bits=4: KIVI 4-bit with a 128-token fp residual, ~0.28x of bf16 + residual")
+_register(
+    3,
+    "QuantizedKVCache bits=3: KIVI 3-bit (8 codes in 3 bytes) with a 128-token fp residual, ~0.22x of bf16 + residual",
+)
 _register(2, "QuantizedKVCache bits=2: KIVI 2-bit with a 128-token fp residual, ~0.16x of bf16 + residual")

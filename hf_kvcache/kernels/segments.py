@@ -11,7 +11,8 @@ Layouts (``B`` batch, ``H`` KV heads, ``T`` tokens, ``D`` channels):
   tokens, a full-precision window, re-rotated sinks).
 * :class:`Int8Segment`: int8 codes ``(B, H, T, D)`` and scales ``(B, H, T, D / G)``, ``G`` channels per scale
   (:class:`~hf_kvcache.layers._codecs.Int8Codec`).
-* :class:`KiviSegment`: KIVI codes packed ``8 / bits`` per byte, low bits first, ``(B, H, T, D * bits / 8)``; keys
+* :class:`KiviSegment`: KIVI codes packed ``8 / bits`` per byte, low bits first (3 bits: two bit planes, see
+  :func:`hf_kvcache.quant.pack`), ``(B, H, T, D * bits / 8)``; keys
   scale / zero point per (group of ``G`` tokens, channel) ``(B, H, T / G, Dk)``, values per (token, group of ``G``
   channels) ``(B, H, T, Dv / G)``. The segment covers tokens ``start .. start + length`` of these arrays (a sliding
   layer may start inside a key group).
@@ -91,7 +92,11 @@ class Int8Segment:
 
 
 def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """``(..., D * bits / 8)`` uint8 -> ``(..., D)`` float32 codes."""
+    """``(..., D * bits / 8)`` uint8 -> ``(..., D)`` float32 codes (3 bits: a 2-bit plane, then a 1-bit plane; see
+    :func:`hf_kvcache.quant.pack`)."""
+    if bits == 3:
+        low = packed.shape[-1] * 2 // 3  # D / 4 bytes of low 2 bits, then D / 8 of high bits
+        return _unpack(packed[..., :low], 2) + 4 * _unpack(packed[..., low:], 1)
     per_byte = 8 // bits
     shifts = torch.arange(per_byte, device=packed.device, dtype=torch.uint8) * bits
     codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # (..., D / k, k)

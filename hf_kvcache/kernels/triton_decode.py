@@ -30,7 +30,7 @@ def _load_kv(
     s_b, s_h, s_t, s_d, ss_b, ss_h, ss_t, ss_d,
     TABLE, stab_b, stab_n, START,
     KIND: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, IS_KEY: tl.constexpr, BS: tl.constexpr,
-    FOLD: tl.constexpr,
+    FOLD: tl.constexpr, D: tl.constexpr,
 ):  # fmt: skip
     """A ``(BLOCK_N, BLOCK_D)`` float32 tile of keys (``IS_KEY``) or values of tokens ``t``, channels ``d``.
     ``FOLD``: int8 codes with one scale per token and head are returned unscaled; the caller folds the scales (see
@@ -47,8 +47,14 @@ def _load_kv(
     base = b * s_b + h * s_h
     if KIND == 2:  # KIVI: packed codes, low bits first
         ta = t + START
-        byte = tl.load(K + base + ta[:, None] * s_t + (d[None, :] // (8 // BITS)) * s_d, mask=ok, other=0)
-        code = ((byte.to(tl.int32) >> ((d[None, :] % (8 // BITS)) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        row = K + base + ta[:, None] * s_t
+        if BITS == 3:  # a 2-bit plane (D / 4 bytes), then the high bits (D / 8 bytes)
+            low = tl.load(row + (d[None, :] // 4) * s_d, mask=ok, other=0).to(tl.int32)
+            high = tl.load(row + (D // 4 + d[None, :] // 8) * s_d, mask=ok, other=0).to(tl.int32)
+            code = (((low >> ((d[None, :] % 4) * 2)) & 3) | (((high >> (d[None, :] % 8)) & 1) << 2)).to(tl.float32)
+        else:
+            byte = tl.load(row + (d[None, :] // (8 // BITS)) * s_d, mask=ok, other=0)
+            code = ((byte.to(tl.int32) >> ((d[None, :] % (8 // BITS)) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
         sbase = b * ss_b + h * ss_h
         if IS_KEY:  # per (group of GROUP tokens, channel)
             where = sbase + (ta[:, None] // GROUP) * ss_t + d[None, :] * ss_d
@@ -68,17 +74,25 @@ def _load_kv(
 def _kivi_codes(P, base, ta, tok_ok, s_t, s_d, D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr):  # fmt: skip
     """A ``(BLOCK_N, BLOCK_D)`` int32 tile of KIVI codes: each packed byte loaded once (a row of ``D * BITS / 8``
-    bytes per token) and unpacked in registers, low bits first."""
-    PER: tl.constexpr = 8 // BITS
-    w = tl.arange(0, BLOCK_D // PER)
-    ok = tok_ok[:, None] & (w < D // PER)[None, :]
-    byte = tl.load(P + base + ta[:, None] * s_t + w[None, :] * s_d, mask=ok, other=0)  # uint8
-    LOW: tl.constexpr = (1 << BITS) - 1
-    if PER == 2:
+    bytes per token) and unpacked in registers, low bits first (3 bits: the 2-bit plane, then the high-bit plane)."""
+    row = P + base + ta[:, None] * s_t
+    if BITS == 4:
+        w = tl.arange(0, BLOCK_D // 2)
+        byte = tl.load(row + w[None, :] * s_d, mask=tok_ok[:, None] & (w < D // 2)[None, :], other=0)  # uint8
         wide = byte.to(tl.int32)
-        code = tl.interleave(wide & LOW, wide >> 4)
+        code = tl.interleave(wide & 15, wide >> 4)
     else:  # 2 bits: unpacked as bytes, widened once (widening first spills at the 8B shape on sm_90)
-        code = tl.interleave(tl.interleave(byte & LOW, (byte >> 4) & LOW), tl.interleave((byte >> 2) & LOW, byte >> 6))
+        w = tl.arange(0, BLOCK_D // 4)
+        byte = tl.load(row + w[None, :] * s_d, mask=tok_ok[:, None] & (w < D // 4)[None, :], other=0)
+        code = tl.interleave(tl.interleave(byte & 3, (byte >> 4) & 3), tl.interleave((byte >> 2) & 3, byte >> 6))
+        if BITS == 3:  # the high bits after the D / 4 bytes of the low plane: bit j of byte i is code 8 i + j's
+            w8 = tl.arange(0, BLOCK_D // 8)
+            hb = tl.load(row + (D // 4 + w8[None, :]) * s_d, mask=tok_ok[:, None] & (w8 < D // 8)[None, :], other=0)
+            hi = tl.interleave(
+                tl.interleave(tl.interleave(hb & 1, (hb >> 4) & 1), tl.interleave((hb >> 2) & 1, (hb >> 6) & 1)),
+                tl.interleave(tl.interleave((hb >> 1) & 1, (hb >> 5) & 1), tl.interleave((hb >> 3) & 1, hb >> 7)),
+            )
+            code = code | (hi << 2)
     return code.to(tl.int32)
 
 
@@ -187,11 +201,11 @@ def _partial_kernel(
         else:
             k = _load_kv(
                 K, KS, KZ, b, h, t, tok_ok, dk, dk_ok, sk_b, sk_h, sk_t, sk_d, sks_b, sks_h, sks_t, sks_d,
-                TABLE, stab_b, stab_n, START, KIND, BITS, GK, True, BS, FOLD,
+                TABLE, stab_b, stab_n, START, KIND, BITS, GK, True, BS, FOLD, DK,
             )  # fmt: skip
             v = _load_kv(
                 V, VS, VZ, b, h, t, tok_ok, dv, dv_ok, sv_b, sv_h, sv_t, sv_d, svs_b, svs_h, svs_t, svs_d,
-                TABLE, stab_b, stab_n, START, KIND, BITS, GV, False, BS, FOLD,
+                TABLE, stab_b, stab_n, START, KIND, BITS, GV, False, BS, FOLD, DV,
             )  # fmt: skip
             if DOT_FP32:
                 s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
@@ -296,7 +310,7 @@ def triton_partial(
         *query.stride(), *k_strides, *v_strides, *ks_strides, *vs_strides,
         *(_strides(table, 2)), *(_strides(mask_u8, 3)),
         hkv, length, start, q_len, g, per_split, float(scaling), float(softcap or 0.0),
-        DK=k.shape[-1] * (8 // bits if kind == KIVI else 1), DV=dv,
+        DK=k.shape[-1] * 8 // bits if kind == KIVI else k.shape[-1], DV=dv,
         KIND=kind, BITS=bits, GK=gk, GV=gv, BS=bs, HAS_MASK=mask is not None, SOFTCAP=bool(softcap),
         DOT_FP32=query.dtype == torch.float32, FOLD=fold, KIVI_TILE=kivi_tile, BLOCK_R=_block(rows), BLOCK_N=block_n,
         BLOCK_DK=_block(dk), BLOCK_DV=_block(dv), num_stages=stages,

@@ -106,8 +106,9 @@ def _bnb_int8(g: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, 
 
 
 class KiviCodec:
-    """KIVI 4/2-bit: keys per channel over groups of ``group_size`` tokens, values per token over groups of
-    ``group_size`` channels; asymmetric (scale + zero point); codes packed ``8 // bits`` per byte, low bits first.
+    """KIVI 4/3/2-bit: keys per channel over groups of ``group_size`` tokens, values per token over groups of
+    ``group_size`` channels; asymmetric (scale + zero point); codes packed ``8 // bits`` per byte, low bits first
+    (3 bits: 8 codes in 3 bytes, see :func:`~hf_kvcache.quant.pack`).
 
     Keys need a full group of tokens before they can be encoded, so tokens leave the residual ``group_size`` at a
     time (``unit = group_size``).
