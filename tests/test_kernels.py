@@ -210,3 +210,35 @@ def test_reference_scratch_is_bounded_by_its_chunk(monkeypatch):
         monkeypatch.setattr(Int8Segment, name, lambda self, a, b, real=real: widths.append(b - a) or real(self, a, b))
     partial(query, seg, mask, 0.125, 0.0, 1)
     assert max(widths) <= reference.REFERENCE_CHUNK and sum(widths) == 2000
+
+
+@pytest.mark.parametrize("inner", ["int8", "kivi4", "kivi3", "kivi2"])
+@pytest.mark.parametrize("head_dim", [64, 96])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_rotated_segment_folds_the_rotation(inner, head_dim, dtype):
+    """Codes stored Hadamard-rotated (rotate="hadamard") are read in place: the query rotated, each split's
+    accumulator rotated back. That equals attention over the decoded, rotated-back K/V (the segment's read), in the
+    reference and in the Triton kernel."""
+    from hf_kvcache.kernels import RotatedSegment
+    from hf_kvcache.kernels.reference import rotate_query
+    from hf_kvcache.layers._codecs import RotatedCodec
+
+    g = torch.Generator().manual_seed(head_dim)
+    k, v = torch.randn(2, 2, 160, head_dim, generator=g), torch.randn(2, 2, 160, head_dim, generator=g)
+    k[..., 3] *= 20  # an outlier channel, what the rotation is for
+    base = Int8Codec(None, torch.float32) if inner == "int8" else KiviCodec(int(inner[-1]), 16, torch.float32)
+    codec = RotatedCodec(base)
+    seg = codec.segment(codec.encode(k, v), 0)
+    assert isinstance(seg, RotatedSegment) and seg.length == 160
+    keys, values = seg.read(0, seg.length)
+    mask = torch.ones(2, 3, seg.length, dtype=torch.bool)
+    mask[1, :, :9] = False
+    mask[:, 0, -2:] = False
+    query = torch.randn(2, 8, 3, head_dim, generator=g).to(dtype)
+    ref = combine([partial(query, seg, mask, 0.125, 0.0, 3)], dtype=torch.float32)
+    plain = combine([partial(query, DenseSegment(keys, values), mask, 0.125, 0.0, 3)], dtype=torch.float32)
+    _close(ref, plain, dtype)
+    _close(ref, _sdpa(query, keys, values, mask, 0.125), dtype)
+    m, l_, acc = triton_decode.triton_partial(rotate_query(query, seg), seg.inner, mask, 0.125, 0.0, 3)
+    tri = combine([(m, l_, acc @ seg.value_rotation)], dtype=torch.float32)
+    _close(tri, ref, dtype)

@@ -477,6 +477,33 @@ def test_rotate_validation_bytes_and_spec():
     assert "rotate='hadamard'" in repr(rotated) and rotated.rotate == "hadamard" and plain.rotate is None
 
 
+def test_rotated_cache_is_read_in_place_under_hf_kvcache(monkeypatch):
+    """Under the hf_kvcache attention a rotated cache's decode steps read its codes in place (a RotatedSegment around
+    the KIVI segment, the rotation folded into the query and output) and generate what sdpa over the decoded,
+    rotated-back history does."""
+    from hf_kvcache import attention
+    from hf_kvcache.kernels import KiviSegment, RotatedSegment, ops
+
+    seen, real_partial = [], ops.segment_partial
+
+    def recording_partial(query, segment, *args, **kwargs):
+        seen.append(type(segment).__name__)
+        return real_partial(query, segment, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "segment_partial", recording_partial)
+    ids, mask = _padded(length=40)
+    outs = []
+    for attn in ("sdpa", attention.ATTENTION):
+        model = tiny_model("llama", attn)
+        cache = make_cache("int4:residual_length=4:group_size=8:rotate=hadamard", model)
+        out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        outs.append(torch.stack(out.logits))
+    assert RotatedSegment.__name__ in seen and KiviSegment.__name__ in seen
+    std = outs[0].std().item()
+    assert (outs[1] - outs[0]).abs().max().item() < 1e-4 * max(std, 1.0)
+
+
 # -- sinks=N: the first real tokens of every row in full precision --------------------------------------------------
 
 

@@ -67,9 +67,9 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             transform of the head dimension before quantizing and rotated back when decoded (QuaRot, TurboQuant): an
             outlier channel is spread over the other channels of its block (the largest power of two dividing the
             head width) instead of stretching its group's scale. Same bytes; each decode step costs one more
-            ``(tokens x head_dim) @ (head_dim x head_dim)`` product per layer. Under the ``hf_kvcache`` attention a
-            rotated cache hands attention its decoded history (the fused kernels do not yet fold the rotation into
-            the query and the output).
+            ``(tokens x head_dim) @ (head_dim x head_dim)`` product per layer under eager or sdpa. Under the
+            ``hf_kvcache`` attention the kernels read the codes in place with the rotation folded into the query and
+            the output (two small products per layer and step, whatever the length).
         sinks: the first ``sinks`` real tokens of every row kept in full precision on full-attention layers
             (attention sinks, as KVQuant and StreamingLLM observe: most heads put much attention on the first tokens).
             Built from a model, the cache reads each row's left padding from the prefill's attention mask, and keeps

@@ -1,6 +1,7 @@
 """Decode-attention kernels over our caches' storage.
 
-One contract (:mod:`hf_kvcache.kernels.reference`) per storage kind (dense, int8, KIVI 4/2-bit, paged, int8 pages),
+One contract (:mod:`hf_kvcache.kernels.reference`) per storage kind (dense, int8, KIVI 4/3/2-bit, paged, int8 pages; the
+quantized ones optionally Hadamard-rotated),
 two implementations each: a pure-torch reference that runs anywhere with scratch bounded by a chunk, and a Triton
 kernel for CUDA (:mod:`hf_kvcache.kernels.triton_decode`), dispatched through ``torch.library`` custom ops
 (:mod:`hf_kvcache.kernels.ops`). The storage a layer hands over is described by :mod:`hf_kvcache.kernels.segments`.
@@ -8,7 +9,7 @@ kernel for CUDA (:mod:`hf_kvcache.kernels.triton_decode`), dispatched through ``
 
 from .ops import decode_attention, triton_available
 from .reference import combine, num_splits, partial, reference_attention
-from .segments import DenseSegment, Int8Segment, KiviSegment, KVHandle, PagedSegment, Segment
+from .segments import DenseSegment, Int8Segment, KiviSegment, KVHandle, PagedSegment, RotatedSegment, Segment
 
 __all__ = [
     "DenseSegment",
@@ -16,6 +17,7 @@ __all__ = [
     "KVHandle",
     "KiviSegment",
     "PagedSegment",
+    "RotatedSegment",
     "Segment",
     "combine",
     "decode_attention",

@@ -13,7 +13,17 @@ import functools
 import torch
 
 from . import reference
-from .segments import DenseSegment, Int8Segment, KiviSegment, KiviTokenSegment, KVHandle, PagedSegment, Segment
+from .segments import (
+    DenseSegment,
+    Int8Segment,
+    KiviSegment,
+    KiviTokenSegment,
+    KVHandle,
+    PagedSegment,
+    RotatedSegment,
+    Segment,
+    segment_heads,
+)
 
 __all__ = ["decode_attention", "triton_available"]
 
@@ -188,7 +198,12 @@ _PAGED = _register(
 def segment_partial(
     query: torch.Tensor, segment: Segment, mask: torch.Tensor | None, scaling: float, softcap: float, splits: int
 ) -> Partials:
-    """One segment through its custom op."""
+    """One segment through its custom op (a rotated segment: its inner segment's op, the rotation folded around it as
+    in :func:`reference.partial`)."""
+    if isinstance(segment, RotatedSegment):
+        query = reference.rotate_query(query, segment)
+        m, l_, acc = segment_partial(query, segment.inner, mask, scaling, softcap, splits)
+        return m, l_, acc @ segment.value_rotation
     if isinstance(segment, DenseSegment):
         return _DENSE(query, segment.keys, segment.values, mask, scaling, softcap, splits)
     if isinstance(segment, Int8Segment):
@@ -222,7 +237,7 @@ def decode_attention(
     partials, col = [], 0
     for segment in handle.segments:
         part_mask = None if mask is None else mask[:, 0, :, col : col + segment.length]
-        heads = segment.keys.shape[1] if hasattr(segment, "keys") else segment.k.shape[1]
+        heads = segment_heads(segment)
         splits = reference.num_splits(segment.length, query.shape[0] * heads) if query.is_cuda else 1
         partials.append(segment_partial(query, segment, part_mask, scaling, softcap, splits))
         col += segment.length

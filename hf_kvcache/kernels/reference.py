@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from .segments import Int8Segment, Segment, segment_heads, segment_value_dim
+from .segments import Int8Segment, RotatedSegment, Segment, segment_heads, segment_value_dim
 
-__all__ = ["REFERENCE_CHUNK", "combine", "num_splits", "partial", "split_bounds"]
+__all__ = ["REFERENCE_CHUNK", "combine", "num_splits", "partial", "rotate_query", "split_bounds"]
 
 REFERENCE_CHUNK = 512  # tokens dequantized at a time by the reference
 MIN_SPLIT_TOKENS = 256  # a split below this is not worth a program
@@ -58,6 +58,11 @@ def _scores(
     return scores
 
 
+def rotate_query(query: torch.Tensor, segment: RotatedSegment) -> torch.Tensor:
+    """``query @ H_k`` in float32, back in the query's dtype (the kernels' input)."""
+    return (query.float() @ segment.key_rotation).to(query.dtype)
+
+
 def partial(
     query: torch.Tensor,
     segment: Segment,
@@ -68,6 +73,9 @@ def partial(
     chunk: int = REFERENCE_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The contract in the module docstring, in pure torch."""
+    if isinstance(segment, RotatedSegment):  # the rotation folded into the query and each split's accumulator
+        m, l_, acc = partial(rotate_query(query, segment), segment.inner, mask, scaling, softcap, splits, chunk)
+        return m, l_, acc @ segment.value_rotation
     b, hq, q, d = query.shape
     hkv = segment_heads(segment)
     g = hq // hkv

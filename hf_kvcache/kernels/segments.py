@@ -19,6 +19,8 @@ Layouts (``B`` batch, ``H`` KV heads, ``T`` tokens, ``D`` channels):
 * :class:`KiviTokenSegment`: KIVI codes as above with keys quantized per token like the values (``key_axis="token"``,
   KIVI's ablation): keys and values scale / zero point per (token, group of ``G`` channels), ``(B, H, T, D / G)``.
   Served by the pure-torch reference on every device (the Triton kernel reads per-channel keys only).
+* :class:`RotatedSegment`: any quantized segment above whose keys and values were stored Hadamard-rotated
+  (``rotate="hadamard"``); read with the query rotated and each split's accumulator rotated back.
 * :class:`PagedSegment`: a block pool ``(slots, H, D)`` addressed through a block table ``(B, blocks)`` (int32 on the
   pool's device; :data:`~hf_kvcache.paging.PAD_BLOCK` entries are padding and must be masked), ``length`` tokens per
   row; optionally int8 pages with one scale per token and head, ``(slots, H)``.
@@ -37,6 +39,7 @@ __all__ = [
     "KiviSegment",
     "KiviTokenSegment",
     "PagedSegment",
+    "RotatedSegment",
     "Segment",
     "segment_heads",
     "segment_value_dim",
@@ -178,16 +181,44 @@ class PagedSegment:
         return k.view(batch, n, *k.shape[1:]).transpose(1, 2), v.view(batch, n, *v.shape[1:]).transpose(1, 2)
 
 
-Segment = DenseSegment | Int8Segment | KiviSegment | KiviTokenSegment | PagedSegment
+@dataclass(frozen=True)
+class RotatedSegment:
+    """A quantized segment whose keys and values were stored rotated by orthonormal, symmetric transforms of the head
+    dimension (``rotate="hadamard"``: ``k H_k``, ``v H_v``).
+
+    Attention reads the codes as they are: scores are unchanged with the query rotated, ``q . k = (q H_k) . (k H_k)``,
+    and a split's accumulator comes out rotated, ``sum_j p_j (v_j H_v) = (sum_j p_j v_j) H_v``, so it is rotated back
+    once per split (``H_v H_v = I``). :meth:`read` rotates the decoded tokens back instead: the plain reading the fold
+    is tested against.
+    """
+
+    inner: DenseSegment | Int8Segment | KiviSegment | KiviTokenSegment
+    key_rotation: torch.Tensor  # (Dk, Dk) float32
+    value_rotation: torch.Tensor  # (Dv, Dv) float32
+
+    @property
+    def length(self) -> int:
+        return self.inner.length
+
+    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.inner.read(a, b)
+        return k @ self.key_rotation, v @ self.value_rotation
+
+
+Segment = DenseSegment | Int8Segment | KiviSegment | KiviTokenSegment | PagedSegment | RotatedSegment
 
 
 def segment_heads(segment: Segment) -> int:
     """KV heads of a segment."""
+    if isinstance(segment, RotatedSegment):
+        return segment_heads(segment.inner)
     return segment.keys.shape[1] if isinstance(segment, (DenseSegment, PagedSegment)) else segment.k.shape[1]
 
 
 def segment_value_dim(segment: Segment) -> int:
     """Channels per head of a segment's values."""
+    if isinstance(segment, RotatedSegment):
+        return segment.value_rotation.shape[-1]
     if isinstance(segment, (DenseSegment, PagedSegment)):
         return segment.values.shape[-1]
     if isinstance(segment, (KiviSegment, KiviTokenSegment)):

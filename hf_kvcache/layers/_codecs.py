@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import quant
-from ..kernels import Int8Segment, KiviSegment
+from ..kernels import Int8Segment, KiviSegment, RotatedSegment
 from ..kernels.segments import KiviTokenSegment
 
 __all__ = ["KEY_AXES", "ROTATIONS", "Int8Codec", "KiviCodec", "RotatedCodec", "hadamard", "kivi_scale_dtype"]
@@ -78,6 +78,11 @@ class Int8Codec:
     def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
         self._decode_one(parts["k"], parts["ks"], k_out)
         self._decode_one(parts["v"], parts["vs"], v_out)
+
+    @staticmethod
+    def width(parts: Parts, name: str) -> int:
+        """Channels per head of the stored ``"k"`` or ``"v"`` codes."""
+        return parts[name].shape[-1]
 
     def segment(self, parts: Parts, start: int = 0) -> Int8Segment:
         """The tokens of ``parts`` from ``start`` on, as the kernels read them (views, no copy)."""
@@ -147,6 +152,10 @@ class KiviCodec:
         vp, vs, vz = self._encode_per_token(v, sdt)
         return {"k": kp, "ks": ks, "kz": kz, "v": vp, "vs": vs, "vz": vz}
 
+    def width(self, parts: Parts, name: str) -> int:
+        """Channels per head of the stored ``"k"`` or ``"v"`` codes (packed ``8 / bits`` per byte)."""
+        return parts[name].shape[-1] * 8 // self.bits
+
     def segment(self, parts: Parts, start: int = 0) -> KiviSegment | KiviTokenSegment:
         """The tokens of ``parts`` (aligned to key groups) from ``start`` on, as the kernels read them."""
         names = ("k", "ks", "kz", "v", "vs", "vz")
@@ -206,10 +215,9 @@ class RotatedCodec:
     """Any codec, applied to keys and values rotated by a Hadamard transform of the head dimension (QuaRot,
     TurboQuant): an outlier channel is spread over every channel of its block before quantizing, and decoding
     rotates back (the transform is orthonormal and symmetric, its own inverse). Stored tensors and bytes are the
-    inner codec's. Not served in place by the fused kernels (``fusable = False``): the layer hands attention the
-    decoded history instead."""
-
-    fusable = False
+    inner codec's. The kernels read the codes in place (:class:`~hf_kvcache.kernels.RotatedSegment`): the rotation
+    is folded into the query and the attention output, so a decode step adds two small products per layer instead of
+    one per cached token."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -232,8 +240,10 @@ class RotatedCodec:
         k_out.copy_(self._rotate(k_out))
         v_out.copy_(self._rotate(v_out))
 
-    def segment(self, parts: Parts, start: int = 0):
-        raise RuntimeError("a rotated codec is not read in place by the kernels (fusable is False)")
+    def segment(self, parts: Parts, start: int = 0) -> RotatedSegment:
+        inner = self.inner.segment(parts, start)
+        device, (dk, dv) = parts["k"].device, (self.inner.width(parts, name) for name in ("k", "v"))
+        return RotatedSegment(inner, hadamard(dk, torch.float32, device), hadamard(dv, torch.float32, device))
 
     def bytes_per_token(self, *args, **kwargs) -> float:
         return self.inner.bytes_per_token(*args, **kwargs)

@@ -109,7 +109,7 @@ class QuantizedLayer(KVLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._begin_update(key_states, value_states)
         visible = self._visible_past()
-        if getattr(self.codec, "fusable", True) and self.mode.handles(key_states.shape[-2], visible):
+        if self.mode.handles(key_states.shape[-2], visible):
             handle = self._handle(key_states, value_states, visible)
             keys, values = handle, handle
         else:
