@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RotarySpec", "rerotate", "rotary_spec"]
+__all__ = ["RotarySpec", "rerotate", "rotary_spec", "rotate_positions"]
 
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
 # Families whose attention layers rotate keys with a sinusoidal ``embed_positions`` table (base 10000, interleaved).
@@ -56,11 +56,25 @@ def rerotate(x: torch.Tensor, delta: torch.Tensor | int, spec: RotarySpec) -> to
         angles = (delta * inv_freq).view(1, 1, 1, -1)
     else:
         angles = delta.float().view(b, 1, 1, 1) * inv_freq.view(1, 1, 1, -1)  # (B, 1, 1, R/2)
+    return _turn(x, angles, spec)
+
+
+def rotate_positions(x: torch.Tensor, first: int, spec: RotarySpec, inverse: bool = False) -> torch.Tensor:
+    """Rotate keys ``x`` ``(B, H, T, D)`` as RoPE rotates token ``t`` at position ``first + t`` (``inverse``: by minus
+    that, back to the key before RoPE). The forward and the inverse compute the same float32 angles, so one undoes the
+    other to float rounding (what pre-RoPE quantization relies on)."""
+    positions = torch.arange(first, first + x.shape[-2], device=x.device, dtype=torch.float32)
+    angles = positions[:, None] * spec.inv_freq.to(x.device)[None, :]  # (T, R/2)
+    return _turn(x, -angles if inverse else angles, spec)
+
+
+def _turn(x: torch.Tensor, angles: torch.Tensor, spec: RotarySpec) -> torch.Tensor:
+    """``x`` with every rotary channel pair turned by ``angles`` (broadcast to ``(B, H, T, R/2)``)."""
     if spec.interleaved:
         angles = angles.repeat_interleave(2, dim=-1)
     else:
         angles = torch.cat([angles, angles], dim=-1)
-    cos, sin = angles.cos(), angles.sin()  # (B or 1, 1, 1, R)
+    cos, sin = angles.cos(), angles.sin()  # (..., R)
     r = spec.rotary_dim
     rot, rest = x[..., :r].float(), x[..., r:]
     if spec.interleaved:
@@ -73,7 +87,7 @@ def rerotate(x: torch.Tensor, delta: torch.Tensor | int, spec: RotarySpec) -> to
     return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
 
 
-def _rotary_module(model_or_config, config):
+def _rotary_module(model_or_config, config, way_out: str = "rerotate=False"):
     """The model's rotary embedding module: found in the model, or built from its modeling file. None if absent."""
     if isinstance(model_or_config, torch.nn.Module):
         for module in model_or_config.modules():
@@ -87,7 +101,7 @@ def _rotary_module(model_or_config, config):
     if name is None:
         raise ValueError(
             f"cannot find the modeling code of model_type {config.model_type!r} to read its rotary embedding; "
-            "pass the model instead of its config, or use rerotate=False"
+            f"pass the model instead of its config, or use {way_out}"
         )
     modeling = sys.modules[getattr(transformers, name).__module__]
     classes = [
@@ -103,7 +117,7 @@ def _rotary_module(model_or_config, config):
     return classes[0](config=config)
 
 
-def _table_spec(model_or_config, config) -> RotarySpec | None:
+def _table_spec(model_or_config, config, way_out: str = "rerotate=False") -> RotarySpec | None:
     """GPT-J / CodeGen: inverse frequencies read off the model's ``embed_positions`` table, or from the config."""
     if getattr(config, "model_type", None) not in _SINUSOIDAL_TABLE_MODELS:
         return None
@@ -123,7 +137,7 @@ def _table_spec(model_or_config, config) -> RotarySpec | None:
             if table.shape[-1] != rotary_dim or not torch.allclose(read, inv_freq.float(), atol=1e-6):
                 raise ValueError(
                     f"the embed_positions table of this {config.model_type} model does not match base-10000 rotary "
-                    "frequencies, so its keys cannot be re-rotated safely; use rerotate=False"
+                    f"frequencies, so its keys cannot be re-rotated safely; use {way_out}"
                 )
     return RotarySpec(inv_freq=inv_freq.float(), rotary_dim=rotary_dim, interleaved=True)
 
@@ -157,8 +171,11 @@ def _scaled(value, layer_type: str):
     return value[layer_type] if isinstance(value, dict) else value
 
 
-def rotary_spec(model_or_config, config, layer_type: str = "full_attention") -> RotarySpec | None:
-    """:class:`RotarySpec` of ``layer_type`` layers, or None when the model has no rotary embedding.
+def rotary_spec(
+    model_or_config, config, layer_type: str = "full_attention", way_out: str = "rerotate=False"
+) -> RotarySpec | None:
+    """:class:`RotarySpec` of ``layer_type`` layers, or None when the model has no rotary embedding. ``way_out``:
+    the option a refusal tells the user to turn off.
 
     Raises:
         ValueError: the rotation depends on the sequence length (``dynamic``, ``longrope``), is multimodal, or has a
@@ -170,23 +187,23 @@ def rotary_spec(model_or_config, config, layer_type: str = "full_attention") -> 
         if rope_parameters is None:
             return None  # per-layer-kind parameters, none for this kind: its layers are NoPE (Beam's full layers)
     if isinstance(rope_parameters, dict) and "mrope_section" in rope_parameters:
-        raise ValueError("multimodal RoPE (mrope_section) cannot be re-rotated; use rerotate=False")
-    module = _rotary_module(model_or_config, config)
+        raise ValueError(f"multimodal RoPE (mrope_section) cannot be re-rotated; use {way_out}")
+    module = _rotary_module(model_or_config, config, way_out)
     if module is None:
-        spec = _table_spec(model_or_config, config)
+        spec = _table_spec(model_or_config, config, way_out)
         if spec is None and any(getattr(config, hint, None) for hint in _ROPE_HINTS):
             hints = [hint for hint in _ROPE_HINTS if getattr(config, hint, None)]
             raise ValueError(
                 f"model_type {getattr(config, 'model_type', '?')!r} looks like it rotates its keys (its config has "
-                f"{', '.join(hints)}), but hf_kvcache cannot find its rotary embedding to re-rotate the sinks; use "
-                "rerotate=False"
+                f"{', '.join(hints)}), but hf_kvcache cannot find its rotary embedding to re-rotate its keys; use "
+                f"{way_out}"
             )
         return spec
     rope_type = _scaled(getattr(module, "rope_type", "default"), layer_type)
     if rope_type in _LENGTH_DEPENDENT:
         raise ValueError(
             f"rope_type {rope_type!r} changes its frequencies with the sequence length, so cached keys cannot be "
-            "re-rotated exactly; use rerotate=False"
+            f"re-rotated exactly; use {way_out}"
         )
     inv_freq = getattr(module, f"{layer_type}_inv_freq", None)
     if inv_freq is None:
@@ -197,5 +214,5 @@ def rotary_spec(model_or_config, config, layer_type: str = "full_attention") -> 
         return spec
     raise ValueError(
         f"{type(module).__name__} produces a rotation that matches neither the rotate_half nor the interleaved "
-        "layout, so its keys cannot be re-rotated safely; use rerotate=False"
+        f"layout, so its keys cannot be re-rotated safely; use {way_out}"
     )

@@ -79,6 +79,23 @@ CACHE_CASES = [
         families=VARIANT,
         attn="hf_kvcache",
     ),
+    # Keys quantized before RoPE (KVQuant): turned back before encoding, forward when read (Llama and Gemma 3, whose
+    # sliding layers have their own rotary base); under hf_kvcache the quantized segment is read by the reference.
+    CacheCase(
+        "int4-prerope",
+        "int4:residual_length=4:group_size=8:pre_rope=true",
+        lossless=False,
+        logit_bound=LOGIT_BOUNDS["int4"],
+        families=VARIANT,
+    ),
+    CacheCase(
+        "int2-all-hf",
+        "int2:residual_length=4:group_size=8:pre_rope=true:rotate=hadamard:sinks=3",
+        lossless=False,
+        logit_bound=LOGIT_BOUNDS["int2"],
+        families=VARIANT,
+        attn="hf_kvcache",
+    ),
     # The first real tokens of each row kept in full precision (attention sinks), left padding included: a dense
     # segment before the codes, under sdpa and read in place by the kernels under hf_kvcache.
     CacheCase(

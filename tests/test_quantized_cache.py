@@ -504,6 +504,53 @@ def test_rotated_cache_is_read_in_place_under_hf_kvcache(monkeypatch):
     assert (outs[1] - outs[0]).abs().max().item() < 1e-4 * max(std, 1.0)
 
 
+# -- pre_rope=True: keys quantized before RoPE (KVQuant) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sinks", [0, 3])
+@pytest.mark.parametrize("bits", [4, 2])
+def test_pre_rope_keys_that_are_steady_before_rope_come_back_exactly(bits, sinks):
+    """Keys constant across tokens before RoPE (an outlier channel included) are constant per channel group once
+    turned back, so KIVI encodes them exactly: the layer returns the post-RoPE keys to float rounding, through a
+    prefill, single-token steps, a crop into the codes and a beam reorder. A position the encoder and the reader
+    disagree on would not."""
+    from hf_kvcache.rope import rotate_positions
+
+    model = tiny_model("llama")
+    cache = QuantizedKVCache(model, bits=bits, group_size=8, residual_length=4, sinks=sinks, pre_rope=True)
+    plain = QuantizedKVCache(model, bits=bits, group_size=8, residual_length=4, sinks=sinks)
+    rope = cache.layers[0].key_rope
+    assert rope is not None and plain.layers[0].key_rope is None
+    steady = torch.randn(2, 2, 1, 16).expand(2, 2, 60, 16).clone()
+    steady[..., 3] *= 25
+    k = rotate_positions(steady, 0, rope)
+    v = torch.randn(2, 2, 60, 16)
+    errors = {}
+    for name, c in (("pre", cache), ("plain", plain)):
+        _feed(c, k[:, :, :40], v[:, :, :40], chunks=(33, 1, 1, 1, 1, 1, 1, 1))
+        c.crop(-3)  # 3 tokens off: into the last key group, whose survivors return to the residual
+        c.reorder_cache(torch.tensor([1, 0]))
+        keys, _ = c.update(k[[1, 0], :, 37:38], v[[1, 0], :, 37:38], 0)
+        assert keys.shape[2] == 38
+        errors[name] = (keys - k[[1, 0], :, :38]).abs().max().item()
+    assert errors["pre"] < 1e-4 < errors["plain"], errors
+
+
+def test_pre_rope_validation_spec_and_bytes():
+    with pytest.raises(ValueError, match="pre_rope must be True or False"):
+        QuantizedKVCache(_config(), bits=4, pre_rope="yes")
+    with pytest.raises(ValueError, match="model_type 'gpt2' does not rotate its keys with RoPE.*pre_rope=False"):
+        make_cache("int4:pre_rope=true", tiny_model("gpt2"))
+    model = tiny_model("llama")
+    cache = make_cache("int2:residual_length=4:pre_rope=true", model)
+    assert cache.pre_rope and "pre_rope=True" in repr(cache)
+    plain = make_cache("int2:residual_length=4", model)
+    ids = torch.randint(3, 100, (2, 40))
+    for c in (cache, plain):
+        model.generate(input_ids=ids, past_key_values=c, max_new_tokens=5, do_sample=False)
+    assert cache_nbytes(cache) == cache_nbytes(plain)
+
+
 # -- sinks=N: the first real tokens of every row in full precision --------------------------------------------------
 
 

@@ -9,12 +9,13 @@ from transformers.cache_utils import Cache
 
 from .. import quant
 from .._config import LayerSpec, is_latent_attention, layer_specs, resolve_config, tensor_parallel_size
-from .._validate import check_choice, check_int, dtype_from_name
+from .._validate import check_bool, check_choice, check_int, dtype_from_name
 from ..layers._codecs import KEY_AXES, ROTATIONS, Int8Codec, KiviCodec, RotatedCodec
 from ..layers._common import AttentionMode, PaddingTracker
 from ..layers._storage import Workspace
 from ..layers.quantized import QuantizedLayer, QuantizedSlidingWindowLayer
 from ..registry import register_cache
+from ..rope import RotarySpec, rotary_spec
 from ._base import KVCacheReportMixin, PaddingObserverMixin
 
 __all__ = ["QuantizedKVCache"]
@@ -75,6 +76,16 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             Built from a model, the cache reads each row's left padding from the prefill's attention mask, and keeps
             ``sinks`` plus the batch's largest padding positions exact (a padded row's extra positions are padding);
             built from a config, rows count as unpadded. Default 0.
+        pre_rope: quantize keys as they were before RoPE (KVQuant, https://arxiv.org/abs/2401.18079): RoPE turns each
+            channel pair by a different angle every token, smearing an outlier channel over its pair, which
+            per-channel key groups cannot follow; un-rotated, the channel is steady across tokens. Keys are turned
+            back when encoded and forward when read, with the same float32 angles (the token's index in the layer),
+            so the round trip is exact to float rounding, through ``crop``, beams and batch selection. Same bytes;
+            a decode step rotates every quantized key once per layer (an elementwise pass, like dequantizing). Under
+            the ``hf_kvcache`` attention the quantized segment is read by the pure-torch reference kernel, which
+            rotates each chunk (the Triton kernel does not rotate per tile yet). Needs a model with RoPE (the
+            rotation is read from its rotary embedding; layers without RoPE store keys as they are); refused for
+            latent attention. Default False.
 
     Example:
         >>> from transformers import LlamaConfig
@@ -96,6 +107,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         key_axis: str | None = None,
         rotate: str | None = None,
         sinks: int = 0,
+        pre_rope: bool = False,
     ):
         model = config if isinstance(config, torch.nn.Module) else None
         config = resolve_config(config)
@@ -110,6 +122,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         if rotate is not None:
             check_choice("rotate", rotate, ROTATIONS)
         check_int("sinks", sinks, 0)
+        check_bool("pre_rope", pre_rope)
         check_choice("backend", backend, _BACKENDS)
         if backend == "bitsandbytes":
             if bits != 8:
@@ -144,6 +157,8 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         self.key_axis = None if bits == 8 else key_axis or "channel"
         self.rotate = rotate
         self.sinks = sinks
+        self.pre_rope = pre_rope
+        self.key_ropes = _key_ropes(model, config, specs) if pre_rope else {}
         self.padding = PaddingTracker()
         self.layer_specs = specs
         self.workspace = Workspace()
@@ -161,13 +176,14 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
 
     def _make_layer(self, layer_idx: int, spec: LayerSpec) -> QuantizedLayer:
         owner, codec = type(self).__name__, self._codec()
+        key_rope = self.key_ropes.get(spec.layer_type) if spec.uses_rope else None
         if spec.layer_type != "full_attention":  # the model's own window: its sinks would be evicted anyway
             return QuantizedSlidingWindowLayer(
-                spec, layer_idx, owner, codec, self.residual_length, self.workspace, self.attention_mode
+                spec, layer_idx, owner, codec, self.residual_length, self.workspace, self.attention_mode, key_rope
             )
         return QuantizedLayer(
             spec, layer_idx, owner, codec, self.residual_length, self.workspace, self.attention_mode,
-            self.sinks, self.padding,
+            self.sinks, self.padding, key_rope,
         )  # fmt: skip
 
     def before_forward(self, kwargs: dict) -> None:
@@ -188,10 +204,39 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         axis = f", key_axis={self.key_axis!r}" if self.key_axis == "token" else ""
         axis += f", rotate={self.rotate!r}" if self.rotate else ""
         axis += f", sinks={self.sinks}" if self.sinks else ""
+        axis += ", pre_rope=True" if self.pre_rope else ""
         return (
             f"{type(self).__name__}(bits={self.bits}, group_size={self.group_size}, "
             f"residual_length={self.residual_length}, backend={self.backend!r}{axis}, layers={len(self.layers)})"
         )
+
+
+def _key_ropes(model, config, specs: list[LayerSpec]) -> dict[str, RotarySpec]:
+    """The rotation each layer type applies to its keys, for ``pre_rope=True`` (refused where there is none)."""
+    name = getattr(config, "model_type", type(config).__name__)
+    if is_latent_attention(config):
+        raise ValueError(
+            f"pre_rope=True: model_type {name!r} uses latent attention, whose cached keys carry RoPE on a part of "
+            "their channels only; use pre_rope=False"
+        )
+    ropes = {}
+    for layer_type in sorted({s.layer_type for s in specs if s.uses_rope}):
+        # Built from the config (float32 frequencies whatever the model's dtype, so a reset cache serves a model of
+        # another dtype as a new one would); the model's own module where the config alone cannot find it.
+        try:
+            rope = rotary_spec(config, config, layer_type, way_out="pre_rope=False")
+        except ValueError:
+            if model is None:
+                raise
+            rope = rotary_spec(model, config, layer_type, way_out="pre_rope=False")
+        if rope is not None:
+            ropes[layer_type] = rope
+    if not ropes:
+        raise ValueError(
+            f"pre_rope=True: model_type {name!r} does not rotate its keys with RoPE, so there is nothing to quantize "
+            "before; use pre_rope=False"
+        )
+    return ropes
 
 
 def _register(bits: int, summary: str) -> None:
@@ -204,13 +249,14 @@ def _register(bits: int, summary: str) -> None:
         key_axis: str | None = None,
         rotate: str | None = None,
         sinks: int = 0,
+        pre_rope: bool = False,
     ) -> QuantizedKVCache:
         return QuantizedKVCache(
-            config, bits, group_size, residual_length, backend, scale_dtype, key_axis, rotate, sinks
+            config, bits, group_size, residual_length, backend, scale_dtype, key_axis, rotate, sinks, pre_rope
         )
 
     # key_axis is a KIVI option: an int8 spec that names it is refused by name (no such option).
-    options = ("group_size", "residual_length", "backend", "scale_dtype", "rotate", "sinks") + (
+    options = ("group_size", "residual_length", "backend", "scale_dtype", "rotate", "sinks", "pre_rope") + (
         ("key_axis",) if bits != 8 else ()
     )
     register_cache(f"int{bits}", summary, options=options)(factory)

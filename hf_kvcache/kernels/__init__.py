@@ -9,7 +9,16 @@ kernel for CUDA (:mod:`hf_kvcache.kernels.triton_decode`), dispatched through ``
 
 from .ops import decode_attention, triton_available
 from .reference import combine, num_splits, partial, reference_attention
-from .segments import DenseSegment, Int8Segment, KiviSegment, KVHandle, PagedSegment, RotatedSegment, Segment
+from .segments import (
+    DenseSegment,
+    Int8Segment,
+    KiviSegment,
+    KVHandle,
+    PagedSegment,
+    PreRopeSegment,
+    RotatedSegment,
+    Segment,
+)
 
 __all__ = [
     "DenseSegment",
@@ -17,6 +26,7 @@ __all__ = [
     "KVHandle",
     "KiviSegment",
     "PagedSegment",
+    "PreRopeSegment",
     "RotatedSegment",
     "Segment",
     "combine",

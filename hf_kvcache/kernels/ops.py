@@ -20,6 +20,7 @@ from .segments import (
     KiviTokenSegment,
     KVHandle,
     PagedSegment,
+    PreRopeSegment,
     RotatedSegment,
     Segment,
     segment_heads,
@@ -200,6 +201,8 @@ def segment_partial(
 ) -> Partials:
     """One segment through its custom op (a rotated segment: its inner segment's op, the rotation folded around it as
     in :func:`reference.partial`)."""
+    if isinstance(segment, PreRopeSegment):  # keys rotated to their positions per chunk: the reference everywhere
+        return reference.partial(query, segment, mask, scaling, softcap, splits)
     if isinstance(segment, RotatedSegment):
         query = reference.rotate_query(query, segment)
         m, l_, acc = segment_partial(query, segment.inner, mask, scaling, softcap, splits)

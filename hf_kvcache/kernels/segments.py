@@ -21,6 +21,8 @@ Layouts (``B`` batch, ``H`` KV heads, ``T`` tokens, ``D`` channels):
   Served by the pure-torch reference on every device (the Triton kernel reads per-channel keys only).
 * :class:`RotatedSegment`: any quantized segment above whose keys and values were stored Hadamard-rotated
   (``rotate="hadamard"``); read with the query rotated and each split's accumulator rotated back.
+* :class:`PreRopeSegment`: a quantized segment whose keys were stored before RoPE (``pre_rope=True``), rotated to
+  their positions as they are read.
 * :class:`PagedSegment`: a block pool ``(slots, H, D)`` addressed through a block table ``(B, blocks)`` (int32 on the
   pool's device; :data:`~hf_kvcache.paging.PAD_BLOCK` entries are padding and must be masked), ``length`` tokens per
   row; optionally int8 pages with one scale per token and head, ``(slots, H)``.
@@ -32,6 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..rope import RotarySpec, rotate_positions
+
 __all__ = [
     "DenseSegment",
     "Int8Segment",
@@ -39,6 +43,7 @@ __all__ = [
     "KiviSegment",
     "KiviTokenSegment",
     "PagedSegment",
+    "PreRopeSegment",
     "RotatedSegment",
     "Segment",
     "segment_heads",
@@ -205,18 +210,40 @@ class RotatedSegment:
         return k @ self.key_rotation, v @ self.value_rotation
 
 
-Segment = DenseSegment | Int8Segment | KiviSegment | KiviTokenSegment | PagedSegment | RotatedSegment
+@dataclass(frozen=True)
+class PreRopeSegment:
+    """A quantized segment whose keys were stored before RoPE (``pre_rope=True``, KVQuant): token ``t`` of the segment
+    sits at position ``first + t`` and its key is rotated there as it is read, chunk by chunk (:meth:`read`); values
+    are read as stored. Served by the pure-torch reference on every device (the Triton kernel does not rotate keys
+    per tile yet)."""
+
+    inner: DenseSegment | Int8Segment | KiviSegment | KiviTokenSegment | RotatedSegment
+    rotary: RotarySpec
+    first: int  # position (token index in the layer) of the segment's first token
+
+    @property
+    def length(self) -> int:
+        return self.inner.length
+
+    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.inner.read(a, b)
+        return rotate_positions(k, self.first + a, self.rotary), v
+
+
+Segment = DenseSegment | Int8Segment | KiviSegment | KiviTokenSegment | PagedSegment | RotatedSegment | PreRopeSegment
 
 
 def segment_heads(segment: Segment) -> int:
     """KV heads of a segment."""
-    if isinstance(segment, RotatedSegment):
+    if isinstance(segment, (RotatedSegment, PreRopeSegment)):
         return segment_heads(segment.inner)
     return segment.keys.shape[1] if isinstance(segment, (DenseSegment, PagedSegment)) else segment.k.shape[1]
 
 
 def segment_value_dim(segment: Segment) -> int:
     """Channels per head of a segment's values."""
+    if isinstance(segment, PreRopeSegment):
+        return segment_value_dim(segment.inner)
     if isinstance(segment, RotatedSegment):
         return segment.value_rotation.shape[-1]
     if isinstance(segment, (DenseSegment, PagedSegment)):

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from .._config import LayerSpec
-from ..kernels import DenseSegment, KVHandle
+from ..kernels import DenseSegment, KVHandle, PreRopeSegment
+from ..rope import RotarySpec, rotate_positions
 from ._common import AttentionMode, KVLayer, PaddingTracker, tokens_to_crop
 from ._storage import TokenBuffers, Workspace
 
@@ -77,9 +78,16 @@ class QuantizedLayer(KVLayer):
         mode: AttentionMode | None = None,
         sinks: int = 0,
         padding: PaddingTracker | None = None,
+        key_rope: RotarySpec | None = None,
     ):
         super().__init__(spec, layer_idx, owner, mode)
         self.codec = codec
+        # pre_rope=True (KVQuant): keys are turned back to before RoPE for quantizing (RoPE mixes each outlier
+        # channel with its pair at a different angle every token, which per-channel groups cannot follow) and turned
+        # forward again when read. The angle is the token's index in the layer, the same both ways, so a row's left
+        # padding only shifts all of its keys by one rotation.
+        self.key_rope = key_rope
+        self.dropped = 0  # tokens evicted from the front (sliding layers): the stored tokens' positions start here
         self.residual_length = residual_length
         self.workspace = workspace
         self.sinks = sinks  # first real tokens of every row kept in full precision (attention sinks)
@@ -99,10 +107,11 @@ class QuantizedLayer(KVLayer):
         # `sinks` real tokens (a padded row's extra slots are padding, masked by attention).
         pads = self.padding.pads(self.batch_size) if (self.sinks and self.padding is not None) else (0,)
         self.sink_length = self.sinks + max(pads) if self.sinks else 0
+        self.dropped = 0
 
     def _release(self) -> None:
         self.store = self.residual = self.sink = None
-        self.sink_length = 0
+        self.sink_length = self.dropped = 0
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -205,6 +214,7 @@ class QuantizedLayer(KVLayer):
             values[:, :, :ns].copy_(self.sink.view("v"))
         if nq:
             self.codec.decode(self.store.views(), keys[:, :, ns : ns + nq], values[:, :, ns : ns + nq])
+            self._to_positions(keys[:, :, ns : ns + nq])
         if nr:
             keys[:, :, ns + nq : ns + nq + nr].copy_(self.residual.view("k"))
             values[:, :, ns + nq : ns + nq + nr].copy_(self.residual.view("v"))
@@ -222,7 +232,10 @@ class QuantizedLayer(KVLayer):
         if ns:  # full-attention layers only: the sinks are always visible
             segments.append(DenseSegment(self.sink.view("k"), self.sink.view("v")))
         if skip < nq:
-            segments.append(self.codec.segment(self.store.views(), skip))
+            segment = self.codec.segment(self.store.views(), skip)
+            if self.key_rope is not None:
+                segment = PreRopeSegment(segment, self.key_rope, self._store_position() + skip)
+            segments.append(segment)
         if nr:
             r0 = max(skip - nq, 0)
             segments.append(DenseSegment(self.residual.view("k")[:, :, r0:], self.residual.view("v")[:, :, r0:]))
@@ -246,6 +259,8 @@ class QuantizedLayer(KVLayer):
             if from_res:
                 kr, vr = self.residual.view("k")[:, :, :from_res], self.residual.view("v")[:, :, :from_res]
                 ke, ve = torch.cat([kr, ke], dim=2), torch.cat([vr, ve], dim=2)
+            if self.key_rope is not None:  # the chunk's first token follows the stored codes
+                ke = rotate_positions(ke, self._store_position() + self.store.length, self.key_rope, inverse=True)
             self.store.append(self.codec.encode(ke, ve))
             self.residual.drop_front(from_res)
             k, v = k[:, :, from_new:], v[:, :, from_new:]
@@ -291,7 +306,17 @@ class QuantizedLayer(KVLayer):
         k = torch.empty((b, h, t, self.spec.key_dim), dtype=self.dtype, device=self.device)
         v = torch.empty((b, h, t, self.spec.value_dim), dtype=self.dtype, device=self.device)
         self.codec.decode(self.store.views(), k, v)
+        self._to_positions(k)
         return k, v
+
+    def _store_position(self) -> int:
+        """Position (token index in the layer) of the first quantized token."""
+        return self.dropped + self.sink.length
+
+    def _to_positions(self, keys: torch.Tensor) -> None:
+        """Decoded pre-RoPE keys of the quantized tokens, rotated in place to their positions."""
+        if self.key_rope is not None:
+            keys.copy_(rotate_positions(keys, self._store_position(), self.key_rope))
 
     def _evict(self) -> None:
         """Full-attention layers keep every token."""
@@ -323,8 +348,9 @@ class QuantizedSlidingWindowLayer(QuantizedLayer):
         residual_length: int,
         workspace: Workspace,
         mode: AttentionMode | None = None,
+        key_rope: RotarySpec | None = None,
     ):
-        super().__init__(spec, layer_idx, owner, codec, residual_length, workspace, mode)
+        super().__init__(spec, layer_idx, owner, codec, residual_length, workspace, mode, key_rope=key_rope)
         self.sliding_window = spec.sliding_window
         self.record_past = False
 
@@ -361,5 +387,7 @@ class QuantizedSlidingWindowLayer(QuantizedLayer):
             from_res = excess - self.store.length
             self.store.clear()
             self.residual.drop_front(from_res)
+            self.dropped += excess
         else:
             self.store.drop_front(excess // unit * unit)
+            self.dropped += excess // unit * unit
