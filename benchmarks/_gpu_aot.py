@@ -170,6 +170,8 @@ def launch_partial(query, segment, mask, scaling, softcap, splits) -> Launch:
         raise RuntimeError("launch_partial runs inside capturing()")
     kernel_module().triton_partial(query, segment, mask, scaling, softcap, splits)
     launch = _CAPTURE[-1]
+    while hasattr(segment, "inner"):  # a rotated or pre-RoPE segment: named by the storage it reads
+        segment = segment.inner
     launch.segment = type(segment).__name__
     return launch
 

@@ -50,10 +50,12 @@ KINDS = {
     "int4": "int4",
     "int3": "int3",
     "int2": "int2",
+    "int4 pre-RoPE": "int4:rotate=none:sinks=0:pre_rope=true",
     "paged": "paged",
     "paged int8": "paged:bits=8",
 }
-STORAGE = {"dense": "DenseSegment", "int8": "Int8Segment"} | dict.fromkeys(("int4", "int3", "int2"), "KiviSegment")
+STORAGE = {"dense": "DenseSegment", "int8": "Int8Segment"}
+STORAGE |= dict.fromkeys(("int4", "int3", "int2", "int4 pre-RoPE"), "KiviSegment")
 STORAGE |= {"paged": "PagedSegment", "paged int8": "PagedSegment"}
 Q_LENS = (1, 4, 16)
 HEAD_DIMS = (64, 128, 96)

@@ -38,10 +38,18 @@ REAL = ["--model", "smollm2", "--threads", "1"]
 EVAL_CACHES = "dynamic,int8,int4,int2,sink:window=256:sinks=4"
 LONG_CACHES = "dynamic,int4,int2,sink:window=1024:sinks=4"
 STREAM_CACHES = "dynamic,sink:window=1024:sinks=0,sink:window=1024:sinks=4"
-# 4 and 2 bits: KIVI's layout, then a Hadamard rotation of head_dim, then the first 4 tokens in full precision.
-LOWBIT_CACHES = ",".join(
-    f"int{b}{o}" for b in (4, 2) for o in ("", ":rotate=hadamard", ":sinks=4", ":sinks=4:rotate=hadamard")
+# KVQuant / QuaRot options at 4, 3 and 2 bits, each named in full so the specs mean the same whatever the defaults:
+# KIVI's layout, each option alone, the rotation with sinks, and all three.
+ABLATION_OPTIONS = (
+    "rotate=none:sinks=0:pre_rope=false",
+    "rotate=hadamard:sinks=0:pre_rope=false",
+    "rotate=none:sinks=0:pre_rope=true",
+    "rotate=none:sinks=4:pre_rope=false",
+    "rotate=hadamard:sinks=4:pre_rope=false",
+    "rotate=hadamard:sinks=4:pre_rope=true",
 )
+_ROT_SINKS = "int2:rotate=hadamard:sinks=4:pre_rope=false"
+ABLATION_CACHES = ",".join(f"int{b}:{o}" for b in (4, 3, 2) for o in ABLATION_OPTIONS)
 BENCH = [
     *"--new-tokens 8 --repeats 1 --caches".split(),
     "dynamic,int8,int4,int2,sink:window=1024:sinks=4,paged:block_size=16",
@@ -66,17 +74,17 @@ RUNS: dict[str, list[str]] = {
         *["--caches", "dynamic"],
     ],
     "eval-repeat": ["eval", *REAL, *"--task repeat --distances 0,1000,3000,7000".split(), "--caches", LONG_CACHES],
-    "eval-lowbit": [
+    "eval-ablation": [
         "eval",
         *REAL,
         *"--task perplexity --max-tokens 2048 --context 1024 --prefill 512".split(),
-        *["--caches", "dynamic," + LOWBIT_CACHES],
+        *["--caches", "dynamic," + ABLATION_CACHES],
     ],
     "eval-lowbit-passkey": [
         "eval",
         *REAL,
         *"--task passkey --lengths 1024,2048 --depths 0.1,0.3,0.5,0.7,0.9 --samples 2".split(),
-        *["--caches", "dynamic,int4,int2,int2:rotate=hadamard,int2:sinks=4:rotate=hadamard"],
+        *["--caches", "dynamic,int4,int3,int2,int2:rotate=none:sinks=0:pre_rope=false," + _ROT_SINKS],
     ],
     # CPU speed and memory on the real model (2 cores, one thread each; 1 repeat: read ratios, not spreads).
     "bench-cpu": ["bench", *REAL, *BENCH, "--contexts", "1024,4096", "--attn", "sdpa,hf_kvcache"],

@@ -242,3 +242,44 @@ def test_rotated_segment_folds_the_rotation(inner, head_dim, dtype):
     m, l_, acc = triton_decode.triton_partial(rotate_query(query, seg), seg.inner, mask, 0.125, 0.0, 3)
     tri = combine([(m, l_, acc @ seg.value_rotation)], dtype=torch.float32)
     _close(tri, ref, dtype)
+
+
+@pytest.mark.parametrize("inner", ["dense", "int8", "kivi4", "kivi3", "kivi2", "kivi4-rot", "int8-rot"])
+@pytest.mark.parametrize("layout", ["half", "interleaved", "partial"])
+@pytest.mark.parametrize("first", [37, 30011])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_pre_rope_segment_turns_keys_per_tile(inner, layout, first, dtype):
+    """Keys stored before RoPE (pre_rope=True) are turned to their positions in the Triton kernel per tile, equal to
+    the reference, which turns each chunk it reads, at positions near 0 and past 30,000 (angles the kernel reduces
+    itself) (rotate_half and interleaved pairs split in registers; partial
+    rotary with each channel's pair loaded beside it). Over Hadamard-rotated codes triton_partial hands the segment
+    to the reference (the rotation cannot be folded through RoPE)."""
+    from hf_kvcache.kernels import PreRopeSegment
+    from hf_kvcache.layers._codecs import RotatedCodec
+    from hf_kvcache.rope import RotarySpec, rotate_positions
+
+    head_dim = 64
+    rot_dim = 32 if layout == "partial" else head_dim
+    spec = RotarySpec(1.0 / 10000 ** (torch.arange(0, rot_dim, 2).float() / rot_dim), rot_dim, layout == "interleaved")
+    g = torch.Generator().manual_seed(7)
+    k, v = torch.randn(2, 2, 96, head_dim, generator=g), torch.randn(2, 2, 96, head_dim, generator=g)
+    pre = rotate_positions(k, first, spec, inverse=True)
+    if inner == "dense":
+        seg = DenseSegment(pre.to(dtype), v.to(dtype))
+    else:
+        base = (
+            Int8Codec(None, torch.float32) if inner.startswith("int8") else KiviCodec(int(inner[4]), 16, torch.float32)
+        )
+        codec = RotatedCodec(base) if inner.endswith("-rot") else base
+        seg = codec.segment(codec.encode(pre, v), 0)
+    seg = PreRopeSegment(seg, spec, first)
+    keys, values = seg.read(0, seg.length)
+    if inner == "dense":
+        _close(keys, k, dtype)  # the round trip: turned back, then forward
+    mask = torch.ones(2, 2, seg.length, dtype=torch.bool)
+    mask[1, :, :5] = False
+    mask[:, 0, -1] = False
+    query = torch.randn(2, 8, 2, head_dim, generator=g).to(dtype)
+    ref, tri = _run(query, seg, mask, splits=2)
+    _close(tri, ref, dtype)
+    _close(ref, _sdpa(query, keys, values, mask, 0.125), dtype)

@@ -9,7 +9,7 @@ from transformers.cache_utils import Cache
 
 from .. import quant
 from .._config import LayerSpec, is_latent_attention, layer_specs, resolve_config, tensor_parallel_size
-from .._validate import check_bool, check_choice, check_int, dtype_from_name
+from .._validate import check_choice, check_int, dtype_from_name
 from ..layers._codecs import KEY_AXES, ROTATIONS, Int8Codec, KiviCodec, RotatedCodec
 from ..layers._common import AttentionMode, PaddingTracker
 from ..layers._storage import Workspace
@@ -18,10 +18,21 @@ from ..registry import register_cache
 from ..rope import RotarySpec, rotary_spec
 from ._base import KVCacheReportMixin, PaddingObserverMixin
 
-__all__ = ["QuantizedKVCache"]
+__all__ = ["MEASURED_DEFAULTS", "QuantizedKVCache"]
 
 _BACKENDS = ("torch", "bitsandbytes")
 _DEFAULT_RESIDUAL = {8: 0, 4: 128, 3: 128, 2: 128}
+AUTO = "auto"
+# What rotate / sinks / pre_rope = "auto" (the defaults) mean at each width: the best setting measured on SmolLM2
+# through the harness's perplexity protocol (docs/results/eval-ablation.json; tests/test_quantized_cache.py checks
+# the defaults against it). 2 bits: KIVI +32.9%, all three options +3.4%; 3 bits: +2.8% -> +0.4%. At 4 bits every
+# setting is within 0.2% of DynamicCache, so KIVI's layout, the cheapest, stays; int8 needs none of them.
+MEASURED_DEFAULTS = {
+    8: {"rotate": None, "sinks": 0, "pre_rope": False},
+    4: {"rotate": None, "sinks": 0, "pre_rope": False},
+    3: {"rotate": "hadamard", "sinks": 4, "pre_rope": True},
+    2: {"rotate": "hadamard", "sinks": 4, "pre_rope": True},
+}
 
 
 class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
@@ -36,6 +47,10 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
       most recent ``residual_length`` tokens kept in full precision.
       ``key_axis="token"`` quantizes keys per token like the values instead: the paper's ablation (its per-token
       keys fail at 2 bits), offered to reproduce that finding, not for use.
+    * ``rotate``, ``sinks`` and ``pre_rope`` default to ``"auto"``: the best setting measured at that width on the
+      real model (:data:`MEASURED_DEFAULTS`: at 3 and 2 bits ``rotate="hadamard", sinks=4, pre_rope=True``, where
+      the model has RoPE; at 4 and 8 bits none). KIVI's own layout is ``rotate=None, sinks=0, pre_rope=False``
+      (spec ``int2:rotate=none:sinks=0:pre_rope=false``).
 
     Every token is encoded exactly once (the prompt's tail stays in the residual; nothing is re-quantized), appends
     are amortized, and the K/V handed to attention are decoded into one workspace shared by all layers. On hybrid
@@ -64,28 +79,29 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             like the values; every token encoded on its own). Under the ``hf_kvcache`` attention per-token keys are
             read by the pure-torch reference kernel on every device (the Triton kernel reads per-channel keys only).
             Not accepted at 8 bits, whose keys are per token already.
-        rotate: ``None`` (default) or ``"hadamard"``: keys and values are rotated by an orthonormal Hadamard
-            transform of the head dimension before quantizing and rotated back when decoded (QuaRot, TurboQuant): an
-            outlier channel is spread over the other channels of its block (the largest power of two dividing the
-            head width) instead of stretching its group's scale. Same bytes; each decode step costs one more
-            ``(tokens x head_dim) @ (head_dim x head_dim)`` product per layer under eager or sdpa. Under the
-            ``hf_kvcache`` attention the kernels read the codes in place with the rotation folded into the query and
-            the output (two small products per layer and step, whatever the length).
+        rotate: ``"auto"`` (default: :data:`MEASURED_DEFAULTS`), ``"hadamard"`` or ``None``: keys and values are
+            rotated by an orthonormal Hadamard transform of the head dimension before quantizing and rotated back
+            when decoded (QuaRot, TurboQuant): an outlier channel is spread over the other channels of its block
+            (the largest power of two dividing the head width) instead of stretching its group's scale. Same
+            bytes; under eager or sdpa each decode step costs one more ``(tokens x head_dim) @ (head_dim x
+            head_dim)`` product per layer. Under the ``hf_kvcache`` attention the kernels read the codes in place
+            with the rotation folded into the query and the output (two small products per layer and step).
         sinks: the first ``sinks`` real tokens of every row kept in full precision on full-attention layers
             (attention sinks, as KVQuant and StreamingLLM observe: most heads put much attention on the first tokens).
             Built from a model, the cache reads each row's left padding from the prefill's attention mask, and keeps
             ``sinks`` plus the batch's largest padding positions exact (a padded row's extra positions are padding);
-            built from a config, rows count as unpadded. Default 0.
+            built from a config, rows count as unpadded. Default ``"auto"`` (:data:`MEASURED_DEFAULTS`).
         pre_rope: quantize keys as they were before RoPE (KVQuant, https://arxiv.org/abs/2401.18079): RoPE turns each
             channel pair by a different angle every token, smearing an outlier channel over its pair, which
             per-channel key groups cannot follow; un-rotated, the channel is steady across tokens. Keys are turned
             back when encoded and forward when read, with the same float32 angles (the token's index in the layer),
             so the round trip is exact to float rounding, through ``crop``, beams and batch selection. Same bytes;
             a decode step rotates every quantized key once per layer (an elementwise pass, like dequantizing). Under
-            the ``hf_kvcache`` attention the quantized segment is read by the pure-torch reference kernel, which
-            rotates each chunk (the Triton kernel does not rotate per tile yet). Needs a model with RoPE (the
-            rotation is read from its rotary embedding; layers without RoPE store keys as they are); refused for
-            latent attention. Default False.
+            the ``hf_kvcache`` attention the Triton kernel turns each tile of keys in registers (with
+            ``rotate="hadamard"`` too, the reference kernel serves the quantized segment). Needs a model with RoPE
+            (the rotation is read from its rotary embedding; layers without RoPE store keys as they are); ``True`` is
+            refused for latent attention and models without RoPE, where ``"auto"`` leaves it off. Default
+            ``"auto"`` (:data:`MEASURED_DEFAULTS`).
 
     Example:
         >>> from transformers import LlamaConfig
@@ -105,9 +121,9 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         backend: str = "torch",
         scale_dtype: str | torch.dtype | None = None,
         key_axis: str | None = None,
-        rotate: str | None = None,
-        sinks: int = 0,
-        pre_rope: bool = False,
+        rotate: str | None = AUTO,
+        sinks: int | str = AUTO,
+        pre_rope: bool | str = AUTO,
     ):
         model = config if isinstance(config, torch.nn.Module) else None
         config = resolve_config(config)
@@ -119,10 +135,18 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
                     f"key_axis applies to the 4/3/2-bit KIVI kinds only (int8 keys are quantized per token already), "
                     f"got key_axis={key_axis!r} with bits=8"
                 )
-        if rotate is not None:
-            check_choice("rotate", rotate, ROTATIONS)
-        check_int("sinks", sinks, 0)
-        check_bool("pre_rope", pre_rope)
+        measured = MEASURED_DEFAULTS[bits]
+        if rotate == AUTO:
+            rotate = measured["rotate"]
+        elif rotate is not None:
+            check_choice("rotate", rotate, (AUTO, *ROTATIONS, None))
+        if isinstance(sinks, str) and sinks != AUTO:
+            raise ValueError(f"sinks must be an integer >= 0 or 'auto', got {sinks!r}")
+        sinks = measured["sinks"] if sinks == AUTO else check_int("sinks", sinks, 0)
+        auto_pre_rope = pre_rope == AUTO
+        if not auto_pre_rope and not isinstance(pre_rope, bool):
+            raise ValueError(f"pre_rope must be True, False or 'auto', got {pre_rope!r}")
+        pre_rope = measured["pre_rope"] if auto_pre_rope else pre_rope
         check_choice("backend", backend, _BACKENDS)
         if backend == "bitsandbytes":
             if bits != 8:
@@ -158,7 +182,14 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         self.rotate = rotate
         self.sinks = sinks
         self.pre_rope = pre_rope
-        self.key_ropes = _key_ropes(model, config, specs) if pre_rope else {}
+        self.key_ropes = {}
+        if pre_rope:
+            try:
+                self.key_ropes = _key_ropes(model, config, specs)
+            except ValueError:
+                if not auto_pre_rope:
+                    raise
+                self.pre_rope = False  # "auto" applies it where the model has a RoPE to undo
         self.padding = PaddingTracker()
         self.layer_specs = specs
         self.workspace = Workspace()
@@ -247,9 +278,9 @@ def _register(bits: int, summary: str) -> None:
         backend: str = "torch",
         scale_dtype: str | None = None,
         key_axis: str | None = None,
-        rotate: str | None = None,
-        sinks: int = 0,
-        pre_rope: bool = False,
+        rotate: str | None = AUTO,
+        sinks: int | str = AUTO,
+        pre_rope: bool | str = AUTO,
     ) -> QuantizedKVCache:
         return QuantizedKVCache(
             config, bits, group_size, residual_length, backend, scale_dtype, key_axis, rotate, sinks, pre_rope
@@ -266,6 +297,11 @@ _register(8, "QuantizedKVCache bits=8: int8 per token and head, ~0.52x of bf16")
 _register(4, "QuantizedKVCache bits=4: KIVI 4-bit with a 128-token fp residual, ~0.28x of bf16 + residual")
 _register(
     3,
-    "QuantizedKVCache bits=3: KIVI 3-bit (8 codes in 3 bytes) with a 128-token fp residual, ~0.22x of bf16 + residual",
+    "QuantizedKVCache bits=3: KIVI 3-bit (8 codes in 3 bytes), Hadamard-rotated, pre-RoPE keys, 4 fp sinks and a "
+    "128-token fp residual, ~0.22x of bf16 + residual",
 )
-_register(2, "QuantizedKVCache bits=2: KIVI 2-bit with a 128-token fp residual, ~0.16x of bf16 + residual")
+_register(
+    2,
+    "QuantizedKVCache bits=2: KIVI 2-bit, Hadamard-rotated, pre-RoPE keys, 4 fp sinks and a 128-token fp residual, "
+    "~0.16x of bf16 + residual",
+)

@@ -201,7 +201,11 @@ def segment_partial(
 ) -> Partials:
     """One segment through its custom op (a rotated segment: its inner segment's op, the rotation folded around it as
     in :func:`reference.partial`)."""
-    if isinstance(segment, PreRopeSegment):  # keys rotated to their positions per chunk: the reference everywhere
+    if isinstance(segment, PreRopeSegment):  # keys turned to their positions per tile, in one launch on CUDA
+        if query.is_cuda and triton_available():
+            from .triton_decode import triton_partial
+
+            return triton_partial(query, segment, mask, scaling, softcap, splits)
         return reference.partial(query, segment, mask, scaling, softcap, splits)
     if isinstance(segment, RotatedSegment):
         query = reference.rotate_query(query, segment)

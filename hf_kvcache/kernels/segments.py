@@ -214,8 +214,9 @@ class RotatedSegment:
 class PreRopeSegment:
     """A quantized segment whose keys were stored before RoPE (``pre_rope=True``, KVQuant): token ``t`` of the segment
     sits at position ``first + t`` and its key is rotated there as it is read, chunk by chunk (:meth:`read`); values
-    are read as stored. Served by the pure-torch reference on every device (the Triton kernel does not rotate keys
-    per tile yet)."""
+    are read as stored. The Triton kernel turns each tile of keys in registers; over a :class:`RotatedSegment` the
+    reference serves it on every device (RoPE sits between the rotation and the query, so the rotation cannot be
+    folded). Not a custom op: on CUDA the Triton launch is called directly, elsewhere the reference."""
 
     inner: DenseSegment | Int8Segment | KiviSegment | KiviTokenSegment | RotatedSegment
     rotary: RotarySpec

@@ -16,7 +16,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .segments import DenseSegment, Int8Segment, KiviSegment, PagedSegment, Segment, segment_heads, segment_value_dim
+from . import reference
+from .segments import (
+    DenseSegment,
+    Int8Segment,
+    KiviSegment,
+    PagedSegment,
+    PreRopeSegment,
+    RotatedSegment,
+    Segment,
+    segment_heads,
+    segment_value_dim,
+)
 
 __all__ = ["triton_partial"]
 
@@ -136,21 +147,84 @@ def _load_scale(
 # pointers aligned to 16 bytes, so each would compile another kernel and switch between them as lengths grow): the
 # lengths, the scales' batch strides (their buffers grow with the history) and the mask, a slice whose offset and
 # strides follow the length. K/V strides stay specialized: their divisibility is what lets the tile loads vectorize.
+@triton.jit
+def _sincos(a):
+    """``(sin a, cos a)`` of float32 angles (``|a|`` up to about 10^5): reduced by multiples of pi / 2 in three parts
+    (Cody-Waite, Cephes' constants), then polynomials on [-pi / 4, pi / 4]. Plain arithmetic, not libdevice's sinf /
+    cosf, whose slow path for large arguments keeps a local array (kilobytes of stack per thread at the 8B shape)."""
+    j = tl.floor(a * 0.6366197723675814 + 0.5)
+    r = ((a - j * 1.5703125) - j * 4.837512969970703125e-4) - j * 7.549789948768648e-8
+    r2 = r * r
+    s = r + r * r2 * (-1.6666654611e-1 + r2 * (8.3321608736e-3 + r2 * -1.9515295891e-4))
+    c = 1.0 - 0.5 * r2 + r2 * r2 * (4.166664568298827e-2 + r2 * (-1.388731625493765e-3 + r2 * 2.443315711809948e-5))
+    q = j.to(tl.int32) & 3
+    sin = tl.where(q == 0, s, tl.where(q == 1, c, tl.where(q == 2, -s, -c)))
+    cos = tl.where(q == 0, c, tl.where(q == 1, -s, tl.where(q == 2, -c, s)))
+    return sin, cos
+
+
+@triton.jit
+def _rope_pairs(k, t, INV_FREQ, POS0, ROPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Keys stored before RoPE (``pre_rope=True``) turned to positions ``POS0 + t``, every channel rotary: the tile
+    split into its channel pairs in registers (interleaved ``(2i, 2i + 1)``, or rotate_half ``(i, i + D / 2)``), each
+    pair turned, joined back. Angles in float32, as :func:`hf_kvcache.rope.rotate_positions` computes them."""
+    HALF: tl.constexpr = BLOCK_D // 2
+    if ROPE == 2:
+        x1, x2 = tl.split(tl.reshape(k, (BLOCK_N, HALF, 2)))
+    else:
+        x1, x2 = tl.split(tl.permute(tl.reshape(k, (BLOCK_N, 2, HALF)), (0, 2, 1)))
+    inv_freq = tl.load(INV_FREQ + tl.arange(0, HALF))
+    sin, cos = _sincos((POS0 + t).to(tl.float32)[:, None] * inv_freq[None, :])
+    turned = tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin)  # (BLOCK_N, HALF, 2)
+    if ROPE == 2:
+        return tl.reshape(turned, (BLOCK_N, BLOCK_D))
+    return tl.reshape(tl.permute(turned, (0, 2, 1)), (BLOCK_N, BLOCK_D))
+
+
+@triton.jit
+def _rope_partner(dk, ROPE: tl.constexpr, ROT_DIM: tl.constexpr):
+    """Each channel's rotary pair (itself past ``ROT_DIM``)."""
+    HALF: tl.constexpr = ROT_DIM // 2
+    if ROPE == 2:
+        pair = dk ^ 1
+    else:
+        pair = tl.where(dk < HALF, dk + HALF, dk - HALF)
+    return tl.where(dk < ROT_DIM, pair, dk)
+
+
+@triton.jit
+def _rope_tile(k, kp, t, dk, INV_FREQ, POS0, ROPE: tl.constexpr, ROT_DIM: tl.constexpr):
+    """As :func:`_rope_pairs` for partial rotary or a head width that is not a power of two: ``kp`` holds the same
+    tokens at each channel's pair (:func:`_rope_partner`, loaded beside the tile); channels past ``ROT_DIM`` pass
+    through."""
+    HALF: tl.constexpr = ROT_DIM // 2
+    if ROPE == 2:
+        freq_idx = dk // 2
+        sign = tl.where(dk % 2 == 0, -1.0, 1.0)
+    else:
+        freq_idx = dk % HALF
+        sign = tl.where(dk < HALF, -1.0, 1.0)
+    rot = dk < ROT_DIM
+    inv_freq = tl.load(INV_FREQ + freq_idx, mask=rot, other=0.0)
+    sin, cos = _sincos((POS0 + t).to(tl.float32)[:, None] * inv_freq[None, :])
+    return tl.where(rot[None, :], k * cos + sign[None, :] * kp * sin, k)
+
+
 @triton.jit(
-    do_not_specialize=["T", "sm_b", "sm_q"],
+    do_not_specialize=["T", "sm_b", "sm_q", "POS0"],
     do_not_specialize_on_alignment=["MASK"],
 )
 def _partial_kernel(
-    Q, K, V, KS, KZ, VS, VZ, TABLE, MASK, M_OUT, L_OUT, ACC_OUT,
+    Q, K, V, KS, KZ, VS, VZ, TABLE, MASK, M_OUT, L_OUT, ACC_OUT, INV_FREQ,
     sq_b, sq_h, sq_q, sq_d,
     sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     sks_b, sks_h, sks_t, sks_d, svs_b, svs_h, svs_t, svs_d,
     stab_b, stab_n, sm_b, sm_q, sm_t,
-    H, T, START, q_len, G, per_split, scaling, softcap,
+    H, T, START, q_len, G, per_split, scaling, softcap, POS0,
     DK: tl.constexpr, DV: tl.constexpr,
     KIND: tl.constexpr, BITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, BS: tl.constexpr,
     HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, FOLD: tl.constexpr,
-    KIVI_TILE: tl.constexpr,
+    KIVI_TILE: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -185,16 +259,31 @@ def _partial_kernel(
             # keys: q . (code x scale_c + zero_c) = (q x scale) . code + q . zero, with this group's channel scales
             k = _kivi_codes(K, b * sk_b + h * sk_h, ta, tok_ok, sk_t, sk_d, DK, BITS, BLOCK_N, BLOCK_DK)
             kgroup = b * sks_b + h * sks_h + ((t0 + START) // GK) * sks_t + dk * sks_d
+            k_scale = tl.load(KS + kgroup, mask=dk_ok, other=0).to(tl.float32)
+            k_zero = tl.load(KZ + kgroup, mask=dk_ok, other=0).to(tl.float32)
             qf = q.to(tl.float32)
-            qk = qf * tl.load(KS + kgroup, mask=dk_ok, other=0).to(tl.float32)[None, :]
-            bias = tl.sum(qf * tl.load(KZ + kgroup, mask=dk_ok, other=0).to(tl.float32)[None, :], 1)
+            if (
+                ROPE
+            ):  # pre-RoPE keys: dequantized with the group's channel scales, then turned (no folding through RoPE)
+                kf = _codes_as(k, tl.float32) * k_scale[None, :] + k_zero[None, :]
+                kf = _rope_pairs(kf, t, INV_FREQ, POS0, ROPE, BLOCK_N, BLOCK_DK)
+                qk = qf
+                bias = tl.zeros([BLOCK_R], tl.float32)
+            else:
+                qk = qf * k_scale[None, :]
+                bias = tl.sum(qf * k_zero[None, :], 1)
             vbase = b * svs_b + h * svs_h
             v = _codes_as(
                 _kivi_codes(V, b * sv_b + h * sv_h, ta, tok_ok, sv_t, sv_d, DV, BITS, BLOCK_N, BLOCK_DV), tl.float32
             )
             v = v * _kivi_group_expand(VS, vbase, ta, tok_ok, svs_t, svs_d, DV, GV, BLOCK_N, BLOCK_DV)
             v = v + _kivi_group_expand(VZ, vbase, ta, tok_ok, svs_t, svs_d, DV, GV, BLOCK_N, BLOCK_DV)
-            if DOT_FP32:
+            if ROPE:
+                if DOT_FP32:
+                    s = tl.dot(qk, tl.trans(kf), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(kf.to(q.dtype)))
+            elif DOT_FP32:
                 s = tl.dot(qk, tl.trans(_codes_as(k, tl.float32)), input_precision="ieee") + bias[:, None]
             else:  # codes are exact in 16 bits
                 s = tl.dot(qk.to(q.dtype), tl.trans(_codes_as(k, q.dtype))) + bias[:, None]
@@ -207,6 +296,16 @@ def _partial_kernel(
                 V, VS, VZ, b, h, t, tok_ok, dv, dv_ok, sv_b, sv_h, sv_t, sv_d, svs_b, svs_h, svs_t, svs_d,
                 TABLE, stab_b, stab_n, START, KIND, BITS, GV, False, BS, FOLD, DV,
             )  # fmt: skip
+            if ROPE:  # keys stored before RoPE: turned to their positions in registers
+                if ROT_DIM == BLOCK_DK:
+                    k = _rope_pairs(k, t, INV_FREQ, POS0, ROPE, BLOCK_N, BLOCK_DK)
+                else:
+                    pair = _rope_partner(dk, ROPE, ROT_DIM)
+                    kp = _load_kv(
+                        K, KS, KZ, b, h, t, tok_ok, pair, dk_ok, sk_b, sk_h, sk_t, sk_d, sks_b, sks_h, sks_t, sks_d,
+                        TABLE, stab_b, stab_n, START, KIND, BITS, GK, True, BS, FOLD, DK,
+                    )  # fmt: skip
+                    k = _rope_tile(k, kp, t, dk, INV_FREQ, POS0, ROPE, ROT_DIM)
             if DOT_FP32:
                 s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
             else:  # the model's 16-bit dtype on tensor cores (int8 codes are exact in it), accumulated in float32
@@ -257,7 +356,25 @@ def triton_partial(
     softcap: float,
     splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The contract of :func:`hf_kvcache.kernels.reference.partial`, as one Triton launch."""
+    """The contract of :func:`hf_kvcache.kernels.reference.partial`, as one Triton launch.
+
+    A :class:`RotatedSegment` is read with the query rotated and the accumulator rotated back around the launch over
+    its inner segment; a :class:`PreRopeSegment` in the same launch, its keys turned to their positions per tile. A
+    pre-RoPE segment over Hadamard-rotated codes goes to the reference: RoPE sits between the rotation and the
+    query, so the rotation cannot be folded, and undoing it per tile (a ``D x D`` product) does not fit the kernel
+    at ``head_dim`` 128."""
+    if isinstance(segment, RotatedSegment):
+        query = (query.float() @ segment.key_rotation).to(query.dtype)
+        m, l_, acc = triton_partial(query, segment.inner, mask, scaling, softcap, splits)
+        return m, l_, acc @ segment.value_rotation
+    rope, rot_dim, pos0, inv_freq = 0, 0, 0, None
+    if isinstance(segment, PreRopeSegment):
+        if isinstance(segment.inner, RotatedSegment):
+            return reference.partial(query, segment, mask, scaling, softcap, splits)
+        rope = 2 if segment.rotary.interleaved else 1
+        rot_dim, pos0 = segment.rotary.rotary_dim, segment.first
+        inv_freq = segment.rotary.inv_freq.to(device=query.device, dtype=torch.float32)
+        segment = segment.inner
     b, hq, q_len, dk = query.shape
     hkv = segment_heads(segment)
     g = hq // hkv
@@ -291,8 +408,9 @@ def triton_partial(
     # One int8 scale per token and head (int8's default, and every int8 page): folded into scores and probabilities.
     fold = kind == PAGED_INT8 or (kind == INT8 and segment.per_token_scales)
     # KIVI with key groups of 16-128 tokens (a power of two): one group per tile, its channel scales folded into the
-    # query; other group sizes dequantize every element of the tile.
-    kivi_tile = kind == KIVI and 16 <= gk <= 128 and gk & (gk - 1) == 0
+    # query (pre-RoPE keys: dequantized with them per tile, then turned, when every channel rotates and the width is
+    # a power of two); other group sizes dequantize every element of the tile.
+    kivi_tile = kind == KIVI and 16 <= gk <= 128 and gk & (gk - 1) == 0 and (not rope or rot_dim == _block(dk))
     # Pipelining depth, from the kernels compiled for sm_80 / sm_90 (benchmarks/gpu_report.py): the paged gathers and
     # the KIVI tiles need fewer instructions and registers with 2 stages (paged at 4 query tokens spilled with 3);
     # dense and int8 fewer with Triton's default 3, and int8 pages spill with 2 at head_dim 64.
@@ -306,13 +424,14 @@ def triton_partial(
         ks if ks is not None else dummy, kz if kz is not None else dummy,
         vs if vs is not None else dummy, vz if vz is not None else dummy,
         table if table is not None else dummy, mask_u8 if mask_u8 is not None else dummy,
-        m, l_, acc,
+        m, l_, acc, inv_freq if inv_freq is not None else dummy,
         *query.stride(), *k_strides, *v_strides, *ks_strides, *vs_strides,
         *(_strides(table, 2)), *(_strides(mask_u8, 3)),
-        hkv, length, start, q_len, g, per_split, float(scaling), float(softcap or 0.0),
+        hkv, length, start, q_len, g, per_split, float(scaling), float(softcap or 0.0), pos0,
         DK=k.shape[-1] * 8 // bits if kind == KIVI else k.shape[-1], DV=dv,
         KIND=kind, BITS=bits, GK=gk, GV=gv, BS=bs, HAS_MASK=mask is not None, SOFTCAP=bool(softcap),
-        DOT_FP32=query.dtype == torch.float32, FOLD=fold, KIVI_TILE=kivi_tile, BLOCK_R=_block(rows), BLOCK_N=block_n,
+        DOT_FP32=query.dtype == torch.float32, FOLD=fold, KIVI_TILE=kivi_tile, ROPE=rope, ROT_DIM=rot_dim,
+        BLOCK_R=_block(rows), BLOCK_N=block_n,
         BLOCK_DK=_block(dk), BLOCK_DV=_block(dv), num_stages=stages,
     )  # fmt: skip
     return m.view(b, hkv, g, q_len, splits), l_.view(b, hkv, g, q_len, splits), acc.view(b, hkv, g, q_len, splits, dv)
