@@ -48,9 +48,11 @@ KINDS = {
     "dense": "sink:window=4096",
     "int8": "int8",
     "int4": "int4",
-    "int3": "int3",
-    "int2": "int2",
-    "int4 pre-RoPE": "int4:rotate=none:sinks=0:pre_rope=true",
+    # int3 / int2 by default also quantize keys before RoPE over rotated codes, which only the reference kernel reads
+    # (RoPE sits between the rotation and the query): these rows are their fused setting, rotation and sinks.
+    "int3": "int3:pre_rope=false",
+    "int2": "int2:pre_rope=false",
+    "int4 pre-RoPE": "int4:pre_rope=true",
     "paged": "paged",
     "paged int8": "paged:bits=8",
 }

@@ -68,11 +68,14 @@ def test_dynamic_cache_perplexity_equals_a_full_forward(smollm2, text_ids):
     assert 10 < math.exp(nll / tokens) < 80
 
 
+KIVI_INT2 = "int2:rotate=none:sinks=0:pre_rope=false"
+
+
 def test_quantization_costs_in_order_and_int8_stays_within_its_bound(smollm2):
     model, tokenizer = smollm2
     config = EvalConfig(
         task=("perplexity",),
-        caches=("dynamic", "int8", "int4", "int2"),
+        caches=("dynamic", "int8", "int4", "int2", KIVI_INT2),
         max_tokens=1024,
         context=512,
         prefill=384,
@@ -82,8 +85,9 @@ def test_quantization_costs_in_order_and_int8_stays_within_its_bound(smollm2):
     )
     ppl = {r["cache"]: r["perplexity"]["perplexity"] for r in run_eval(config, model, tokenizer)["results"]}
     assert abs(ppl["int8"] / ppl["dynamic"] - 1) < 0.01  # the stated bound: int8 within 1% of DynamicCache
-    assert ppl["int2"] > ppl["int4"] > ppl["int8"] * 0.999
-    assert ppl["int2"] > ppl["dynamic"] * 1.03
+    assert ppl[KIVI_INT2] > ppl["int2"] > ppl["int4"] > ppl["int8"] * 0.999
+    # KIVI's 2-bit layout costs this model several percent; the default int2 (rotation, sinks, pre-RoPE keys) less.
+    assert ppl[KIVI_INT2] > ppl["dynamic"] * 1.03
 
 
 def test_it_copies_and_finds_passkeys_and_a_short_window_loses_them(smollm2):
