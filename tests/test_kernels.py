@@ -92,6 +92,14 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" 
 DTYPE_IDS = ["fp32", "fp16"] + (["bf16"] if DEVICE == "cuda" else [])
 
 
+def _two_query_mask(length: int, pad: int) -> torch.Tensor:
+    """``(2, 2, length)``: row 1 left-padded by ``pad`` tokens, query token 0 not seeing the last token (causal)."""
+    mask = torch.ones(2, 2, length, dtype=torch.bool)
+    mask[1, :, :pad] = False
+    mask[:, 0, -1] = False
+    return mask
+
+
 def _close(a, b, dtype):
     tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}.get(dtype, 2e-5)
     scale = max(1.0, float(b.abs().max()))
@@ -177,9 +185,7 @@ def test_kivi_group_sizes(bits, group, head_dim, dtype):
     p = codec.encode(k, v)
     start = group // 2 + 3
     seg = KiviSegment(bits, group, start, t - start, p["k"], p["ks"], p["kz"], p["v"], p["vs"], p["vz"])
-    mask = torch.ones(2, 2, seg.length, dtype=torch.bool)
-    mask[1, :, :9] = False
-    mask[:, 0, -1] = False
+    mask = _two_query_mask(seg.length, 9)
     query = torch.randn(2, 8, 2, head_dim, generator=g).to(dtype)
     ref, tri = _run(query, seg, mask, splits=3)
     _close(tri, ref, dtype)
@@ -220,7 +226,6 @@ def test_rotated_segment_folds_the_rotation(inner, head_dim, dtype):
     accumulator rotated back. That equals attention over the decoded, rotated-back K/V (the segment's read), in the
     reference and in the Triton kernel."""
     from hf_kvcache.kernels import RotatedSegment
-    from hf_kvcache.kernels.reference import rotate_query
     from hf_kvcache.layers._codecs import RotatedCodec
 
     g = torch.Generator().manual_seed(head_dim)
@@ -239,8 +244,7 @@ def test_rotated_segment_folds_the_rotation(inner, head_dim, dtype):
     plain = combine([partial(query, DenseSegment(keys, values), mask, 0.125, 0.0, 3)], dtype=torch.float32)
     _close(ref, plain, dtype)
     _close(ref, _sdpa(query, keys, values, mask, 0.125), dtype)
-    m, l_, acc = triton_decode.triton_partial(rotate_query(query, seg), seg.inner, mask, 0.125, 0.0, 3)
-    tri = combine([(m, l_, acc @ seg.value_rotation)], dtype=torch.float32)
+    tri = combine([triton_decode.triton_partial(query, seg, mask, 0.125, 0.0, 3)], dtype=torch.float32)
     _close(tri, ref, dtype)
 
 
@@ -276,9 +280,7 @@ def test_pre_rope_segment_turns_keys_per_tile(inner, layout, first, dtype):
     keys, values = seg.read(0, seg.length)
     if inner == "dense":
         _close(keys, k, dtype)  # the round trip: turned back, then forward
-    mask = torch.ones(2, 2, seg.length, dtype=torch.bool)
-    mask[1, :, :5] = False
-    mask[:, 0, -1] = False
+    mask = _two_query_mask(seg.length, 5)
     query = torch.randn(2, 8, 2, head_dim, generator=g).to(dtype)
     ref, tri = _run(query, seg, mask, splits=2)
     _close(tri, ref, dtype)
