@@ -364,8 +364,8 @@ def triton_partial(
     query, so the rotation cannot be folded, and undoing it per tile (a ``D x D`` product) does not fit the kernel
     at ``head_dim`` 128."""
     if isinstance(segment, RotatedSegment):
-        query = (query.float() @ segment.key_rotation).to(query.dtype)
-        m, l_, acc = triton_partial(query, segment.inner, mask, scaling, softcap, splits)
+        rotated = reference.rotate_query(query, segment)
+        m, l_, acc = triton_partial(rotated, segment.inner, mask, scaling, softcap, splits)
         return m, l_, acc @ segment.value_rotation
     rope, rot_dim, pos0, inv_freq = 0, 0, 0, None
     if isinstance(segment, PreRopeSegment):
