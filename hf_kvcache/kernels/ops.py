@@ -208,9 +208,7 @@ def segment_partial(
             return triton_partial(query, segment, mask, scaling, softcap, splits)
         return reference.partial(query, segment, mask, scaling, softcap, splits)
     if isinstance(segment, RotatedSegment):
-        query = reference.rotate_query(query, segment)
-        m, l_, acc = segment_partial(query, segment.inner, mask, scaling, softcap, splits)
-        return m, l_, acc @ segment.value_rotation
+        return reference.fold_rotation(segment_partial, query, segment, mask, scaling, softcap, splits)
     if isinstance(segment, DenseSegment):
         return _DENSE(query, segment.keys, segment.values, mask, scaling, softcap, splits)
     if isinstance(segment, Int8Segment):

@@ -25,7 +25,7 @@ import torch
 
 from .segments import Int8Segment, RotatedSegment, Segment, segment_heads, segment_value_dim
 
-__all__ = ["REFERENCE_CHUNK", "combine", "num_splits", "partial", "rotate_query", "split_bounds"]
+__all__ = ["REFERENCE_CHUNK", "combine", "fold_rotation", "num_splits", "partial", "rotate_query", "split_bounds"]
 
 REFERENCE_CHUNK = 512  # tokens dequantized at a time by the reference
 MIN_SPLIT_TOKENS = 256  # a split below this is not worth a program
@@ -63,6 +63,13 @@ def rotate_query(query: torch.Tensor, segment: RotatedSegment) -> torch.Tensor:
     return (query.float() @ segment.key_rotation).to(query.dtype)
 
 
+def fold_rotation(partial_fn, query: torch.Tensor, segment: RotatedSegment, *args):
+    """``partial_fn`` (any implementation of the contract) over a rotated segment's codes: the query rotated, each
+    split's accumulator rotated back."""
+    m, l_, acc = partial_fn(rotate_query(query, segment), segment.inner, *args)
+    return m, l_, acc @ segment.value_rotation
+
+
 def partial(
     query: torch.Tensor,
     segment: Segment,
@@ -74,8 +81,7 @@ def partial(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The contract in the module docstring, in pure torch."""
     if isinstance(segment, RotatedSegment):  # the rotation folded into the query and each split's accumulator
-        m, l_, acc = partial(rotate_query(query, segment), segment.inner, mask, scaling, softcap, splits, chunk)
-        return m, l_, acc @ segment.value_rotation
+        return fold_rotation(partial, query, segment, mask, scaling, softcap, splits, chunk)
     b, hq, q, d = query.shape
     hkv = segment_heads(segment)
     g = hq // hkv

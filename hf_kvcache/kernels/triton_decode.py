@@ -364,9 +364,7 @@ def triton_partial(
     query, so the rotation cannot be folded, and undoing it per tile (a ``D x D`` product) does not fit the kernel
     at ``head_dim`` 128."""
     if isinstance(segment, RotatedSegment):
-        rotated = reference.rotate_query(query, segment)
-        m, l_, acc = triton_partial(rotated, segment.inner, mask, scaling, softcap, splits)
-        return m, l_, acc @ segment.value_rotation
+        return reference.fold_rotation(triton_partial, query, segment, mask, scaling, softcap, splits)
     rope, rot_dim, pos0, inv_freq = 0, 0, 0, None
     if isinstance(segment, PreRopeSegment):
         if isinstance(segment.inner, RotatedSegment):
