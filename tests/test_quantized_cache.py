@@ -693,3 +693,9 @@ def test_auto_defaults_resolve_per_width_and_model():
     assert QuantizedKVCache(tiny_model("gpt2"), bits=2, pre_rope="auto").pre_rope is False
     with pytest.raises(ValueError, match="sinks must be an integer >= 0 or 'auto'"):
         QuantizedKVCache(model, bits=2, sinks="some")
+
+
+def test_three_bit_head_widths_must_fill_whole_bytes():
+    """3-bit codes pack 8 to 3 bytes: a head width that is not a multiple of 8 is refused by name."""
+    with pytest.raises(ValueError, match=r"3-bit codes pack 8 per whole bytes: head widths \[12\] must be multiples"):
+        QuantizedKVCache(_config(head_dim=12), bits=3, group_size=4)
