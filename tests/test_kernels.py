@@ -285,3 +285,146 @@ def test_pre_rope_segment_turns_keys_per_tile(inner, layout, first, dtype):
     ref, tri = _run(query, seg, mask, splits=2)
     _close(tri, ref, dtype)
     _close(ref, _sdpa(query, keys, values, mask, 0.125), dtype)
+
+
+def _partials(b, hkv, g, q, splits, dv, gen):
+    """Random split partials, one row fully masked (m = -inf, l = 0, acc = 0) and one split of another empty."""
+    m = torch.randn(b, hkv, g, q, splits, generator=gen) * 3
+    l_ = torch.rand(b, hkv, g, q, splits, generator=gen) + 0.1
+    acc = torch.randn(b, hkv, g, q, splits, dv, generator=gen)
+    m[0, 0, 0, 0], l_[0, 0, 0, 0], acc[0, 0, 0, 0] = float("-inf"), 0.0, 0.0
+    m[-1, -1, -1, -1, 0], l_[-1, -1, -1, -1, 0], acc[-1, -1, -1, -1, 0] = float("-inf"), 0.0, 0.0
+    return m, l_, acc
+
+
+@pytest.mark.parametrize("segments", [1, 2, 3, 4])
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_combine_kernel_equals_reference(segments, sinks, dtype):
+    """The split reduction in one launch over up to four segments' partials (sinks, history, residual, new tokens:
+    each with its own split count), with a learned sink logit per head or none, equals reference.combine; the
+    custom op the attention calls is that one launch (the reference here)."""
+    from hf_kvcache.kernels.ops import _combine
+
+    gen = torch.Generator().manual_seed(segments)
+    parts = [_partials(2, 2, 4, 3, s, 80, gen) for s in (5, 1, 7, 2)[:segments]]
+    sink = torch.randn(8, generator=gen) if sinks else None
+    want = combine(parts, sink, dtype)
+    got = triton_decode.triton_combine(parts, sink, dtype)
+    assert got.dtype == dtype and got.is_contiguous() and got.shape == want.shape == (2, 3, 8, 80)
+    _close(got, want, dtype)
+    assert bool((got[0, 0, 0] == 0).all()) or sinks  # a row with nothing to attend reads as zeros
+    op = _combine(*(list(x) for x in zip(*parts)), sink, dtype)
+    assert op.is_contiguous()
+    _close(op, want, dtype)
+
+
+def test_combine_kernel_refuses_more_segments_than_it_reads():
+    gen = torch.Generator().manual_seed(0)
+    parts = [_partials(1, 1, 1, 1, 1, 16, gen)] * (triton_decode.MAX_COMBINED_SEGMENTS + 1)
+    with pytest.raises(ValueError, match="1 to 4 segments"):
+        triton_decode.triton_combine(parts)
+
+
+def _tensor_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as integers of its width: equal bits, including NaN payloads and signed zeros."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _awkward_kv(dtype, head_dim, gen):
+    """``(2, 3, 5, D)`` keys and values over 12 decades, with NaN, +-inf, a whole token of -inf and of zeros."""
+    k = torch.randn(2, 3, 5, head_dim, generator=gen) * torch.logspace(-8, 4, 5).view(1, 1, 5, 1)
+    v = torch.randn(2, 3, 5, head_dim, generator=gen) * 3
+    k[0, 0, 0, 3], k[0, 0, 1, 5], k[1, 2, 2] = float("nan"), float("inf"), float("-inf")
+    v[0, 1, 1] = 0.0
+    return k.to(dtype), v.to(dtype)
+
+
+# bfloat16 scales only on a GPU: the interpreter converts float32 to bfloat16 wrongly (see the module docstring).
+SCALE_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=str)
+@pytest.mark.parametrize("group, head_dim", [(None, 64), (16, 64), (None, 96), (32, 96), (None, 80)])
+def test_append_kernel_encodes_int8_bit_exactly(dtype, scale_dtype, group, head_dim):
+    """Quantize-on-append in one launch writes exactly the codes and scales of quant.quantize_symmetric (the
+    reference the int8 cache is tested against) into the slots of a layer's buffers, and nothing beside them."""
+    from hf_kvcache.kernels.ops import _append_reference
+    from hf_kvcache.kernels.triton_append import triton_append
+
+    k, v = _awkward_kv(dtype, head_dim, torch.Generator().manual_seed(head_dim))
+    width = head_dim // (group or head_dim)
+    results = []
+    for store in (_append_reference, triton_append):
+        kc, vc = torch.zeros(2, 3, 9, head_dim, dtype=torch.int8), torch.zeros(2, 3, 9, head_dim, dtype=torch.int8)
+        ks, vs = torch.zeros(2, 3, 9, width, dtype=scale_dtype), torch.zeros(2, 3, 9, width, dtype=scale_dtype)
+        store(k, v, kc[:, :, 2:7], vc[:, :, 2:7], ks[:, :, 2:7], vs[:, :, 2:7], None, 0, 1)
+        results.append((kc, vc, ks, vs))
+    for ref, tri in zip(*results):
+        assert torch.equal(_tensor_bits(tri), _tensor_bits(ref))
+    assert not results[1][0][:, :, :2].any() and not results[1][0][:, :, 7:].any()  # only the 5 slots written
+    # and the reference is the codec's own encoding
+    codec = Int8Codec(group, scale_dtype)
+    p = codec.encode(k, v)
+    assert torch.equal(results[0][0][:, :, 2:7], p["k"]) and torch.equal(results[0][2][:, :, 2:7], p["ks"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_append_kernel_copies_full_precision_tokens(dtype):
+    """Without scales the append stores keys and values as they are (a residual's or the sinks' buffers), both in one
+    launch, into strided slot views and nothing beside them."""
+    from hf_kvcache.kernels.triton_append import triton_append
+
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, 3, 4, 64, generator=g).to(dtype), torch.randn(2, 3, 4, 48, generator=g).to(dtype)
+    k_buf, v_buf = torch.zeros(2, 3, 10, 64, dtype=dtype), torch.zeros(2, 3, 10, 48, dtype=dtype)
+    triton_append(k, v, k_buf[:, :, 5:9], v_buf[:, :, 5:9])
+    assert torch.equal(k_buf[:, :, 5:9], k) and torch.equal(v_buf[:, :, 5:9], v)
+    assert not k_buf[:, :, :5].any() and not k_buf[:, :, 9:].any() and not v_buf[:, :, 9:].any()
+
+
+@pytest.mark.parametrize("quantized", [True, False], ids=["int8-pages", "pages"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_append_kernel_writes_pages_through_the_block_table(quantized, dtype):
+    """Tokens at positions start.. of each row go to their slots through the block table; a padding entry (a row's
+    left padding blocks) stores nothing; the kernel equals the reference bit for bit."""
+    from hf_kvcache.kernels.ops import _append_reference
+    from hf_kvcache.kernels.triton_append import triton_append
+
+    k, v = _awkward_kv(dtype, 64, torch.Generator().manual_seed(5))
+    if not quantized:
+        k = torch.nan_to_num(k)
+    table = torch.tensor([[PAD_BLOCK, 3, 0], [2, 5, 4]], dtype=torch.int32)
+    results = []
+    for store in (_append_reference, triton_append):
+        pool_k = torch.zeros(24, 3, 64, dtype=torch.int8 if quantized else dtype)
+        pool_v = torch.zeros_like(pool_k)
+        scales = [torch.zeros(24, 3) for _ in range(2)] if quantized else [None, None]
+        store(k, v, pool_k, pool_v, *scales, table, 2, 4)  # positions 2..6: blocks 0 and 1 of each row
+        results.append([x for x in (pool_k, pool_v, *scales) if x is not None])
+    for ref, tri in zip(*results):
+        assert torch.equal(_tensor_bits(tri), _tensor_bits(ref))
+    pool_k = results[1][0]
+    written = {int(s) for s in pool_k.flatten(1).ne(0).any(1).nonzero()}
+    # row 0: positions 2, 3 under the padding entry (not stored), 4..6 in block 3; row 1: block 2 (2, 3), block 5
+    assert written == {12, 13, 14, 10, 11, 20, 21, 22}
+
+
+@pytest.mark.parametrize("kind", ["int8", "kivi4", "paged", "paged-int8"])
+def test_kernel_with_64_bit_offsets_equals_reference(kind, monkeypatch):
+    """Storage that may pass 2^31 elements compiles the 64-bit offset variant (batch and head offsets, page slots in
+    int64), which reads the same as the 32-bit one."""
+    query, seg, _, _, mask = _case(kind, 200, 2, padded=True)
+    ref, small = _run(query, seg, mask, splits=2)
+    monkeypatch.setattr(triton_decode, "_reach", lambda t: 2**31)
+    _, large = _run(query, seg, mask, splits=2)
+    _close(large, ref, torch.float32)
+    torch.testing.assert_close(large, small, rtol=0, atol=0)
+
+
+def test_reach_counts_the_largest_offset_of_a_view():
+    big = torch.empty(2, dtype=torch.int8).expand(2**31 + 5, 2)  # 2^31 rows, no memory behind them: stride 0
+    assert triton_decode._reach(big) == 2
+    pool = torch.empty(16, 8, 4)
+    assert triton_decode._reach(pool[3:5]) == 16 * 8 * 4  # a view: its whole storage can be addressed from its base

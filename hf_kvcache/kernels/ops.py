@@ -12,6 +12,7 @@ import functools
 
 import torch
 
+from ..rope import RotarySpec
 from . import reference
 from .segments import (
     DenseSegment,
@@ -26,7 +27,7 @@ from .segments import (
     segment_heads,
 )
 
-__all__ = ["decode_attention", "triton_available"]
+__all__ = ["decode_attention", "append_kv", "triton_available"]
 
 Partials = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -91,11 +92,21 @@ def _int8(
     v: torch.Tensor,
     vs: torch.Tensor,
     mask: torch.Tensor | None,
+    key_rotation: torch.Tensor | None,
+    value_rotation: torch.Tensor | None,
     scaling: float,
     softcap: float,
     splits: int,
 ) -> Partials:
-    return reference.partial(query, Int8Segment(k, ks, v, vs), mask, scaling, softcap, splits)
+    segment = _rotated(Int8Segment(k, ks, v, vs), key_rotation, value_rotation)
+    return reference.partial(query, segment, mask, scaling, softcap, splits)
+
+
+def _rotated(inner: Segment, key_rotation: torch.Tensor | None, value_rotation: torch.Tensor | None) -> Segment:
+    """``inner`` read through the rotations its codes were stored with (none: as it is)."""
+    if key_rotation is None:
+        return inner
+    return RotatedSegment(inner, key_rotation, value_rotation)
 
 
 def _kivi(
@@ -111,12 +122,45 @@ def _kivi(
     group: int,
     start: int,
     length: int,
+    key_rotation: torch.Tensor | None,
+    value_rotation: torch.Tensor | None,
     scaling: float,
     softcap: float,
     splits: int,
 ) -> Partials:
-    segment = KiviSegment(bits, group, start, length, k, ks, kz, v, vs, vz)
+    segment = _rotated(KiviSegment(bits, group, start, length, k, ks, kz, v, vs, vz), key_rotation, value_rotation)
     return reference.partial(query, segment, mask, scaling, softcap, splits)
+
+
+def _kivi_pre_rope(
+    query: torch.Tensor,
+    k: torch.Tensor,
+    ks: torch.Tensor,
+    kz: torch.Tensor,
+    v: torch.Tensor,
+    vs: torch.Tensor,
+    vz: torch.Tensor,
+    mask: torch.Tensor | None,
+    bits: int,
+    group: int,
+    start: int,
+    length: int,
+    inv_freq: torch.Tensor,
+    rotary_dim: int,
+    interleaved: bool,
+    first: int,
+    scaling: float,
+    softcap: float,
+    splits: int,
+) -> Partials:
+    segment = _kivi_pre_rope_segment(k, ks, kz, v, vs, vz, bits, group, start, length, inv_freq, rotary_dim,
+                                     interleaved, first)  # fmt: skip
+    return reference.partial(query, segment, mask, scaling, softcap, splits)
+
+
+def _kivi_pre_rope_segment(k, ks, kz, v, vs, vz, bits, group, start, length, inv_freq, rotary_dim, interleaved, first):
+    inner = KiviSegment(bits, group, start, length, k, ks, kz, v, vs, vz)
+    return PreRopeSegment(inner, RotarySpec(inv_freq, rotary_dim, interleaved), first)
 
 
 def _kivi_token(
@@ -165,17 +209,29 @@ _DENSE = _register(
 _INT8 = _register(
     "partial_int8",
     _int8,
-    lambda k, ks, v, vs, mask, *rest: (Int8Segment(k, ks, v, vs), mask, *rest),
+    lambda k, ks, v, vs, mask, hk, hv, *rest: (_rotated(Int8Segment(k, ks, v, vs), hk, hv), mask, *rest),
     lambda q, k, ks, v, *rest: (k.shape[1], v.shape[-1]),
 )
 _KIVI = _register(
     "partial_kivi",
     _kivi,
-    lambda k, ks, kz, v, vs, vz, mask, bits, group, start, length, *rest: (
-        KiviSegment(bits, group, start, length, k, ks, kz, v, vs, vz),
+    lambda k, ks, kz, v, vs, vz, mask, bits, group, start, length, hk, hv, *rest: (
+        _rotated(KiviSegment(bits, group, start, length, k, ks, kz, v, vs, vz), hk, hv),
         mask,
         *rest,
     ),
+    lambda q, k, ks, kz, v, vs, vz, mask, bits, *rest: (k.shape[1], v.shape[-1] * 8 // bits),
+)
+_KIVI_PRE_ROPE = _register(
+    "partial_kivi_pre_rope",
+    _kivi_pre_rope,
+    lambda k, ks, kz, v, vs, vz, mask, bits, group, start, length, inv_freq, rotary_dim, interleaved, first, *rest: (
+        _kivi_pre_rope_segment(
+            k, ks, kz, v, vs, vz, bits, group, start, length, inv_freq, rotary_dim, interleaved, first
+        ),
+        mask,
+        *rest,
+    ),  # fmt: skip
     lambda q, k, ks, kz, v, vs, vz, mask, bits, *rest: (k.shape[1], v.shape[-1] * 8 // bits),
 )
 _KIVI_TOKEN = _register(
@@ -199,23 +255,32 @@ _PAGED = _register(
 def segment_partial(
     query: torch.Tensor, segment: Segment, mask: torch.Tensor | None, scaling: float, softcap: float, splits: int
 ) -> Partials:
-    """One segment through its custom op (a rotated segment: its inner segment's op, the rotation folded around it as
-    in :func:`reference.partial`)."""
-    if isinstance(segment, PreRopeSegment):  # keys turned to their positions per tile, in one launch on CUDA
+    """One segment through its custom op: one launch on CUDA, rotated int8 / KIVI codes and pre-RoPE KIVI keys
+    included (other rotated storage: its inner op, the rotation folded around it as in :func:`reference.partial`)."""
+    if isinstance(segment, PreRopeSegment) and isinstance(segment.inner, KiviSegment):  # one launch on CUDA
+        s, r = segment.inner, segment.rotary
+        args = (s.k, s.ks, s.kz, s.v, s.vs, s.vz, mask, s.bits, s.group, s.start, s.length)
+        rope = (r.inv_freq.to(device=query.device, dtype=torch.float32), r.rotary_dim, r.interleaved, segment.first)
+        return _KIVI_PRE_ROPE(query, *args, *rope, scaling, softcap, splits)
+    if isinstance(segment, PreRopeSegment):  # other storage: the Triton launch called directly on CUDA
         if query.is_cuda and triton_available():
             from .triton_decode import triton_partial
 
             return triton_partial(query, segment, mask, scaling, softcap, splits)
         return reference.partial(query, segment, mask, scaling, softcap, splits)
-    if isinstance(segment, RotatedSegment):
+    rotations = (None, None)
+    if isinstance(segment, RotatedSegment) and isinstance(segment.inner, (Int8Segment, KiviSegment)):
+        # read in place in one launch: the query rotated and the accumulator rotated back inside it
+        rotations, segment = (segment.key_rotation, segment.value_rotation), segment.inner
+    elif isinstance(segment, RotatedSegment):
         return reference.fold_rotation(segment_partial, query, segment, mask, scaling, softcap, splits)
     if isinstance(segment, DenseSegment):
         return _DENSE(query, segment.keys, segment.values, mask, scaling, softcap, splits)
     if isinstance(segment, Int8Segment):
-        return _INT8(query, segment.k, segment.ks, segment.v, segment.vs, mask, scaling, softcap, splits)
+        return _INT8(query, segment.k, segment.ks, segment.v, segment.vs, mask, *rotations, scaling, softcap, splits)
     if isinstance(segment, KiviSegment):
         s = segment
-        args = (s.k, s.ks, s.kz, s.v, s.vs, s.vz, mask, s.bits, s.group, s.start, s.length)
+        args = (s.k, s.ks, s.kz, s.v, s.vs, s.vz, mask, s.bits, s.group, s.start, s.length, *rotations)
         return _KIVI(query, *args, scaling, softcap, splits)
     if isinstance(segment, KiviTokenSegment):
         s = segment
@@ -224,6 +289,109 @@ def segment_partial(
     s = segment
     args = (s.keys, s.values, s.block_table, s.key_scales, s.value_scales, mask, s.block_size, s.length)
     return _PAGED(query, *args, scaling, softcap, splits)
+
+
+@torch.library.custom_op("hf_kvcache::combine", mutates_args=())
+def _combine(
+    m: list[torch.Tensor],
+    l: list[torch.Tensor],  # noqa: E741
+    acc: list[torch.Tensor],
+    sinks: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """:func:`reference.combine` over the partials of a handle's segments, contiguous ``(B, q, Hq, Dv)``."""
+    return reference.combine(list(zip(m, l, acc)), sinks, dtype).contiguous()
+
+
+@_combine.register_fake
+def _(m, l, acc, sinks, dtype):  # noqa: E741
+    b, hkv, g, q, _ = m[0].shape
+    return m[0].new_empty((b, q, hkv * g, acc[0].shape[-1]), dtype=dtype)
+
+
+@_combine.register_kernel("cuda")
+def _(m, l, acc, sinks, dtype):  # noqa: E741
+    partials = list(zip(m, l, acc))
+    if triton_available():
+        from .triton_decode import MAX_COMBINED_SEGMENTS, triton_combine
+
+        if len(partials) <= MAX_COMBINED_SEGMENTS:
+            return triton_combine(partials, sinks, dtype)
+    return reference.combine(partials, sinks, dtype).contiguous()
+
+
+def _append_reference(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    k_scales: torch.Tensor | None,
+    v_scales: torch.Tensor | None,
+    table: torch.Tensor | None,
+    start: int,
+    block_size: int,
+) -> None:
+    from .. import quant
+
+    for x, out, scales_out in ((k, k_out, k_scales), (v, v_out, v_scales)):
+        payload = {"x": x}  # (B, H, n, D), then the scales (B, H, n[, D / G])
+        if scales_out is not None:
+            group = x.shape[-1] // scales_out.shape[-1] if table is None else x.shape[-1]
+            codes, scales = quant.quantize_symmetric(
+                x.reshape(*x.shape[:-1], -1, group), dim=-1, scale_dtype=scales_out.dtype
+            )
+            payload = {"x": codes.view(x.shape), "s": scales.squeeze(-1)}
+            if table is not None:
+                payload["s"] = payload["s"].squeeze(-1)  # one scale per token and head
+        dests = {"x": out, "s": scales_out}
+        if table is None:
+            for name, t in payload.items():
+                dests[name].copy_(t)
+            continue
+        positions = torch.arange(start, start + x.shape[2], device=table.device)
+        slots = (table[:, positions // block_size].long() * block_size + positions % block_size).flatten()
+        keep = slots >= 0  # not under a padding entry
+        for name, t in payload.items():  # (B, H, n, ...) -> (B * n, H, ...) rows of the pool
+            rows = t.transpose(1, 2).reshape(-1, *t.shape[1:2], *t.shape[3:])
+            dests[name].index_copy_(0, slots[keep].to(out.device), rows[keep.to(rows.device)])
+
+
+@torch.library.custom_op("hf_kvcache::append_kv", mutates_args=("k_out", "v_out", "k_scales", "v_scales"))
+def append_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    table: torch.Tensor | None = None,
+    start: int = 0,
+    block_size: int = 1,
+) -> None:
+    """Store a forward's new keys and values ``(B, H, n, D)`` in a cache's storage; with ``*_scales``, as int8 codes
+    and scales (:func:`hf_kvcache.quant.quantize_symmetric`, the group ``G`` = ``D / scales.shape[-1]``, the scale
+    dtype the scales').
+
+    Without ``table`` the destinations are views ``(B, H, n, D)`` and ``(B, H, n, D / G)`` of a layer's token
+    buffers; with ``table`` ``(B, blocks)``, page pools ``(slots, H, D)`` and ``(slots, H)``, token ``i`` of row ``b``
+    at position ``start + i`` of the row's blocks (none stored under a padding entry). One launch on CUDA
+    (:func:`~hf_kvcache.kernels.triton_append.triton_append`, bit-exact to this reference), the reference
+    elsewhere."""
+    _append_reference(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size)
+
+
+@append_kv.register_fake
+def _(k, v, k_out, v_out, k_scales=None, v_scales=None, table=None, start=0, block_size=1):
+    return None
+
+
+@append_kv.register_kernel("cuda")
+def _(k, v, k_out, v_out, k_scales=None, v_scales=None, table=None, start=0, block_size=1):
+    if triton_available():
+        from .triton_append import triton_append
+
+        return triton_append(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size)
+    return _append_reference(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size)
 
 
 def decode_attention(
@@ -246,4 +414,5 @@ def decode_attention(
         splits = reference.num_splits(segment.length, query.shape[0] * heads) if query.is_cuda else 1
         partials.append(segment_partial(query, segment, part_mask, scaling, softcap, splits))
         col += segment.length
-    return reference.combine(partials, sinks, query.dtype)
+    m, l_, acc = (list(x) for x in zip(*partials))
+    return _combine(m, l_, acc, sinks, query.dtype)  # one launch: the splits of every segment reduced together

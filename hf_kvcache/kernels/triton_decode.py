@@ -5,7 +5,8 @@ heads x ``q`` query tokens, so K/V are read once per KV head, not once per query
 ``BLOCK_N`` at a time, dequantizes each tile in registers (int8: codes, scales folded into scores and probabilities;
 KIVI: a tile is one key group, its packed rows loaded whole and unpacked in registers, the group's channel scales and
 zero points folded into the query; paged: slots through the block table) and keeps an online softmax;
-:func:`~hf_kvcache.kernels.reference.combine` reduces the splits. Every load is masked (out-of-range tokens, channels
+:func:`triton_combine` reduces the splits of all segments in one more launch (the contract of
+:func:`~hf_kvcache.kernels.reference.combine`). Every load is masked (out-of-range tokens, channels
 and rows), so the kernels also run under ``TRITON_INTERPRET=1`` on CPU tensors, which is how the CPU test suite checks
 them (float32 and float16: the interpreter is wrong for bfloat16, which only a GPU run checks).
 """
@@ -29,7 +30,7 @@ from .segments import (
     segment_value_dim,
 )
 
-__all__ = ["triton_partial"]
+__all__ = ["MAX_COMBINED_SEGMENTS", "triton_combine", "triton_partial"]
 
 DENSE, INT8, KIVI, PAGED, PAGED_INT8 = 0, 1, 2, 3, 4
 BLOCK_N = 64
@@ -41,7 +42,7 @@ def _load_kv(
     s_b, s_h, s_t, s_d, ss_b, ss_h, ss_t, ss_d,
     TABLE, stab_b, stab_n, START,
     KIND: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, IS_KEY: tl.constexpr, BS: tl.constexpr,
-    FOLD: tl.constexpr, D: tl.constexpr,
+    FOLD: tl.constexpr, D: tl.constexpr, LARGE: tl.constexpr,
 ):  # fmt: skip
     """A ``(BLOCK_N, BLOCK_D)`` float32 tile of keys (``IS_KEY``) or values of tokens ``t``, channels ``d``.
     ``FOLD``: int8 codes with one scale per token and head are returned unscaled; the caller folds the scales (see
@@ -49,6 +50,8 @@ def _load_kv(
     ok = tok_ok[:, None] & d_ok[None, :]
     if KIND == 3 or KIND == 4:  # paged: token -> block table entry -> slot
         block = tl.load(TABLE + b * stab_b + (t // BS) * stab_n, mask=tok_ok, other=0)
+        if LARGE:  # a pool past 2^31 elements: slot offsets in 64 bits
+            block = block.to(tl.int64)
         slot = tl.maximum(block, 0) * BS + t % BS
         x = tl.load(K + slot[:, None] * s_t + h * s_h + d[None, :] * s_d, mask=ok, other=0).to(tl.float32)
         if KIND == 4 and not FOLD:
@@ -134,10 +137,13 @@ def _kivi_group_expand(X, base, ta, tok_ok, s_t, s_d, D: tl.constexpr, GROUP: tl
 @triton.jit
 def _load_scale(
     KS, b, h, t, tok_ok, ss_b, ss_h, ss_t, TABLE, stab_b, stab_n, KIND: tl.constexpr, BS: tl.constexpr,
+    LARGE: tl.constexpr,
 ):  # fmt: skip
     """The ``(BLOCK_N,)`` int8 scales of tokens ``t`` (one per token and head): a 1-D load, not a tile."""
     if KIND == 4:
         block = tl.load(TABLE + b * stab_b + (t // BS) * stab_n, mask=tok_ok, other=0)
+        if LARGE:
+            block = block.to(tl.int64)
         slot = tl.maximum(block, 0) * BS + t % BS
         return tl.load(KS + slot * ss_t + h * ss_h, mask=tok_ok, other=0).to(tl.float32)
     return tl.load(KS + b * ss_b + h * ss_h + t * ss_t, mask=tok_ok, other=0).to(tl.float32)
@@ -210,12 +216,26 @@ def _rope_tile(k, kp, t, dk, INV_FREQ, POS0, ROPE: tl.constexpr, ROT_DIM: tl.con
     return tl.where(rot[None, :], k * cos + sign[None, :] * kp * sin, k)
 
 
+@triton.jit
+def _dot_split(a, b, dtype: tl.constexpr):
+    """``a @ b`` for float32 ``b`` (and ``a``) on 16-bit tensor cores, to about float32 accuracy: each float32
+    operand split into a 16-bit head and the 16-bit rounding of its remainder, three products accumulated in float32
+    (the remainders' product is below float32's precision). A 16-bit ``a`` is exact as it is (two products)."""
+    b_hi = b.to(dtype)
+    b_lo = (b - b_hi.to(tl.float32)).to(dtype)
+    a_hi = a.to(dtype)
+    out = tl.dot(a_hi, b_hi) + tl.dot(a_hi, b_lo)
+    if a.dtype == tl.float32:
+        out += tl.dot((a - a_hi.to(tl.float32)).to(dtype), b_hi)
+    return out
+
+
 @triton.jit(
     do_not_specialize=["T", "sm_b", "sm_q", "POS0"],
     do_not_specialize_on_alignment=["MASK"],
 )
 def _partial_kernel(
-    Q, K, V, KS, KZ, VS, VZ, TABLE, MASK, M_OUT, L_OUT, ACC_OUT, INV_FREQ,
+    Q, K, V, KS, KZ, VS, VZ, TABLE, MASK, M_OUT, L_OUT, ACC_OUT, INV_FREQ, HK, HV,
     sq_b, sq_h, sq_q, sq_d,
     sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     sks_b, sks_h, sks_t, sks_d, svs_b, svs_h, svs_t, svs_d,
@@ -224,7 +244,8 @@ def _partial_kernel(
     DK: tl.constexpr, DV: tl.constexpr,
     KIND: tl.constexpr, BITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, BS: tl.constexpr,
     HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, FOLD: tl.constexpr,
-    KIVI_TILE: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr,
+    KIVI_TILE: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr, ROTATED: tl.constexpr, RCH: tl.constexpr,
+    LARGE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -232,6 +253,9 @@ def _partial_kernel(
     num_splits = tl.num_programs(1)
     b = pid // H
     h = pid % H
+    if LARGE:  # storage past 2^31 elements: batch and head offsets in 64 bits
+        b = b.to(tl.int64)
+        h = h.to(tl.int64)
     rows = tl.arange(0, BLOCK_R)
     row_ok = rows < G * q_len
     g = rows // q_len
@@ -240,8 +264,20 @@ def _partial_kernel(
     dv = tl.arange(0, BLOCK_DV)
     dk_ok = dk < DK
     dv_ok = dv < DV
-    q_ptr = Q + b * sq_b + (h * G + g)[:, None] * sq_h + i[:, None] * sq_q + dk[None, :] * sq_d
-    q = tl.load(q_ptr, mask=row_ok[:, None] & dk_ok[None, :], other=0)
+    q_row = Q + b * sq_b + (h * G + g)[:, None] * sq_h + i[:, None] * sq_q
+    q = tl.load(q_row + dk[None, :] * sq_d, mask=row_ok[:, None] & dk_ok[None, :], other=0)
+    if ROTATED:  # codes stored rotated (k H_k): scores are those of the rotated query, q H_k to float32 accuracy,
+        # summed over RCH-channel slices of q and H_k (a whole D x D H_k in registers would spill)
+        qr = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
+        for c in tl.static_range(0, BLOCK_DK, RCH):
+            cc = c + tl.arange(0, RCH)
+            qc = tl.load(q_row + cc[None, :] * sq_d, mask=row_ok[:, None] & (cc < DK)[None, :], other=0)
+            hk = tl.load(HK + cc[:, None] * DK + dk[None, :], mask=(cc < DK)[:, None] & dk_ok[None, :], other=0.0)
+            if DOT_FP32:
+                qr += tl.dot(qc.to(tl.float32), hk, input_precision="ieee")
+            else:
+                qr += _dot_split(qc, hk, qc.dtype)
+        q = qr.to(q.dtype)
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
@@ -290,11 +326,11 @@ def _partial_kernel(
         else:
             k = _load_kv(
                 K, KS, KZ, b, h, t, tok_ok, dk, dk_ok, sk_b, sk_h, sk_t, sk_d, sks_b, sks_h, sks_t, sks_d,
-                TABLE, stab_b, stab_n, START, KIND, BITS, GK, True, BS, FOLD, DK,
+                TABLE, stab_b, stab_n, START, KIND, BITS, GK, True, BS, FOLD, DK, LARGE,
             )  # fmt: skip
             v = _load_kv(
                 V, VS, VZ, b, h, t, tok_ok, dv, dv_ok, sv_b, sv_h, sv_t, sv_d, svs_b, svs_h, svs_t, svs_d,
-                TABLE, stab_b, stab_n, START, KIND, BITS, GV, False, BS, FOLD, DV,
+                TABLE, stab_b, stab_n, START, KIND, BITS, GV, False, BS, FOLD, DV, LARGE,
             )  # fmt: skip
             if ROPE:  # keys stored before RoPE: turned to their positions in registers
                 if ROT_DIM == BLOCK_DK:
@@ -303,7 +339,7 @@ def _partial_kernel(
                     pair = _rope_partner(dk, ROPE, ROT_DIM)
                     kp = _load_kv(
                         K, KS, KZ, b, h, t, tok_ok, pair, dk_ok, sk_b, sk_h, sk_t, sk_d, sks_b, sks_h, sks_t, sks_d,
-                        TABLE, stab_b, stab_n, START, KIND, BITS, GK, True, BS, FOLD, DK,
+                        TABLE, stab_b, stab_n, START, KIND, BITS, GK, True, BS, FOLD, DK, LARGE,
                     )  # fmt: skip
                     k = _rope_tile(k, kp, t, dk, INV_FREQ, POS0, ROPE, ROT_DIM)
             if DOT_FP32:
@@ -311,7 +347,10 @@ def _partial_kernel(
             else:  # the model's 16-bit dtype on tensor cores (int8 codes are exact in it), accumulated in float32
                 s = tl.dot(q, tl.trans(k.to(q.dtype)))
         if FOLD:  # q . (code_t x scale_t) = (q . code_t) x scale_t
-            s = s * _load_scale(KS, b, h, t, tok_ok, sks_b, sks_h, sks_t, TABLE, stab_b, stab_n, KIND, BS)[None, :]
+            s = (
+                s
+                * _load_scale(KS, b, h, t, tok_ok, sks_b, sks_h, sks_t, TABLE, stab_b, stab_n, KIND, BS, LARGE)[None, :]
+            )
         s = s * scaling
         if SOFTCAP:
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
@@ -327,7 +366,10 @@ def _partial_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         pv = p
         if FOLD:  # sum_t p_t (code_t x scale_t) = sum_t (p_t x scale_t) code_t
-            pv = p * _load_scale(VS, b, h, t, tok_ok, svs_b, svs_h, svs_t, TABLE, stab_b, stab_n, KIND, BS)[None, :]
+            pv = (
+                p
+                * _load_scale(VS, b, h, t, tok_ok, svs_b, svs_h, svs_t, TABLE, stab_b, stab_n, KIND, BS, LARGE)[None, :]
+            )
         if DOT_FP32:
             acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
         else:
@@ -337,11 +379,30 @@ def _partial_kernel(
     out = (pid * R + rows) * num_splits + split  # (B * H, R, S) row-major
     tl.store(M_OUT + out, m_i, mask=row_ok)
     tl.store(L_OUT + out, l_i, mask=row_ok)
-    tl.store(ACC_OUT + out[:, None] * DV + dv[None, :], acc, mask=row_ok[:, None] & dv_ok[None, :])
+    if ROTATED:  # the accumulator of rotated values (v H_v) rotated back once (H_v H_v = I), RCH columns at a time
+        for c in tl.static_range(0, BLOCK_DV, RCH):
+            cc = c + tl.arange(0, RCH)
+            hv = tl.load(HV + dv[:, None] * DV + cc[None, :], mask=dv_ok[:, None] & (cc < DV)[None, :], other=0.0)
+            if DOT_FP32:
+                part = tl.dot(acc, hv, input_precision="ieee")
+            else:
+                part = _dot_split(acc, hv, q.dtype)
+            tl.store(ACC_OUT + out[:, None] * DV + cc[None, :], part, mask=row_ok[:, None] & (cc < DV)[None, :])
+    else:
+        tl.store(ACC_OUT + out[:, None] * DV + dv[None, :], acc, mask=row_ok[:, None] & dv_ok[None, :])
 
 
 def _block(n: int, minimum: int = 16) -> int:
     return max(minimum, triton.next_power_of_2(n))
+
+
+def _reach(t: torch.Tensor | None) -> int:
+    """One past the largest element offset a kernel may compute into ``t`` (its storage, for a view)."""
+    if t is None:
+        return 0
+    return max(
+        t.untyped_storage().nbytes() // t.element_size(), 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    )
 
 
 def _strides(t: torch.Tensor | None, n: int = 4) -> list[int]:
@@ -358,14 +419,17 @@ def triton_partial(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The contract of :func:`hf_kvcache.kernels.reference.partial`, as one Triton launch.
 
-    A :class:`RotatedSegment` is read with the query rotated and the accumulator rotated back around the launch over
-    its inner segment; a :class:`PreRopeSegment` in the same launch, its keys turned to their positions per tile. A
+    A :class:`RotatedSegment` is read in the same launch over its inner segment, the query rotated (``q H_k`` in
+    float32, as :func:`~hf_kvcache.kernels.reference.rotate_query`) before the loop and the accumulator rotated back
+    (``acc H_v``) after it; a :class:`PreRopeSegment` too, its keys turned to their positions per tile. A
     pre-RoPE segment over Hadamard-rotated codes goes to the reference: RoPE sits between the rotation and the
     query, so the rotation cannot be folded, and undoing it per tile (a ``D x D`` product) does not fit the kernel
     at ``head_dim`` 128."""
-    if isinstance(segment, RotatedSegment):
-        return reference.fold_rotation(triton_partial, query, segment, mask, scaling, softcap, splits)
-    rope, rot_dim, pos0, inv_freq = 0, 0, 0, None
+    rope, rot_dim, pos0, inv_freq, hk, hv = 0, 0, 0, None, None, None
+    if isinstance(segment, RotatedSegment):  # the query rotated and the accumulator rotated back in the launch
+        hk = segment.key_rotation.to(device=query.device, dtype=torch.float32).contiguous()
+        hv = segment.value_rotation.to(device=query.device, dtype=torch.float32).contiguous()
+        segment = segment.inner
     if isinstance(segment, PreRopeSegment):
         if isinstance(segment.inner, RotatedSegment):
             return reference.partial(query, segment, mask, scaling, softcap, splits)
@@ -409,11 +473,20 @@ def triton_partial(
     # query (pre-RoPE keys: dequantized with them per tile, then turned, when every channel rotates and the width is
     # a power of two); other group sizes dequantize every element of the tile.
     kivi_tile = kind == KIVI and 16 <= gk <= 128 and gk & (gk - 1) == 0 and (not rope or rot_dim == _block(dk))
-    # Pipelining depth, from the kernels compiled for sm_80 / sm_90 (benchmarks/gpu_report.py): the paged gathers and
-    # the KIVI tiles need fewer instructions and registers with 2 stages (paged at 4 query tokens spilled with 3);
-    # dense and int8 fewer with Triton's default 3, and int8 pages spill with 2 at head_dim 64.
-    stages = 2 if kind == PAGED or kivi_tile else 3
-    block_n = gk if kivi_tile else BLOCK_N
+    # Tile and pipelining depth per kind, from the kernels compiled for sm_80 / sm_90 (benchmarks/gpu_report.py):
+    # - int8 with folded scales: 32-token tiles, no pipelining: 168 registers, 3 resident blocks per SM (64-token
+    #   tiles took 223 and 2 blocks); latency is hidden by 12 resident warps instead of cp.async stages;
+    # - KIVI tiles (one key group each): no pipelining (2 stages spilled at 4 query tokens on sm_90), except with keys
+    #   turned per tile (pre-RoPE), where 2 stages spill less;
+    # - paged gathers: 2 stages (3 spilled at 4 query tokens); dense and int8 pages: Triton's default 3.
+    block_n = gk if kivi_tile else 32 if fold and kind == INT8 else BLOCK_N
+    if kind == INT8 and fold or kivi_tile and not rope:
+        stages = 1
+    else:
+        stages = 2 if kind == PAGED or kivi_tile else 3
+    # Eight warps once a program holds 64 query rows or more (16 query tokens x 4 heads): the scores, probabilities
+    # and accumulator tiles of 64+ rows spill with four.
+    warps = 8 if _block(rows) >= 64 else 4
     mask_u8 = mask.view(torch.uint8) if mask is not None else None
     per_split = -(-max(length, 1) // splits)
     per_split = -(-per_split // block_n) * block_n
@@ -423,13 +496,103 @@ def triton_partial(
         vs if vs is not None else dummy, vz if vz is not None else dummy,
         table if table is not None else dummy, mask_u8 if mask_u8 is not None else dummy,
         m, l_, acc, inv_freq if inv_freq is not None else dummy,
+        hk if hk is not None else dummy, hv if hv is not None else dummy,
         *query.stride(), *k_strides, *v_strides, *ks_strides, *vs_strides,
         *(_strides(table, 2)), *(_strides(mask_u8, 3)),
         hkv, length, start, q_len, g, per_split, float(scaling), float(softcap or 0.0), pos0,
         DK=k.shape[-1] * 8 // bits if kind == KIVI else k.shape[-1], DV=dv,
         KIND=kind, BITS=bits, GK=gk, GV=gv, BS=bs, HAS_MASK=mask is not None, SOFTCAP=bool(softcap),
         DOT_FP32=query.dtype == torch.float32, FOLD=fold, KIVI_TILE=kivi_tile, ROPE=rope, ROT_DIM=rot_dim,
+        ROTATED=hk is not None, RCH=min(32, _block(dk), _block(dv)),
+        LARGE=any(_reach(x) >= 2**31 for x in (k, v, ks, vs, kz, vz, query)),
         BLOCK_R=_block(rows), BLOCK_N=block_n,
-        BLOCK_DK=_block(dk), BLOCK_DV=_block(dv), num_stages=stages,
+        BLOCK_DK=_block(dk), BLOCK_DV=_block(dv), num_stages=stages, num_warps=warps,
     )  # fmt: skip
     return m.view(b, hkv, g, q_len, splits), l_.view(b, hkv, g, q_len, splits), acc.view(b, hkv, g, q_len, splits, dv)
+
+
+# --- the split reduction ----------------------------------------------------------------------------------------
+
+MAX_COMBINED_SEGMENTS = 4  # sinks, quantized history, residual, new tokens: the most a cache layer's handle holds
+
+
+@triton.jit
+def _segment_top(M, row, S, top, BLOCK_S: tl.constexpr):
+    s = tl.arange(0, BLOCK_S)
+    m = tl.load(M + row * S + s, mask=s < S, other=float("-inf"))
+    return tl.maximum(top, tl.max(m, 0))
+
+
+@triton.jit
+def _segment_sums(M, L, A, row, S, safe, den, num, DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    ok = s < S
+    w = tl.exp(tl.load(M + row * S + s, mask=ok, other=float("-inf")) - safe)
+    den += tl.sum(tl.load(L + row * S + s, mask=ok, other=0.0) * w, 0)
+    acc = tl.load(A + (row * S + s)[:, None] * DV + d[None, :], mask=ok[:, None] & (d < DV)[None, :], other=0.0)
+    return den, num + tl.sum(acc * w[:, None], 0)
+
+
+@triton.jit
+def _combine_kernel(
+    M0, L0, A0, S0, M1, L1, A1, S1, M2, L2, A2, S2, M3, L3, A3, S3, SINKS, OUT,
+    so_b, so_q, so_h, so_d, HKV, G, Q,
+    NSEG: tl.constexpr, HAS_SINKS: tl.constexpr, DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """One program per output row (batch, KV head, query head in the group, query token): the max over every split
+    of every segment (and the sink logit), then the weighted sums of ``l`` and ``acc``, divided once."""
+    row = tl.program_id(0)  # row-major over (B, Hkv, G, q), the partials' layout
+    qi = row % Q
+    hq = (row // Q) % (HKV * G)  # KV head x G + position in its group = query head
+    b = row // (Q * HKV * G)
+    top = _segment_top(M0, row, S0, tl.full([], float("-inf"), tl.float32), BLOCK_S)
+    if NSEG > 1:
+        top = _segment_top(M1, row, S1, top, BLOCK_S)
+    if NSEG > 2:
+        top = _segment_top(M2, row, S2, top, BLOCK_S)
+    if NSEG > 3:
+        top = _segment_top(M3, row, S3, top, BLOCK_S)
+    if HAS_SINKS:
+        sink = tl.load(SINKS + hq).to(tl.float32)
+        top = tl.maximum(top, sink)
+    safe = tl.where(top == float("-inf"), 0.0, top)
+    den = tl.zeros([], tl.float32)
+    num = tl.zeros([BLOCK_D], tl.float32)
+    den, num = _segment_sums(M0, L0, A0, row, S0, safe, den, num, DV, BLOCK_S, BLOCK_D)
+    if NSEG > 1:
+        den, num = _segment_sums(M1, L1, A1, row, S1, safe, den, num, DV, BLOCK_S, BLOCK_D)
+    if NSEG > 2:
+        den, num = _segment_sums(M2, L2, A2, row, S2, safe, den, num, DV, BLOCK_S, BLOCK_D)
+    if NSEG > 3:
+        den, num = _segment_sums(M3, L3, A3, row, S3, safe, den, num, DV, BLOCK_S, BLOCK_D)
+    if HAS_SINKS:
+        den += tl.exp(sink - safe)
+    out = tl.where(den > 0, num / tl.maximum(den, 1.1754943508222875e-38), 0.0)
+    d = tl.arange(0, BLOCK_D)
+    tl.store(OUT + b * so_b + qi * so_q + hq * so_h + d * so_d, out.to(OUT.dtype.element_ty), mask=d < DV)
+
+
+def triton_combine(
+    partials: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    sinks: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The contract of :func:`hf_kvcache.kernels.reference.combine` as one launch over the partials of up to
+    :data:`MAX_COMBINED_SEGMENTS` segments, read where the partial kernels wrote them (no concatenation); the output
+    ``(B, q, Hq, Dv)`` is contiguous."""
+    if not 1 <= len(partials) <= MAX_COMBINED_SEGMENTS:
+        raise ValueError(f"triton_combine takes 1 to {MAX_COMBINED_SEGMENTS} segments' partials, got {len(partials)}")
+    b, hkv, g, q, _ = partials[0][0].shape
+    dv = partials[0][2].shape[-1]
+    out = torch.empty((b, q, hkv * g, dv), dtype=dtype, device=partials[0][0].device)
+    args = []
+    for i in range(MAX_COMBINED_SEGMENTS):
+        m, l_, acc = partials[min(i, len(partials) - 1)]
+        args += [m.contiguous(), l_.contiguous(), acc.contiguous(), m.shape[-1] if i < len(partials) else 0]
+    splits = max(p[0].shape[-1] for p in partials)
+    _combine_kernel[(b * hkv * g * q,)](
+        *args, sinks if sinks is not None else out, out, *out.stride(), hkv, g, q,
+        NSEG=len(partials), HAS_SINKS=sinks is not None, DV=dv, BLOCK_S=_block(splits, 2), BLOCK_D=_block(dv),
+    )  # fmt: skip
+    return out
