@@ -287,14 +287,16 @@ def probe_prompt_precision(factory):
 def count_quantized(cache: Cache) -> list[tuple[int, int]]:
     """Patch layer 0's quantizer to record ``(first position, tokens)`` of every key tensor it is handed."""
     layer, calls = cache.layers[0], []
-    if hasattr(layer, "codec"):  # ours: codec.encode(k, v) gets the oldest residual tokens, once each
-        encode = layer.codec.encode
+    if hasattr(layer, "codec"):  # ours: the codec gets the oldest residual tokens, once each
+        # int8 encodes straight into the storage (encode_into); KIVI encodes a chunk the storage then appends
+        name = "encode_into" if hasattr(layer.codec, "encode_into") else "encode"
+        encode = getattr(layer.codec, name)
 
-        def recording_encode(k, v):
+        def recording_encode(k, v, *out):
             calls.append((layer.quantized_tokens, k.shape[-2]))
-            return encode(k, v)
+            return encode(k, v, *out)
 
-        layer.codec.encode = recording_encode
+        setattr(layer.codec, name, recording_encode)
     else:  # built-in: _quantize(tensor, ...) once for keys, once for values, after cumulative_length is updated
         quantize, seen = layer._quantize, []
 

@@ -72,9 +72,9 @@ def hf_kvcache_attention(
         if dropout and module.training:
             raise ValueError("the hf_kvcache attention reads a cache at inference: dropout must be 0")
         mask = attention_mask
-        if mask is None:
+        if mask is None and query.shape[2] > 1:  # causal (one query token sees every token: no mask at all)
             mask = _causal_mask(query.shape[0], query.shape[2], key.length, query.device)
-        elif mask.dtype != torch.bool:
+        elif mask is not None and mask.dtype != torch.bool:
             mask = mask == 0  # an additive float mask: 0 attends
         return decode_attention(query, key, mask, scaling, softcap or 0.0, s_aux), None
     if softcap or s_aux is not None:  # sdpa has neither: the reference over the plain tensors

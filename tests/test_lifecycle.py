@@ -99,7 +99,7 @@ def _stored_tensors(cache) -> list[torch.Tensor]:
             stack += [(v, depth + 1) for v in obj.values()]
         elif isinstance(obj, (list, tuple)):
             stack += [(v, depth + 1) for v in obj]
-        elif depth < 4 and hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module):
+        elif depth < 8 and hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module):
             stack.append((vars(obj), depth + 1))
     return found
 

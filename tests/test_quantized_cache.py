@@ -485,8 +485,8 @@ def test_rotate_validation_bytes_and_spec():
 
 def test_rotated_cache_is_read_in_place_under_hf_kvcache(monkeypatch):
     """Under the hf_kvcache attention a rotated cache's decode steps read its codes in place (a RotatedSegment around
-    the KIVI segment, the rotation folded into the query and output) and generate what sdpa over the decoded,
-    rotated-back history does."""
+    the KIVI segment, the rotation folded into the query and output, in the KIVI op's one launch) and generate what
+    sdpa over the decoded, rotated-back history does."""
     from hf_kvcache import attention
     from hf_kvcache.kernels import KiviSegment, RotatedSegment, ops
 
@@ -494,6 +494,8 @@ def test_rotated_cache_is_read_in_place_under_hf_kvcache(monkeypatch):
 
     def recording_partial(query, segment, *args, **kwargs):
         seen.append(type(segment).__name__)
+        if isinstance(segment, RotatedSegment):
+            seen.append(type(segment.inner).__name__)
         return real_partial(query, segment, *args, **kwargs)
 
     monkeypatch.setattr(ops, "segment_partial", recording_partial)

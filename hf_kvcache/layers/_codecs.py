@@ -14,6 +14,7 @@ import torch
 
 from .. import quant
 from ..kernels import Int8Segment, KiviSegment, RotatedSegment
+from ..kernels.ops import append_kv
 from ..kernels.segments import KiviTokenSegment
 
 __all__ = ["KEY_AXES", "ROTATIONS", "Int8Codec", "KiviCodec", "RotatedCodec", "hadamard", "kivi_scale_dtype"]
@@ -67,6 +68,25 @@ class Int8Codec:
         kc, ks = self._encode_one(k)
         vc, vs = self._encode_one(v)
         return {"k": kc, "ks": ks, "v": vc, "vs": vs}
+
+    def like(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
+        """Zero-token tensors with the dtype, device and trailing shape of each stored tensor of ``k`` / ``v``."""
+        b, h = k.shape[:2]
+        dk, dv = k.shape[-1], v.shape[-1]
+        return {
+            "k": k.new_empty((b, h, 0, dk), dtype=torch.int8),
+            "ks": k.new_empty((b, h, 0, dk // self.group(dk)), dtype=self.scale_dtype),
+            "v": v.new_empty((b, h, 0, dv), dtype=torch.int8),
+            "vs": v.new_empty((b, h, 0, dv // self.group(dv)), dtype=self.scale_dtype),
+        }
+
+    def encode_into(self, k: torch.Tensor, v: torch.Tensor, out: Parts) -> None:
+        """:meth:`encode` written straight into ``out`` (views of the storage): one kernel per layer on CUDA."""
+        if self.backend == "bitsandbytes":
+            for name, t in self.encode(k, v).items():
+                out[name].copy_(t)
+            return
+        append_kv(k, v, out["k"], out["v"], out["ks"], out["vs"])
 
     def _decode_one(self, codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
         # copy_ then an in-place multiply (not torch.mul(out=)): `out` is often a non-contiguous workspace slice,

@@ -36,6 +36,7 @@ import torch
 
 from .._config import LayerSpec
 from ..kernels import DenseSegment, KVHandle, PagedSegment
+from ..kernels.ops import append_kv
 from ..paging import PAD_BLOCK, BlockAllocator, BlockTables
 from ._codecs import Int8Codec
 from ._common import AttentionMode, KVLayer, PaddingTracker, as_index, tokens_to_crop
@@ -105,22 +106,11 @@ class PagedStorage:
             new[: old.shape[0]].copy_(old)
             self.tensors[name] = new
 
-    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None) -> None:
-        """Store tokens ``(B, H, q, D)`` at ``(B, q)`` ``slots`` (``keep``: the ``(B * q,)`` tokens to store)."""
-        flat = slots.to(self.keys.device).flatten()
-        rows = {
-            "keys": k.transpose(1, 2).reshape(-1, *self.keys.shape[1:]),  # (B * q, H, Dk)
-            "values": v.transpose(1, 2).reshape(-1, *self.values.shape[1:]),
-        }
-        if keep is not None:  # tokens in padding blocks are not stored
-            keep = keep.to(self.keys.device)
-            flat, rows = flat[keep], {name: t[keep] for name, t in rows.items()}
-        if self.codec is not None:
-            for name in ("keys", "values"):
-                codes, scales = self.codec._encode_one(rows[name])  # one scale per token and head
-                rows[name], rows[name[:-1] + "_scales"] = codes, scales.squeeze(-1)
-        for name, t in rows.items():
-            self.tensors[name].index_copy_(0, flat, t)
+    def write(self, table: torch.Tensor, start: int, block_size: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store tokens ``(B, H, q, D)`` at positions ``start ..`` of each row's blocks in ``table`` (``(B, blocks)``,
+        on this storage's device; none under a padding entry): one launch on CUDA, int8 pages encoded on the way."""
+        t = self.tensors
+        append_kv(k, v, t["keys"], t["values"], t.get("key_scales"), t.get("value_scales"), table, start, block_size)
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V ``(B, H, n, D)`` of the ``(B, n)`` ``slots``, in the model's dtype."""
@@ -229,7 +219,6 @@ class PagedState:
         self.tables = BlockTables(self.allocator, _weak_method(self._copy_block))
         self.device_tables: dict[torch.device, DeviceTables] = {}  # one copy per device holding layers
         self.new_tokens = 0  # tokens of the current forward
-        self.has_padding = False  # a row's table starts with PAD_BLOCK entries
         self._slots: dict[tuple, torch.Tensor] = {}  # per forward: (device, kind) -> slots, shared by its layers
         self.groups: list[list[int]] = []  # rows found identical at the current prefill
 
@@ -273,7 +262,6 @@ class PagedState:
         pad_blocks = [p // self.block_size for p in pad] if pad is not None and len(pad) == batch else None
         self._mark(self.tables.num_tokens // self.block_size)  # the last, partly filled block may be copied on write
         self.tables.append_slots(q, batch, mirror, pad_blocks)
-        self.has_padding = any(table and table[0] == PAD_BLOCK for table in self.tables.tables)
         self._begin(q)
 
     def _mark(self, column: int) -> None:
@@ -321,17 +309,6 @@ class PagedState:
         table = self.block_table(device)
         positions = torch.arange(start, stop, device=device)
         return table[:, positions // self.block_size].long() * self.block_size + positions % self.block_size
-
-    def write_slots(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Slots ``(B, q)`` of the current forward's tokens, and which of them to store (None: all): tokens in a
-        row's padding blocks (prefill only) are not stored."""
-        key = (device, "write")
-        if key not in self._slots:
-            total = self.tables.num_tokens
-            slots = self._slots_of(device, total - self.new_tokens, total)
-            keep = (slots >= 0).flatten() if self.has_padding else None
-            self._slots[key] = (slots.clamp_min(0), keep)
-        return self._slots[key]
 
     def read_slots(self, device: torch.device) -> torch.Tensor:
         """Slots ``(B, T)`` of every token: the gather path. Padding positions are masked out of attention, so they
@@ -430,9 +407,9 @@ class PagedLayer(KVLayer):
                 for row in group[1:]:
                     if not _same_rows(key_states, value_states, row, group[0]):
                         state.unshare(row)
-        slots, keep = state.write_slots(self.device)
-        self.storage.write(slots, key_states, value_states, keep)
         q, total = key_states.shape[-2], state.tables.num_tokens
+        table = state.block_table(self.device)
+        self.storage.write(table, total - q, state.block_size, key_states, value_states)
         # The forward's own tokens are attended exactly, as the quantized cache does (int8 pages store them rounded).
         if self.mode.handles(q, total - q):
             pages = self.storage.segment(state.block_table(self.device), state.block_size, total - q)

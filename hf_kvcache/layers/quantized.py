@@ -118,12 +118,19 @@ class QuantizedLayer(KVLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._begin_update(key_states, value_states)
         visible = self._visible_past()
-        if self.mode.handles(key_states.shape[-2], visible):
+        n = key_states.shape[-2]
+        if self.mode.handles(n, visible) and self._joins_residual(n):
+            # The new tokens only join the residual: stored first and read with it, one segment (one launch) fewer.
+            self.residual.append_kv(key_states, value_states)
+            handle = self._handle(key_states, value_states, visible, joined=True)
+            keys, values = handle, handle
+        elif self.mode.handles(n, visible):
             handle = self._handle(key_states, value_states, visible)
             keys, values = handle, handle
+            self._append(key_states, value_states)
         else:
             keys, values = self._attended(key_states, value_states, visible)
-        self._append(key_states, value_states)
+            self._append(key_states, value_states)
         self.cumulative_length += key_states.shape[-2]
         self._evict()
         return keys, values
@@ -223,10 +230,18 @@ class QuantizedLayer(KVLayer):
         skip = ns + nq + nr - visible
         return keys[:, :, skip:], values[:, :, skip:]
 
-    def _handle(self, k_new: torch.Tensor, v_new: torch.Tensor, visible: int) -> KVHandle:
+    def _joins_residual(self, n: int) -> bool:
+        """Whether :meth:`_append` would put all ``n`` new tokens in the residual: the sinks are full and the residual
+        does not overflow by a whole unit (it encodes ``unit`` tokens at a time)."""
+        overflow = self.residual.length + n - self.residual_length
+        return self.sink.length >= self.sink_length and overflow < self.codec.unit
+
+    def _handle(self, k_new: torch.Tensor, v_new: torch.Tensor, visible: int, joined: bool = False) -> KVHandle:
         """``[last `visible` stored tokens ; new tokens]`` as views for the kernels. Taken before the new tokens are
-        stored: a later append writes past these views or into fresh tensors, never over them."""
-        ns, nq, nr = self.sink.length, self.store.length, self.residual.length
+        stored (a later append writes past these views or into fresh tensors, never over them), or, ``joined``, right
+        after they joined the residual: then the residual's segment ends with them."""
+        n = k_new.shape[-2] if joined else 0
+        ns, nq, nr = self.sink.length, self.store.length, self.residual.length - n
         skip = ns + nq + nr - visible  # tokens out of a sliding layer's window (there are no sinks there)
         segments = []
         if ns:  # full-attention layers only: the sinks are always visible
@@ -236,6 +251,10 @@ class QuantizedLayer(KVLayer):
             if self.key_rope is not None:
                 segment = PreRopeSegment(segment, self.key_rope, self._store_position() + skip)
             segments.append(segment)
+        if joined:
+            r0 = max(skip - nq, 0)
+            segments.append(DenseSegment(self.residual.view("k")[:, :, r0:], self.residual.view("v")[:, :, r0:]))
+            return KVHandle(tuple(segments), self.mode.model_type)
         if nr:
             r0 = max(skip - nq, 0)
             segments.append(DenseSegment(self.residual.view("k")[:, :, r0:], self.residual.view("v")[:, :, r0:]))
@@ -247,7 +266,7 @@ class QuantizedLayer(KVLayer):
         residual tokens, ``unit`` at a time, while it exceeds its length."""
         room = self.sink_length - self.sink.length
         if room > 0:
-            self.sink.append({"k": k[:, :, :room], "v": v[:, :, :room]})
+            self.sink.append_kv(k[:, :, :room], v[:, :, :room])
             k, v = k[:, :, room:], v[:, :, room:]
         unit = self.codec.unit
         overflow = self.residual.length + k.shape[-2] - self.residual_length
@@ -261,11 +280,15 @@ class QuantizedLayer(KVLayer):
                 ke, ve = torch.cat([kr, ke], dim=2), torch.cat([vr, ve], dim=2)
             if self.key_rope is not None:  # the chunk's first token follows the stored codes
                 ke = rotate_positions(ke, self._store_position() + self.store.length, self.key_rope, inverse=True)
-            self.store.append(self.codec.encode(ke, ve))
+            encode_into = getattr(self.codec, "encode_into", None)
+            if encode_into is not None:  # int8: encoded straight into the storage, one launch
+                self.store.append_written(n_encode, self.codec.like(ke, ve), lambda out: encode_into(ke, ve, out))
+            else:
+                self.store.append(self.codec.encode(ke, ve))
             self.residual.drop_front(from_res)
             k, v = k[:, :, from_new:], v[:, :, from_new:]
         if k.shape[-2]:
-            self.residual.append({"k": k, "v": v})
+            self.residual.append_kv(k, v)
 
     def _crop_limit_message(self, n: int) -> str:
         return f"cannot crop {n} tokens: this layer holds {self.cumulative_length}"
