@@ -29,10 +29,11 @@ import torch
 
 from .._config import LayerSpec
 from ..kernels import DenseSegment, KVHandle
+from ..kernels.ops import append_kv
 from ..rope import RotarySpec, rerotate
 from ._codecs import Parts
 from ._common import AttentionMode, KVLayer, PaddingTracker, tokens_to_crop
-from ._storage import Workspace, _nbytes
+from ._storage import Workspace, _grown_capacity, _nbytes
 
 
 class IdentityCodec:
@@ -42,6 +43,12 @@ class IdentityCodec:
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
         return {"k": k, "v": v}
+
+    def like(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
+        return {"k": k, "v": v}
+
+    def encode_into(self, k: torch.Tensor, v: torch.Tensor, out: Parts) -> None:
+        append_kv(k, v, out["k"], out["v"])  # both in one launch on CUDA
 
     def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
         k_out.copy_(parts["k"])
@@ -113,14 +120,18 @@ class SinkWindowLayer(KVLayer):
         self.codec = codec or IdentityCodec()
         self.workspace = workspace or Workspace()
         self.head: Parts | None = None  # the sink slots once eviction has begun (original rotation)
-        self.body: Parts | None = None  # the slots after them, oldest first
+        # The slots after them, oldest first: tokens [_start, _end) of _alloc, an allocation with headroom after
+        # them for new tokens (see the body property).
+        self._alloc: Parts | None = None
+        self._start = self._end = 0
         self.record_past = False
         self._pad_tensor: tuple[tuple, torch.Tensor] | None = None  # (pads, (B,) tensor on the layer's device)
 
     # -- CacheLayerMixin ------------------------------------------------------------------------------------------
 
     def _release(self) -> None:
-        self.head = self.body = None
+        self.head = self._alloc = None
+        self._start = self._end = 0
         self._pad_tensor = None
 
     def activate_past_recording(self) -> None:
@@ -135,7 +146,7 @@ class SinkWindowLayer(KVLayer):
             keys = values = self._handle(head, body, key_states, value_states)
         else:
             keys, values = self._attended(head, body, key_states, value_states)
-        self.body = _cat(self.body, self.codec.encode(key_states, value_states))
+        self._extend_body(key_states, value_states)
         self.cumulative_length += key_states.shape[-2]
         if not self.record_past:
             self._evict()
@@ -170,7 +181,7 @@ class SinkWindowLayer(KVLayer):
                     "cache.activate_past_recording() before forwards you may undo (generate() does this for "
                     "assisted decoding), or crop fewer tokens."
                 )
-            self.body = _slice(self.body, 0, _length(self.body) - n)
+            self._end -= n
             self.cumulative_length -= n
         self._evict()
 
@@ -217,6 +228,32 @@ class SinkWindowLayer(KVLayer):
 
     # -- internals ------------------------------------------------------------------------------------------------
 
+    @property
+    def body(self) -> Parts | None:
+        """The window's slots, oldest first: views of the allocation (None before the first token)."""
+        if self._alloc is None:
+            return None
+        return {name: t[:, :, self._start : self._end] for name, t in self._alloc.items()}
+
+    def _extend_body(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens after the window, in place: the window is a view of an allocation with headroom after
+        it, eviction only moves the view's start, and the new tokens are encoded straight into the slots after its
+        end (one launch on CUDA). Only when the headroom is used up (or the allocation holds far more than the
+        window: a long prompt's, once evicted) are the live slots moved to a fresh allocation, amortized over the
+        headroom's steps, instead of the whole window concatenated anew every step."""
+        n, like = k.shape[2], self.codec.like(k, v)
+        live = self._end - self._start
+        capacity = _grown_capacity(live + n, 1)
+        held = next(iter(self._alloc.values())).shape[2] if self._alloc is not None else 0
+        if self._end + n > held or held > 2 * capacity:
+            fresh = {name: t.new_empty((t.shape[0], t.shape[1], capacity, *t.shape[3:])) for name, t in like.items()}
+            if live:
+                for name, t in self.body.items():
+                    fresh[name][:, :, :live].copy_(t)
+            self._alloc, self._start, self._end = fresh, 0, live
+        self.codec.encode_into(k, v, {name: t[:, :, self._end : self._end + n] for name, t in self._alloc.items()})
+        self._end += n
+
     def _real_tokens(self) -> list[int]:
         return self.padding.real_tokens(self.cumulative_length, self.batch_size)
 
@@ -256,7 +293,8 @@ class SinkWindowLayer(KVLayer):
 
     def _evict(self) -> None:
         if self.stored_tokens > self.capacity:
-            self.head, self.body = self._select(self.capacity)
+            self.head, body = self._select(self.capacity)
+            self._start = self._end - _length(body)  # the window's last slots: its view's start moves
 
     def _rotate_sinks(self, keys: torch.Tensor, stored: int) -> None:
         """Re-rotate decoded sink keys in place to sit right before the window (see the module docstring)."""
@@ -305,7 +343,9 @@ class SinkWindowLayer(KVLayer):
 
     def _map_parts(self, fn) -> None:
         self.head = None if self.head is None else {name: fn(t) for name, t in self.head.items()}
-        self.body = None if self.body is None else {name: fn(t) for name, t in self.body.items()}
+        if self._alloc is not None:  # the live slots only, into a fresh tensor (no headroom until the next token)
+            self._alloc = {name: fn(t) for name, t in self.body.items()}
+            self._start, self._end = 0, self._end - self._start
 
     def _map_batch(self, fn, batch: int | None) -> None:
         self._map_parts(fn)
