@@ -100,6 +100,20 @@ def kernel_module():
 
 
 @functools.cache
+def kernels() -> dict:
+    """Every Triton kernel of the package by name: the decode kernel, the split reduction, the append."""
+    check_compiled_mode()
+    from hf_kvcache.kernels import triton_append
+
+    decode = kernel_module()
+    return {
+        "partial": decode._partial_kernel,
+        "combine": decode._combine_kernel,
+        "append": triton_append._append_kernel,
+    }
+
+
+@functools.cache
 def _backend(arch: int):
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
@@ -108,59 +122,64 @@ def _backend(arch: int):
 
 
 @functools.cache
-def _binder(arch: int):
+def _binder(arch: int, name: str = "partial"):
     """The binder ``JITFunction.create_binder`` builds, for ``arch`` instead of the active device."""
     from triton.runtime.jit import create_function_from_signature
 
-    kernel = kernel_module()._partial_kernel
+    kernel = kernels()[name]
     return create_function_from_signature(kernel.signature, kernel.params, _backend(arch))
 
 
 @dataclasses.dataclass
 class Launch:
-    """One intercepted launch of the decode kernel: its grid, its bound arguments and what they specialize to."""
+    """One intercepted launch of one of our kernels: its grid, its bound arguments and what they specialize to."""
 
     grid: tuple[int, ...]
     kwargs: dict
     bound: dict  # parameter name -> argument
     specialization: list  # per parameter: (type, attribute) as the binder returns it
-    segment: str  # the storage segment's class name
+    segment: str  # the storage segment's class name (decode launches)
+    kernel: str = "partial"  # a name of kernels()
 
     @property
     def key(self) -> str:
         """Triton's kernel-cache key for this launch (options are the defaults for every launch here)."""
-        return str(self.specialization)
+        return f"{self.kernel} {self.specialization}"
 
     def constexprs(self) -> dict:
         return {name: v for name, (kind, v) in zip(self.bound, self.specialization) if kind == "constexpr"}
 
 
-def _specialize(args: tuple, kwargs: dict, arch: int) -> tuple[dict, list]:
-    bound, specialization, _ = _binder(arch)(*args, **kwargs)
+def _specialize(args: tuple, kwargs: dict, arch: int, name: str = "partial") -> tuple[dict, list]:
+    bound, specialization, _ = _binder(arch, name)(*args, **kwargs)
     return bound, specialization
 
 
 _CAPTURE: list | None = None
 
 
-def _intercept(*args, grid, warmup, **kwargs):
-    bound, specialization = _specialize(args, kwargs, 90)
-    grid = tuple(grid(bound) if callable(grid) else grid)
-    _CAPTURE.append(Launch(grid, kwargs, bound, specialization, ""))
+def _interceptor(name: str):
+    def intercept(*args, grid, warmup, **kwargs):
+        bound, specialization = _specialize(args, kwargs, 90, name)
+        grid = tuple(grid(bound) if callable(grid) else grid)
+        _CAPTURE.append(Launch(grid, kwargs, bound, specialization, "", name))
+
+    return intercept
 
 
 @contextlib.contextmanager
 def capturing():
-    """Within the block, :func:`launch_partial` records the kernel's launches instead of running them; yields the
-    list they are appended to."""
+    """Within the block, every launch of our kernels (:func:`kernels`) is recorded instead of run; yields the list
+    they are appended to."""
     global _CAPTURE
-    kernel = kernel_module()._partial_kernel
     previous, _CAPTURE = _CAPTURE, []
-    kernel.run = _intercept
+    for name, kernel in kernels().items():
+        kernel.run = _interceptor(name)
     try:
         yield _CAPTURE
     finally:
-        del kernel.run
+        for kernel in kernels().values():
+            del kernel.run
         _CAPTURE = previous
 
 
@@ -286,9 +305,9 @@ def compile_launch(launch: Launch, arch: int) -> Compiled:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernel = kernel_module()._partial_kernel
+    kernel = kernels()[launch.kernel]
     backend = _backend(arch)
-    bound, specialization = _specialize(tuple(launch.bound.values()), {}, arch)
+    bound, specialization = _specialize(tuple(launch.bound.values()), {}, arch, launch.kernel)
     options, signature, constexprs, attrs = kernel._pack_args(backend, launch.kwargs, bound, specialization, None)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")

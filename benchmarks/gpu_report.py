@@ -339,7 +339,8 @@ def length_specialization(log) -> list[dict]:
             c = aot.compile_launch(main, 90) if main else None
             row[f"T ({label})"] = main.bound["T"] if main else "never"
             row[f"registers ({label})"] = c.registers if c else ""
-            row[f"loop ({label})"] = c.loop_instructions if c else ""
+            per_64 = 64 / main.constexprs()["BLOCK_N"] if main else 1  # per 64 tokens, as the summary counts
+            row[f"loop ({label})"] = round(c.loop_instructions * per_64) if c else ""
         out.append(row)
         log(f"  length specialization: {kind}")
     return out
@@ -350,6 +351,54 @@ def _specialized(launch) -> str:
     ones = [n for n, (k, v) in zip(launch.bound, launch.specialization) if k == "constexpr" and n[0].islower()]
     div = [n for n, (k, v) in zip(launch.bound, launch.specialization) if k.startswith("i") and v == "D"]
     return f"=1: {','.join(ones) or '-'}; %16: {','.join(n for n in div if not n.startswith('s')) or '-'}"
+
+
+# --- around the decode kernel: the split reduction and the append, at the 8B shape ------------------------------
+
+
+def helper_launches() -> list[tuple[str, object]]:
+    """The launches of the kernels around decode attention at the 8B shape (16k tokens x batch 8, bfloat16), as the
+    cache and attention issue them per layer-step: the split reduction over the history's splits and the new token's,
+    and the new token stored (int8 codes into a layer's buffers, into int8 pages, bfloat16 into pages)."""
+    from hf_kvcache.kernels.reference import num_splits
+    from hf_kvcache.kernels.triton_append import triton_append
+
+    decode = aot.kernel_module()
+    b, hkv, g, d, tokens, bs = 8, 8, 4, 128, 16384, 16
+    splits = num_splits(tokens, b * hkv)
+    part = lambda s: (torch.empty(b, hkv, g, 1, s), torch.empty(b, hkv, g, 1, s), torch.empty(b, hkv, g, 1, s, d))  # noqa: E731
+    k = torch.empty(b, hkv, 1, d, dtype=torch.bfloat16)
+    codes = torch.empty(b, hkv, tokens + 64, d, dtype=torch.int8)[:, :, tokens : tokens + 1]
+    scales = torch.empty(b, hkv, tokens + 64, 1)[:, :, tokens : tokens + 1]
+    slots = b * tokens + bs
+    table = torch.arange(b * (tokens // bs + 1), dtype=torch.int32).view(b, -1)
+    pool8, pool_s = torch.empty(slots, hkv, d, dtype=torch.int8), torch.empty(slots, hkv)
+    pool = torch.empty(slots, hkv, d, dtype=torch.bfloat16)
+    calls = [
+        (
+            f"combine ({splits} + 1 splits, 2 segments)",
+            lambda: decode.triton_combine([part(splits), part(1)], None, torch.bfloat16),
+        ),
+        ("append int8 (token buffers)", lambda: triton_append(k, k, codes, codes, scales, scales)),
+        ("append int8 pages", lambda: triton_append(k, k, pool8, pool8, pool_s, pool_s, table, tokens, bs)),
+        ("append pages (bfloat16)", lambda: triton_append(k, k, pool, pool, None, None, table, tokens, bs)),
+    ]
+    out = []
+    for name, call in calls:
+        with aot.capturing() as captured:
+            call()
+        out.append((name, captured[-1]))
+    return out
+
+
+def compile_helpers(log) -> list[dict]:
+    rows = []
+    for name, launch in helper_launches():
+        for arch in aot.TARGETS:
+            c = aot.compile_launch(launch, arch).row()
+            rows.append({"kernel": name, "grid": "x".join(map(str, launch.grid))} | c)
+        log(f"  {name}: compiled")
+    return rows
 
 
 # --- 2. launches, host time, compiled variants over 100 steps ----------------------------------------------------
@@ -436,7 +485,8 @@ def count_launches(spec: str, padded: bool, steps: int, layers: int = 2) -> dict
     if spec == "dynamic":
         model.set_attn_implementation("sdpa")
     pads = [PAD, 0] if padded else [0, 0]
-    batch, prompt = len(pads), 130  # int4/int2 flush their 128-token residual (group 16) within 16 steps
+    # KIVI (residual 128, key groups of 16) holds one encoded group after the prompt and flushes within 16 steps
+    batch, prompt = len(pads), 150
     cache = make_cache(spec, model)
     per_layer, outside, syncs, seconds, ops = [], [], [], [], {}
     with torch.inference_mode():
@@ -471,7 +521,8 @@ def count_launches(spec: str, padded: bool, steps: int, layers: int = 2) -> dict
 
 def count_variants(kind: str, steps: int) -> dict:
     """Distinct kernel specializations (Triton's cache key) over ``steps`` decode steps at the 8B attention shape:
-    four runs of varying prompt length and left padding, one token per step."""
+    four runs of varying prompt length and left padding, one token per step; per segment kind, and apart for the
+    unpadded runs, whose one-token steps read no mask (``HAS_MASK`` is a compile-time switch)."""
     model = _model(128)
     runs = [(203, [0, 0]), (260, [5, 0]), (333, [0, 3]), (450, [11, 2])]  # past int4/int2's 128-token residual
     keys: dict[str, set] = {}
@@ -479,7 +530,8 @@ def count_variants(kind: str, steps: int) -> dict:
     for prompt, pads in runs:
         for launches in capture_steps(model, KINDS[kind], prompt, pads, 1, per_run):
             for launch in launches:
-                keys.setdefault(launch.segment, set()).add(launch.key)
+                name = launch.segment + ("" if launch.constexprs().get("HAS_MASK") else " (no mask)")
+                keys.setdefault(name, set()).add(launch.key)
     return {"steps": per_run * len(runs), "variants": sum(len(v) for v in keys.values())} | {
         f"variants {segment}": len(v) for segment, v in sorted(keys.items())
     }
@@ -650,6 +702,19 @@ def render(report: dict) -> str:
             _table(mix, list(mix[0])),
             "",
         ]
+    if report.get("helpers"):
+        lines += [
+            "## Around the decode kernel: the split reduction and the append (8B shape, 16k tokens x batch 8)",
+            "",
+            "One launch each per layer-step: the splits of every segment reduced together (`triton_combine`), and the "
+            "new token stored (`triton_append`: int8 encoded on the way, bit-exact to `quant.quantize_symmetric`).",
+            "",
+            _table(
+                report["helpers"],
+                ["kernel", "arch", "grid", "registers", "spill_stores", "shared", "blocks_per_sm", "limited_by"],
+            ),
+            "",
+        ]
     findings = report["findings"] | derived_findings(report["variants"])
     if findings:
         lines += ["## Findings", ""] + [f"- {k}: {v}" for k, v in findings.items()] + [""]
@@ -657,8 +722,10 @@ def render(report: dict) -> str:
         lines += [
             "## Length specialization (sm_90)",
             "",
-            "Triton marks an integer argument divisible by 16 in the kernel's specialization, so the history length "
-            "`T` compiles two kernels, and the common one (15 decode steps in 16) is the longer loop:",
+            "Triton marks an integer argument divisible by 16 in the kernel's specialization; the history length "
+            "`T` is excluded from it (`do_not_specialize`), so a step whose length is a multiple of 16 and the other "
+            "15 in 16 run the same kernel (instructions per warp per 64 tokens; KIVI tiles are aligned to key "
+            "groups, so their `T` is always a multiple of 16):",
             "",
             _table(report["length_specialization"], list(report["length_specialization"][0])),
             "",
@@ -681,7 +748,8 @@ def render(report: dict) -> str:
         f"## Compiled variants over {report['variant_steps']} decode steps (8B attention shape)",
         "",
         "Distinct kernel specializations (Triton's cache key: one compile each) over four generations of varying "
-        "prompt length (203 to 450 tokens) and left padding, one token per step.",
+        "prompt length (203 to 450 tokens) and left padding, one token per step; a batch without padding decodes "
+        "without a mask (no mask is built or read), a compile-time switch counted apart (`(no mask)`).",
         "",
         _table(report["compiled_variants"], ["kind", "steps", "variants"] + report["variant_columns"]),
         "",
@@ -717,6 +785,8 @@ def build(quick: bool, count_steps: int, variant_steps: int, log=print) -> dict:
     torch.set_num_threads(1)
     log("compiling the variants")
     rows, findings = compile_variants(variant_grid(quick), log)
+    log("kernels around decode attention")
+    helpers = compile_helpers(log)
     log("length specialization")
     lengths = [] if quick else length_specialization(log)
     log("counting launches")
@@ -736,6 +806,7 @@ def build(quick: bool, count_steps: int, variant_steps: int, log=print) -> dict:
         "torch": torch.__version__,
         "toolchain": {"ptxas": {a: p for a, p in tools["ptxas"].items()}, "cuobjdump": tools["cuobjdump"]},
         "variants": rows,
+        "helpers": helpers,
         "length_specialization": lengths,
         "findings": findings,
         "count_steps": count_steps,
@@ -759,8 +830,8 @@ roofline model written out below, not a GPU measurement; registers, spills, shar
 counts and launch counts are exact for the compiled binaries and the counting rule stated. GPU measurements, when a
 GPU runs them, go to [Results](results.md) (`benchmarks/bench_decode_kernels.py`).
 
-The page is generated (5 minutes on a 2-core CPU with a cold Triton compile cache, 3 with a warm one, the same
-numbers either way; `--quick` compiles one variant per storage kind, as the tests do; `--from-json` re-renders a
+The page is generated (about 20 minutes on a 2-core CPU with a cold Triton compile cache, less with a warm one,
+the same numbers either way; `--quick` compiles one variant per storage kind, as the tests do; `--from-json` re-renders a
 saved report):
 
 ```bash
