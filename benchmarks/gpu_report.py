@@ -831,8 +831,8 @@ counts and launch counts are exact for the compiled binaries and the counting ru
 GPU runs them, go to [Results](results.md) (`benchmarks/bench_decode_kernels.py`).
 
 The page is generated (about 20 minutes on a 2-core CPU with a cold Triton compile cache, less with a warm one,
-the same numbers either way; `--quick` compiles one variant per storage kind, as the tests do; `--from-json` re-renders a
-saved report):
+the same numbers either way; `--quick` compiles one variant per storage kind, as the tests do; `--from-json`
+re-renders a saved report):
 
 ```bash
 python benchmarks/gpu_report.py --output results/gpu-report --docs docs/gpu-report.md

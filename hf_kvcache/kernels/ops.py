@@ -124,28 +124,7 @@ def _kivi(
     length: int,
     key_rotation: torch.Tensor | None,
     value_rotation: torch.Tensor | None,
-    scaling: float,
-    softcap: float,
-    splits: int,
-) -> Partials:
-    segment = _rotated(KiviSegment(bits, group, start, length, k, ks, kz, v, vs, vz), key_rotation, value_rotation)
-    return reference.partial(query, segment, mask, scaling, softcap, splits)
-
-
-def _kivi_pre_rope(
-    query: torch.Tensor,
-    k: torch.Tensor,
-    ks: torch.Tensor,
-    kz: torch.Tensor,
-    v: torch.Tensor,
-    vs: torch.Tensor,
-    vz: torch.Tensor,
-    mask: torch.Tensor | None,
-    bits: int,
-    group: int,
-    start: int,
-    length: int,
-    inv_freq: torch.Tensor,
+    inv_freq: torch.Tensor | None,
     rotary_dim: int,
     interleaved: bool,
     first: int,
@@ -153,14 +132,18 @@ def _kivi_pre_rope(
     softcap: float,
     splits: int,
 ) -> Partials:
-    segment = _kivi_pre_rope_segment(k, ks, kz, v, vs, vz, bits, group, start, length, inv_freq, rotary_dim,
-                                     interleaved, first)  # fmt: skip
+    segment = _kivi_segment(k, ks, kz, v, vs, vz, bits, group, start, length, key_rotation, value_rotation,
+                            inv_freq, rotary_dim, interleaved, first)  # fmt: skip
     return reference.partial(query, segment, mask, scaling, softcap, splits)
 
 
-def _kivi_pre_rope_segment(k, ks, kz, v, vs, vz, bits, group, start, length, inv_freq, rotary_dim, interleaved, first):
-    inner = KiviSegment(bits, group, start, length, k, ks, kz, v, vs, vz)
-    return PreRopeSegment(inner, RotarySpec(inv_freq, rotary_dim, interleaved), first)
+def _kivi_segment(k, ks, kz, v, vs, vz, bits, group, start, length, hk, hv, inv_freq, rotary_dim, interleaved, first):
+    """A KIVI segment, read through its rotations (``hk``) and with its keys turned to their positions (pre-RoPE:
+    ``inv_freq``) when it has them."""
+    segment = _rotated(KiviSegment(bits, group, start, length, k, ks, kz, v, vs, vz), hk, hv)
+    if inv_freq is None:
+        return segment
+    return PreRopeSegment(segment, RotarySpec(inv_freq, rotary_dim, interleaved), first)
 
 
 def _kivi_token(
@@ -215,23 +198,11 @@ _INT8 = _register(
 _KIVI = _register(
     "partial_kivi",
     _kivi,
-    lambda k, ks, kz, v, vs, vz, mask, bits, group, start, length, hk, hv, *rest: (
-        _rotated(KiviSegment(bits, group, start, length, k, ks, kz, v, vs, vz), hk, hv),
+    lambda k, ks, kz, v, vs, vz, mask, bits, group, start, length, *rest: (
+        _kivi_segment(k, ks, kz, v, vs, vz, bits, group, start, length, *rest[:6]),
         mask,
-        *rest,
+        *rest[6:],
     ),
-    lambda q, k, ks, kz, v, vs, vz, mask, bits, *rest: (k.shape[1], v.shape[-1] * 8 // bits),
-)
-_KIVI_PRE_ROPE = _register(
-    "partial_kivi_pre_rope",
-    _kivi_pre_rope,
-    lambda k, ks, kz, v, vs, vz, mask, bits, group, start, length, inv_freq, rotary_dim, interleaved, first, *rest: (
-        _kivi_pre_rope_segment(
-            k, ks, kz, v, vs, vz, bits, group, start, length, inv_freq, rotary_dim, interleaved, first
-        ),
-        mask,
-        *rest,
-    ),  # fmt: skip
     lambda q, k, ks, kz, v, vs, vz, mask, bits, *rest: (k.shape[1], v.shape[-1] * 8 // bits),
 )
 _KIVI_TOKEN = _register(
@@ -257,11 +228,11 @@ def segment_partial(
 ) -> Partials:
     """One segment through its custom op: one launch on CUDA, rotated int8 / KIVI codes and pre-RoPE KIVI keys
     included (other rotated storage: its inner op, the rotation folded around it as in :func:`reference.partial`)."""
-    if isinstance(segment, PreRopeSegment) and isinstance(segment.inner, KiviSegment):  # one launch on CUDA
-        s, r = segment.inner, segment.rotary
-        args = (s.k, s.ks, s.kz, s.v, s.vs, s.vz, mask, s.bits, s.group, s.start, s.length)
+    rope = (None, 0, False, 0)
+    if isinstance(segment, PreRopeSegment) and isinstance(segment.inner, KiviSegment):  # turned in the KIVI launch
+        r = segment.rotary
         rope = (r.inv_freq.to(device=query.device, dtype=torch.float32), r.rotary_dim, r.interleaved, segment.first)
-        return _KIVI_PRE_ROPE(query, *args, *rope, scaling, softcap, splits)
+        segment = segment.inner
     if isinstance(segment, PreRopeSegment):  # other storage: the Triton launch called directly on CUDA
         if query.is_cuda and triton_available():
             from .triton_decode import triton_partial
@@ -280,7 +251,7 @@ def segment_partial(
         return _INT8(query, segment.k, segment.ks, segment.v, segment.vs, mask, *rotations, scaling, softcap, splits)
     if isinstance(segment, KiviSegment):
         s = segment
-        args = (s.k, s.ks, s.kz, s.v, s.vs, s.vz, mask, s.bits, s.group, s.start, s.length, *rotations)
+        args = (s.k, s.ks, s.kz, s.v, s.vs, s.vz, mask, s.bits, s.group, s.start, s.length, *rotations, *rope)
         return _KIVI(query, *args, scaling, softcap, splits)
     if isinstance(segment, KiviTokenSegment):
         s = segment
