@@ -15,6 +15,8 @@ otherwise the history is decoded into the shared workspace.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .._config import LayerSpec
@@ -108,6 +110,8 @@ class QuantizedLayer(KVLayer):
         pads = self.padding.pads(self.batch_size) if (self.sinks and self.padding is not None) else (0,)
         self.sink_length = self.sinks + max(pads) if self.sinks else 0
         self.dropped = 0
+        if self.key_rope is not None:  # on the layer's device once, not copied there by every read
+            self.key_rope = dataclasses.replace(self.key_rope, inv_freq=self.key_rope.inv_freq.to(self.device))
 
     def _release(self) -> None:
         self.store = self.residual = self.sink = None
@@ -119,17 +123,15 @@ class QuantizedLayer(KVLayer):
         self._begin_update(key_states, value_states)
         visible = self._visible_past()
         n = key_states.shape[-2]
-        if self.mode.handles(n, visible) and self._joins_residual(n):
+        if not self.mode.handles(n, visible):
+            keys, values = self._attended(key_states, value_states, visible)
+            self._append(key_states, value_states)
+        elif self._joins_residual(n):
             # The new tokens only join the residual: stored first and read with it, one segment (one launch) fewer.
             self.residual.append_kv(key_states, value_states)
-            handle = self._handle(key_states, value_states, visible, joined=True)
-            keys, values = handle, handle
-        elif self.mode.handles(n, visible):
-            handle = self._handle(key_states, value_states, visible)
-            keys, values = handle, handle
-            self._append(key_states, value_states)
+            keys = values = self._handle(key_states, value_states, visible, joined=True)
         else:
-            keys, values = self._attended(key_states, value_states, visible)
+            keys = values = self._handle(key_states, value_states, visible)
             self._append(key_states, value_states)
         self.cumulative_length += key_states.shape[-2]
         self._evict()
@@ -251,14 +253,11 @@ class QuantizedLayer(KVLayer):
             if self.key_rope is not None:
                 segment = PreRopeSegment(segment, self.key_rope, self._store_position() + skip)
             segments.append(segment)
-        if joined:
+        if self.residual.length:  # with the new tokens at its end when they joined it
             r0 = max(skip - nq, 0)
             segments.append(DenseSegment(self.residual.view("k")[:, :, r0:], self.residual.view("v")[:, :, r0:]))
-            return KVHandle(tuple(segments), self.mode.model_type)
-        if nr:
-            r0 = max(skip - nq, 0)
-            segments.append(DenseSegment(self.residual.view("k")[:, :, r0:], self.residual.view("v")[:, :, r0:]))
-        segments.append(DenseSegment(k_new, v_new))
+        if not joined:
+            segments.append(DenseSegment(k_new, v_new))
         return KVHandle(tuple(segments), self.mode.model_type)
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -282,7 +281,9 @@ class QuantizedLayer(KVLayer):
                 ke = rotate_positions(ke, self._store_position() + self.store.length, self.key_rope, inverse=True)
             encode_into = getattr(self.codec, "encode_into", None)
             if encode_into is not None:  # int8: encoded straight into the storage, one launch
-                self.store.append_written(n_encode, self.codec.like(ke, ve), lambda out: encode_into(ke, ve, out))
+                self.store.append_written(
+                    n_encode, lambda: self.codec.like(ke, ve), lambda out: encode_into(ke, ve, out)
+                )
             else:
                 self.store.append(self.codec.encode(ke, ve))
             self.residual.drop_front(from_res)
