@@ -25,7 +25,7 @@ from tabulate import tabulate
 
 from hf_kvcache._validate import dtype_from_name
 from hf_kvcache.kernels import DenseSegment, KVHandle, PagedSegment, decode_attention
-from hf_kvcache.layers._codecs import Int8Codec, KiviCodec
+from hf_kvcache.kernels.formats import Int8Codec, KiviCodec
 from hf_kvcache.layers.paged import page_codec
 
 

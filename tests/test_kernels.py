@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hf_kvcache.kernels import DenseSegment, Int8Segment, KiviSegment, KVHandle, PagedSegment, combine, partial
+from hf_kvcache.kernels.formats import Int8Codec, KiviCodec
 from hf_kvcache.kernels.ops import decode_attention
-from hf_kvcache.layers._codecs import Int8Codec, KiviCodec
 from hf_kvcache.paging import PAD_BLOCK
 
 triton_decode = pytest.importorskip("hf_kvcache.kernels.triton_decode", reason="needs triton")
@@ -226,7 +226,7 @@ def test_rotated_segment_folds_the_rotation(inner, head_dim, dtype):
     accumulator rotated back. That equals attention over the decoded, rotated-back K/V (the segment's read), in the
     reference and in the Triton kernel."""
     from hf_kvcache.kernels import RotatedSegment
-    from hf_kvcache.layers._codecs import RotatedCodec
+    from hf_kvcache.kernels.formats import RotatedCodec
 
     g = torch.Generator().manual_seed(head_dim)
     k, v = torch.randn(2, 2, 160, head_dim, generator=g), torch.randn(2, 2, 160, head_dim, generator=g)
@@ -259,7 +259,7 @@ def test_pre_rope_segment_turns_keys_per_tile(inner, layout, first, dtype):
     rotary with each channel's pair loaded beside it). Over Hadamard-rotated codes triton_partial hands the segment
     to the reference (the rotation cannot be folded through RoPE)."""
     from hf_kvcache.kernels import PreRopeSegment
-    from hf_kvcache.layers._codecs import RotatedCodec
+    from hf_kvcache.kernels.formats import RotatedCodec
     from hf_kvcache.rope import RotarySpec, rotate_positions
 
     head_dim = 64
@@ -350,7 +350,7 @@ SCALE_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "
 def test_append_kernel_encodes_int8_bit_exactly(dtype, scale_dtype, group, head_dim):
     """Quantize-on-append in one launch writes exactly the codes and scales of quant.quantize_symmetric (the
     reference the int8 cache is tested against) into the slots of a layer's buffers, and nothing beside them."""
-    from hf_kvcache.kernels.ops import _append_reference
+    from hf_kvcache.kernels.append import _append_reference
     from hf_kvcache.kernels.triton_append import triton_append
 
     k, v = _awkward_kv(dtype, head_dim, torch.Generator().manual_seed(head_dim))
@@ -389,7 +389,7 @@ def test_append_kernel_copies_full_precision_tokens(dtype):
 def test_append_kernel_writes_pages_through_the_block_table(quantized, dtype):
     """Tokens at positions start.. of each row go to their slots through the block table; a padding entry (a row's
     left padding blocks) stores nothing; the kernel equals the reference bit for bit."""
-    from hf_kvcache.kernels.ops import _append_reference
+    from hf_kvcache.kernels.append import _append_reference
     from hf_kvcache.kernels.triton_append import triton_append
 
     k, v = _awkward_kv(dtype, 64, torch.Generator().manual_seed(5))

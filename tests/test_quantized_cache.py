@@ -370,7 +370,7 @@ def test_per_token_keys_plan_equals_nbytes(family, spec):
 
 def test_per_token_keys_reference_kernel_equals_attention_over_decoded_history():
     from hf_kvcache.kernels import DenseSegment, reference_attention
-    from hf_kvcache.layers._codecs import KiviCodec
+    from hf_kvcache.kernels.formats import KiviCodec
 
     codec = KiviCodec(2, 8, torch.float32, key_axis="token")
     k, v = _kv(37, head_dim=16)
@@ -435,7 +435,7 @@ def test_key_axis_spec_option():
 
 @pytest.mark.parametrize("width", [64, 96, 16, 12])
 def test_hadamard_is_orthonormal_symmetric_and_mixes_every_channel_of_its_block(width):
-    from hf_kvcache.layers._codecs import hadamard
+    from hf_kvcache.kernels.formats import hadamard
 
     h = hadamard(width, torch.float64, torch.device("cpu"))
     torch.testing.assert_close(h @ h, torch.eye(width, dtype=torch.float64))  # its own inverse

@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache
 from .. import quant
 from .._config import LayerSpec, is_latent_attention, layer_specs, resolve_config, tensor_parallel_size
 from .._validate import check_choice, check_int, dtype_from_name
-from ..layers._codecs import KEY_AXES, ROTATIONS, Int8Codec, KiviCodec, RotatedCodec
+from ..kernels.formats import KEY_AXES, ROTATIONS, Int8Codec, KiviCodec, RotatedCodec
 from ..layers._common import AttentionMode, PaddingTracker
 from ..layers._storage import Workspace
 from ..layers.quantized import QuantizedLayer, QuantizedSlidingWindowLayer

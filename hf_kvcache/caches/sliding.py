@@ -17,7 +17,7 @@ from .._config import (
     uses_alibi,
 )
 from .._validate import check_bool, check_int
-from ..layers._codecs import Int8Codec
+from ..kernels.formats import Int8Codec
 from ..layers._common import AttentionMode, PaddingTracker
 from ..layers._storage import Workspace
 from ..layers.quantized import QuantizedSlidingWindowLayer

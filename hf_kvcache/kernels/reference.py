@@ -21,11 +21,24 @@ attention output ``(B, q, Hq, Dv)``. Splits are what lets a GPU spread one long 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from .segments import Int8Segment, RotatedSegment, Segment, segment_heads, segment_value_dim
+if TYPE_CHECKING:
+    from .formats import RotatedSegment
+    from .segments import Segment
 
-__all__ = ["REFERENCE_CHUNK", "combine", "fold_rotation", "num_splits", "partial", "rotate_query", "split_bounds"]
+__all__ = [
+    "REFERENCE_CHUNK",
+    "combine",
+    "fold_rotation",
+    "num_splits",
+    "partial",
+    "partial_from_reads",
+    "rotate_query",
+    "split_bounds",
+]
 
 REFERENCE_CHUNK = 512  # tokens dequantized at a time by the reference
 MIN_SPLIT_TOKENS = 256  # a split below this is not worth a program
@@ -79,13 +92,26 @@ def partial(
     splits: int,
     chunk: int = REFERENCE_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The contract in the module docstring, in pure torch."""
-    if isinstance(segment, RotatedSegment):  # the rotation folded into the query and each split's accumulator
-        return fold_rotation(partial, query, segment, mask, scaling, softcap, splits, chunk)
+    """The contract in the module docstring, in pure torch: :func:`partial_from_reads` over the segment's tokens, or
+    the segment's own reading of it (a rotated segment folds its rotation around its inner segment's)."""
+    return segment.reference_partial(query, mask, scaling, softcap, splits, chunk)
+
+
+def partial_from_reads(
+    query: torch.Tensor,
+    segment: Segment,
+    mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float,
+    splits: int,
+    chunk: int = REFERENCE_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`partial` from ``segment.read`` (or ``read_folded``: codes and per-token scales), ``chunk`` tokens at a
+    time with an online softmax."""
     b, hq, q, d = query.shape
-    hkv = segment_heads(segment)
+    hkv = segment.heads
     g = hq // hkv
-    dv = segment_value_dim(segment)
+    dv = segment.value_dim
     grouped = query.float().reshape(b, hkv, g, q, d)  # query head j = kv head j // g
     ms, ls, accs = [], [], []
     for start, stop in split_bounds(segment.length, splits):
@@ -96,7 +122,7 @@ def partial(
             z = min(a + chunk, stop)
             # One int8 scale per token and head: read codes, fold the scales into scores and weights (as the Triton
             # kernel does), which on CPU is the difference between 0.45x and about sdpa's speed at 4k x 4 tokens.
-            folded = segment.read_folded(a, z) if isinstance(segment, Int8Segment) else None
+            folded = segment.read_folded(a, z)
             if folded is not None:
                 keys, key_scales, values, value_scales = folded
             else:

@@ -18,21 +18,12 @@ import triton
 import triton.language as tl
 
 from . import reference
-from .segments import (
-    DenseSegment,
-    Int8Segment,
-    KiviSegment,
-    PagedSegment,
-    PreRopeSegment,
-    RotatedSegment,
-    Segment,
-    segment_heads,
-    segment_value_dim,
-)
+from .formats._base import DENSE, INT8, KIVI, PAGED, PAGED_INT8, strides
+from .segments import Segment
 
 __all__ = ["MAX_COMBINED_SEGMENTS", "triton_combine", "triton_partial"]
 
-DENSE, INT8, KIVI, PAGED, PAGED_INT8 = 0, 1, 2, 3, 4
+assert (DENSE, INT8, KIVI, PAGED, PAGED_INT8) == (0, 1, 2, 3, 4)  # the KIND branches below test these numbers
 BLOCK_N = 64
 
 
@@ -267,7 +258,8 @@ def _partial_kernel(
     q_row = Q + b * sq_b + (h * G + g)[:, None] * sq_h + i[:, None] * sq_q
     q = tl.load(q_row + dk[None, :] * sq_d, mask=row_ok[:, None] & dk_ok[None, :], other=0)
     if ROTATED:  # codes stored rotated (k H_k): scores are those of the rotated query, q H_k to float32 accuracy,
-        # summed over RCH-channel slices of q and H_k (a whole D x D H_k in registers would spill)
+        # summed over RCH-channel slices of q and H_k (64: a whole 128 x 128 H_k in registers spilled 14 KB; 32-channel
+        # slices left ptxas at 128 registers with spills at head_dim 64 on sm_90)
         qr = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
         for c in tl.static_range(0, BLOCK_DK, RCH):
             cc = c + tl.arange(0, RCH)
@@ -347,10 +339,8 @@ def _partial_kernel(
             else:  # the model's 16-bit dtype on tensor cores (int8 codes are exact in it), accumulated in float32
                 s = tl.dot(q, tl.trans(k.to(q.dtype)))
         if FOLD:  # q . (code_t x scale_t) = (q . code_t) x scale_t
-            s = (
-                s
-                * _load_scale(KS, b, h, t, tok_ok, sks_b, sks_h, sks_t, TABLE, stab_b, stab_n, KIND, BS, LARGE)[None, :]
-            )
+            key_scales = _load_scale(KS, b, h, t, tok_ok, sks_b, sks_h, sks_t, TABLE, stab_b, stab_n, KIND, BS, LARGE)
+            s = s * key_scales[None, :]
         s = s * scaling
         if SOFTCAP:
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
@@ -366,10 +356,8 @@ def _partial_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         pv = p
         if FOLD:  # sum_t p_t (code_t x scale_t) = sum_t (p_t x scale_t) code_t
-            pv = (
-                p
-                * _load_scale(VS, b, h, t, tok_ok, svs_b, svs_h, svs_t, TABLE, stab_b, stab_n, KIND, BS, LARGE)[None, :]
-            )
+            value_scales = _load_scale(VS, b, h, t, tok_ok, svs_b, svs_h, svs_t, TABLE, stab_b, stab_n, KIND, BS, LARGE)
+            pv = p * value_scales[None, :]
         if DOT_FP32:
             acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
         else:
@@ -405,10 +393,6 @@ def _reach(t: torch.Tensor | None) -> int:
     )
 
 
-def _strides(t: torch.Tensor | None, n: int = 4) -> list[int]:
-    return list(t.stride()) if t is not None else [0] * n
-
-
 def triton_partial(
     query: torch.Tensor,
     segment: Segment,
@@ -417,58 +401,24 @@ def triton_partial(
     softcap: float,
     splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The contract of :func:`hf_kvcache.kernels.reference.partial`, as one Triton launch.
-
-    A :class:`RotatedSegment` is read in the same launch over its inner segment, the query rotated (``q H_k`` in
-    float32, as :func:`~hf_kvcache.kernels.reference.rotate_query`) before the loop and the accumulator rotated back
-    (``acc H_v``) after it; a :class:`PreRopeSegment` too, its keys turned to their positions per tile. A
-    pre-RoPE segment over Hadamard-rotated codes goes to the reference: RoPE sits between the rotation and the
-    query, so the rotation cannot be folded, and undoing it per tile (a ``D x D`` product) does not fit the kernel
-    at ``head_dim`` 128."""
-    rope, rot_dim, pos0, inv_freq, hk, hv = 0, 0, 0, None, None, None
-    if isinstance(segment, RotatedSegment):  # the query rotated and the accumulator rotated back in the launch
-        hk = segment.key_rotation.to(device=query.device, dtype=torch.float32).contiguous()
-        hv = segment.value_rotation.to(device=query.device, dtype=torch.float32).contiguous()
-        segment = segment.inner
-    if isinstance(segment, PreRopeSegment):
-        if isinstance(segment.inner, RotatedSegment):
-            return reference.partial(query, segment, mask, scaling, softcap, splits)
-        rope = 2 if segment.rotary.interleaved else 1
-        rot_dim, pos0 = segment.rotary.rotary_dim, segment.first
-        inv_freq = segment.rotary.inv_freq.to(device=query.device, dtype=torch.float32)
-        segment = segment.inner
+    """The contract of :func:`hf_kvcache.kernels.reference.partial`, as one Triton launch over what the segment's
+    format says the kernel reads (``segment.kernel_storage()``: tensors, strides, the storage ``KIND``; Hadamard
+    rotations: the query rotated before the loop and the accumulator rotated back after it; keys stored before RoPE:
+    turned to their positions per tile). A segment the kernel does not read (``None``) goes to the reference."""
+    s = segment.kernel_storage()
+    if s is None:
+        return reference.partial(query, segment, mask, scaling, softcap, splits)
     b, hq, q_len, dk = query.shape
-    hkv = segment_heads(segment)
+    hkv = s.k.shape[1]
     g = hq // hkv
-    dv = segment_value_dim(segment)
+    dv = s.value_dim
     rows = g * q_len
-    length = segment.length
+    kind, length, gk = s.kind, s.length, s.key_group
     m = torch.empty((b, hkv, rows, splits), dtype=torch.float32, device=query.device)
     l_ = torch.empty_like(m)
     acc = torch.empty((b, hkv, rows, splits, dv), dtype=torch.float32, device=query.device)
     dummy = query.new_empty(0)
-    table, ks, kz, vs, vz, start, bits, gk, gv, bs = None, None, None, None, None, 0, 8, 1, 1, 1
-    if isinstance(segment, DenseSegment):
-        kind, k, v = DENSE, segment.keys, segment.values
-    elif isinstance(segment, Int8Segment):
-        kind, k, v, ks, vs = INT8, segment.k, segment.v, segment.ks, segment.vs
-        gk, gv = k.shape[-1] // ks.shape[-1], v.shape[-1] // vs.shape[-1]
-    elif isinstance(segment, KiviSegment):
-        kind, k, v = KIVI, segment.k, segment.v
-        ks, kz, vs, vz = segment.ks, segment.kz, segment.vs, segment.vz
-        start, bits, gk, gv = segment.start, segment.bits, segment.group, segment.group
-    else:
-        assert isinstance(segment, PagedSegment)
-        kind = PAGED if segment.key_scales is None else PAGED_INT8
-        k, v, table, bs = segment.keys, segment.values, segment.block_table, segment.block_size
-        ks, vs = segment.key_scales, segment.value_scales
-    # Paged pools are (slots, H, D): the token stride is the slot stride and there is no batch stride.
-    k_strides = [0, k.stride(1), k.stride(0), k.stride(2)] if kind >= PAGED else list(k.stride())
-    v_strides = [0, v.stride(1), v.stride(0), v.stride(2)] if kind >= PAGED else list(v.stride())
-    ks_strides = [0, ks.stride(1), ks.stride(0), 0] if kind == PAGED_INT8 else _strides(ks)
-    vs_strides = [0, vs.stride(1), vs.stride(0), 0] if kind == PAGED_INT8 else _strides(vs)
-    # One int8 scale per token and head (int8's default, and every int8 page): folded into scores and probabilities.
-    fold = kind == PAGED_INT8 or (kind == INT8 and segment.per_token_scales)
+    rope, rot_dim = s.rope, s.rotary_dim
     # KIVI with key groups of 16-128 tokens (a power of two): one group per tile, its channel scales folded into the
     # query (pre-RoPE keys: dequantized with them per tile, then turned, when every channel rotates and the width is
     # a power of two); other group sizes dequantize every element of the tile.
@@ -478,33 +428,35 @@ def triton_partial(
     #   tiles took 223 and 2 blocks); latency is hidden by 12 resident warps instead of cp.async stages;
     # - KIVI tiles (one key group each): no pipelining (2 stages spilled at 4 query tokens on sm_90), except with keys
     #   turned per tile (pre-RoPE), where 2 stages spill less;
+    # - KIVI keys turned per element (partial rotary, or a width that is not a power of two: each channel's pair
+    #   dequantized beside it): 32-token tiles, no pipelining, eight warps (64-token tiles spilled KBs at 4 warps);
     # - paged gathers: 2 stages (3 spilled at 4 query tokens); dense and int8 pages: Triton's default 3.
-    block_n = gk if kivi_tile else 32 if fold and kind == INT8 else BLOCK_N
-    if kind == INT8 and fold or kivi_tile and not rope:
+    rope_per_element = kind == KIVI and rope and not kivi_tile
+    block_n = gk if kivi_tile else 32 if s.fold and kind == INT8 or rope_per_element else BLOCK_N
+    if kind == INT8 and s.fold or kivi_tile and not rope or rope_per_element:
         stages = 1
     else:
         stages = 2 if kind == PAGED or kivi_tile else 3
     # Eight warps once a program holds 64 query rows or more (16 query tokens x 4 heads): the scores, probabilities
-    # and accumulator tiles of 64+ rows spill with four.
-    warps = 8 if _block(rows) >= 64 else 4
+    # and accumulator tiles of 64+ rows spill with four; also for keys turned per tile under a causal mask tile
+    # (pre-RoPE with several query tokens spilled at four on sm_90).
+    warps = 8 if _block(rows) >= 64 or rope_per_element or (rope and mask is not None and q_len > 1) else 4
     mask_u8 = mask.view(torch.uint8) if mask is not None else None
     per_split = -(-max(length, 1) // splits)
     per_split = -(-per_split // block_n) * block_n
+    hk, hv = s.key_rotation, s.value_rotation
+    opt = [s.ks, s.kz, s.vs, s.vz, s.table, mask_u8]
     _partial_kernel[(b * hkv, splits)](
-        query, k, v,
-        ks if ks is not None else dummy, kz if kz is not None else dummy,
-        vs if vs is not None else dummy, vz if vz is not None else dummy,
-        table if table is not None else dummy, mask_u8 if mask_u8 is not None else dummy,
-        m, l_, acc, inv_freq if inv_freq is not None else dummy,
-        hk if hk is not None else dummy, hv if hv is not None else dummy,
-        *query.stride(), *k_strides, *v_strides, *ks_strides, *vs_strides,
-        *(_strides(table, 2)), *(_strides(mask_u8, 3)),
-        hkv, length, start, q_len, g, per_split, float(scaling), float(softcap or 0.0), pos0,
-        DK=k.shape[-1] * 8 // bits if kind == KIVI else k.shape[-1], DV=dv,
-        KIND=kind, BITS=bits, GK=gk, GV=gv, BS=bs, HAS_MASK=mask is not None, SOFTCAP=bool(softcap),
-        DOT_FP32=query.dtype == torch.float32, FOLD=fold, KIVI_TILE=kivi_tile, ROPE=rope, ROT_DIM=rot_dim,
-        ROTATED=hk is not None, RCH=min(32, _block(dk), _block(dv)),
-        LARGE=any(_reach(x) >= 2**31 for x in (k, v, ks, vs, kz, vz, query)),
+        query, s.k, s.v, *(x if x is not None else dummy for x in opt),
+        m, l_, acc, *(x if x is not None else dummy for x in (s.inv_freq, hk, hv)),
+        *query.stride(), *s.k_strides, *s.v_strides, *s.ks_strides, *s.vs_strides,
+        *strides(s.table, 2), *strides(mask_u8, 3),
+        hkv, length, s.start, q_len, g, per_split, float(scaling), float(softcap or 0.0), s.first,
+        DK=s.key_dim, DV=dv,
+        KIND=kind, BITS=s.bits, GK=gk, GV=s.value_group, BS=s.block_size, HAS_MASK=mask is not None,
+        SOFTCAP=bool(softcap), DOT_FP32=query.dtype == torch.float32, FOLD=s.fold, KIVI_TILE=kivi_tile, ROPE=rope,
+        ROT_DIM=rot_dim, ROTATED=hk is not None, RCH=min(64, _block(dk), _block(dv)),
+        LARGE=any(_reach(x) >= 2**31 for x in (s.k, s.v, s.ks, s.vs, s.kz, s.vz, query)),
         BLOCK_R=_block(rows), BLOCK_N=block_n,
         BLOCK_DK=_block(dk), BLOCK_DV=_block(dv), num_stages=stages, num_warps=warps,
     )  # fmt: skip

@@ -13,6 +13,10 @@ from collections.abc import Callable
 
 import torch
 
+from ..kernels.append import append_kv
+
+Parts = dict[str, torch.Tensor]
+
 # Headroom added when a buffer grows: a fraction of the needed size, at least MIN_GROWTH_TOKENS tokens.
 GROWTH = 0.125
 MIN_GROWTH_TOKENS = 64
@@ -79,33 +83,31 @@ class TokenBuffers:
     def append(self, chunk: dict[str, torch.Tensor]) -> None:
         """Append tensors whose token axis holds ``n`` tokens (``n / unit`` slots each)."""
         n = next(iter(chunk.values())).shape[2] * self.units[next(iter(chunk))]
-        for name, slot in self.reserve(n, chunk).items():
+        for name, slot in self.reserve(n, lambda: chunk).items():
             slot.copy_(chunk[name])
         self.length += n
 
     def append_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append full-precision keys and values ``(B, H, n, D)`` to buffers named ``"k"`` and ``"v"`` in one launch
         on CUDA (:func:`~hf_kvcache.kernels.ops.append_kv`; two copies otherwise)."""
-        from ..kernels.ops import append_kv
+        self.append_written(k.shape[2], lambda: {"k": k, "v": v}, lambda out: append_kv(k, v, out["k"], out["v"]))
 
-        self.append_written(k.shape[2], {"k": k, "v": v}, lambda out: append_kv(k, v, out["k"], out["v"]))
-
-    def append_written(self, n: int, like: dict[str, torch.Tensor], write: Callable[[dict[str, torch.Tensor]], None]):
+    def append_written(self, n: int, like: Callable[[], Parts], write: Callable[[Parts], None]) -> None:
         """Append ``n`` tokens that ``write`` stores itself into the slot views it is given (an encoder writing
-        straight into the storage, no intermediate chunk). ``like``: a tensor per name with the dtype, device and
-        non-token dimensions of the stored one (any token length)."""
+        straight into the storage, no intermediate chunk). ``like``: see :meth:`reserve`."""
         write(self.reserve(n, like))
         self.length += n
 
-    def reserve(self, n: int, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Views of the slots of the next ``n`` tokens, allocating or growing as needed; they become live when the
-        caller adds ``n`` to ``length``."""
+    def reserve(self, n: int, like: Callable[[], Parts]) -> Parts:
+        """Views of the slots of the next ``n`` tokens, by name (the buffer's units), allocating or growing as needed;
+        they become live when the caller adds ``n`` to ``length``. ``like()``, called for the first allocation only:
+        a tensor per name with the dtype, device and non-token dimensions of the stored one (any token length)."""
         self._check_aligned(n, "append")
         if not self.tensors:
             cap = _grown_capacity(n, self.align)
             self.tensors = {
                 name: t.new_empty((t.shape[0], t.shape[1], cap // self.units[name], *t.shape[3:]))
-                for name, t in like.items()
+                for name, t in like().items()
             }
             self.capacity = cap
         elif self.start + self.length + n > self.capacity:
@@ -115,7 +117,7 @@ class TokenBuffers:
             grown = _grown_capacity(needed, self.align)
             self._reallocate(self.capacity if grown <= self.capacity else grown)
         end = self.start + self.length
-        return {name: self._slot(name, end, end + n) for name in like}
+        return {name: self._slot(name, end, end + n) for name in self.tensors}
 
     def truncate(self, n: int) -> None:
         """Forget the last ``n`` tokens."""

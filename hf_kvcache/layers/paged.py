@@ -36,9 +36,9 @@ import torch
 
 from .._config import LayerSpec
 from ..kernels import DenseSegment, KVHandle, PagedSegment
-from ..kernels.ops import append_kv
+from ..kernels.append import append_kv
+from ..kernels.formats import Int8Codec
 from ..paging import PAD_BLOCK, BlockAllocator, BlockTables
-from ._codecs import Int8Codec
 from ._common import AttentionMode, KVLayer, PaddingTracker, as_index, tokens_to_crop
 
 
@@ -412,7 +412,7 @@ class PagedLayer(KVLayer):
         self.storage.write(table, total - q, state.block_size, key_states, value_states)
         # The forward's own tokens are attended exactly, as the quantized cache does (int8 pages store them rounded).
         if self.mode.handles(q, total - q):
-            pages = self.storage.segment(state.block_table(self.device), state.block_size, total - q)
+            pages = self.storage.segment(table, state.block_size, total - q)
             handle = KVHandle((pages, DenseSegment(key_states, value_states)), self.mode.model_type)
             return handle, handle
         keys, values = self.storage.read(state.read_slots(self.device))

@@ -20,7 +20,7 @@ by ``delta = real tokens - stored`` so that they sit right before the window (th
 rotation; each forward rotates a fresh copy, so nothing drifts over a long stream).
 
 Storage is a dict of tensors per part: the keys and values themselves, or the int8 codes and scales of the quantized
-cache's :class:`~hf_kvcache.layers._codecs.Int8Codec`; a token is encoded once, when it arrives.
+cache's :class:`~hf_kvcache.kernels.formats.Int8Codec`; a token is encoded once, when it arrives.
 """
 
 from __future__ import annotations
@@ -29,39 +29,11 @@ import torch
 
 from .._config import LayerSpec
 from ..kernels import DenseSegment, KVHandle
-from ..kernels.ops import append_kv
+from ..kernels.formats import IdentityCodec
+from ..kernels.formats._base import Parts
 from ..rope import RotarySpec, rerotate
-from ._codecs import Parts
 from ._common import AttentionMode, KVLayer, PaddingTracker, tokens_to_crop
 from ._storage import Workspace, _grown_capacity, _nbytes
-
-
-class IdentityCodec:
-    """Stores keys and values as they are."""
-
-    unit = 1
-
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
-        return {"k": k, "v": v}
-
-    def like(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
-        return {"k": k, "v": v}
-
-    def encode_into(self, k: torch.Tensor, v: torch.Tensor, out: Parts) -> None:
-        append_kv(k, v, out["k"], out["v"])  # both in one launch on CUDA
-
-    def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
-        k_out.copy_(parts["k"])
-        v_out.copy_(parts["v"])
-
-    def segment(self, parts: Parts, start: int = 0) -> DenseSegment:
-        return DenseSegment(parts["k"][:, :, start:], parts["v"][:, :, start:])
-
-    def bytes_per_token(
-        self, num_kv_heads: int, key_dim: int, value_dim: int, kv_dtype: torch.dtype = torch.bfloat16
-    ) -> float:
-        """Stored bytes per token of one layer (keys and values, all heads)."""
-        return num_kv_heads * (key_dim + value_dim) * kv_dtype.itemsize
 
 
 def _cat(a: Parts | None, b: Parts) -> Parts:
@@ -241,11 +213,11 @@ class SinkWindowLayer(KVLayer):
         end (one launch on CUDA). Only when the headroom is used up (or the allocation holds far more than the
         window: a long prompt's, once evicted) are the live slots moved to a fresh allocation, amortized over the
         headroom's steps, instead of the whole window concatenated anew every step."""
-        n, like = k.shape[2], self.codec.like(k, v)
-        live = self._end - self._start
+        n, live = k.shape[2], self._end - self._start
         capacity = _grown_capacity(live + n, 1)
         held = next(iter(self._alloc.values())).shape[2] if self._alloc is not None else 0
         if self._end + n > held or held > 2 * capacity:
+            like = self.codec.like(k, v)
             fresh = {name: t.new_empty((t.shape[0], t.shape[1], capacity, *t.shape[3:])) for name, t in like.items()}
             if live:
                 for name, t in self.body.items():

@@ -1,0 +1,83 @@
+"""The append op: a forward's new keys and values stored in a cache's storage (token buffers or page pools), as they
+are or int8-encoded on the way, in one launch on CUDA."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import quant
+from ._available import triton_available
+
+__all__ = ["append_kv"]
+
+
+def _append_reference(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    k_scales: torch.Tensor | None,
+    v_scales: torch.Tensor | None,
+    table: torch.Tensor | None,
+    start: int,
+    block_size: int,
+) -> None:
+    for x, out, scales_out in ((k, k_out, k_scales), (v, v_out, v_scales)):
+        payload = {"x": x}  # (B, H, n, D), then the scales (B, H, n[, D / G])
+        if scales_out is not None:
+            group = x.shape[-1] // scales_out.shape[-1] if table is None else x.shape[-1]
+            codes, scales = quant.quantize_symmetric(
+                x.reshape(*x.shape[:-1], -1, group), dim=-1, scale_dtype=scales_out.dtype
+            )
+            payload = {"x": codes.view(x.shape), "s": scales.squeeze(-1)}
+            if table is not None:
+                payload["s"] = payload["s"].squeeze(-1)  # one scale per token and head
+        dests = {"x": out, "s": scales_out}
+        if table is None:
+            for name, t in payload.items():
+                dests[name].copy_(t)
+            continue
+        positions = torch.arange(start, start + x.shape[2], device=table.device)
+        slots = (table[:, positions // block_size].long() * block_size + positions % block_size).flatten()
+        keep = slots >= 0  # not under a padding entry
+        for name, t in payload.items():  # (B, H, n, ...) -> (B * n, H, ...) rows of the pool
+            rows = t.transpose(1, 2).reshape(-1, *t.shape[1:2], *t.shape[3:])
+            dests[name].index_copy_(0, slots[keep].to(out.device), rows[keep.to(rows.device)])
+
+
+@torch.library.custom_op("hf_kvcache::append_kv", mutates_args=("k_out", "v_out", "k_scales", "v_scales"))
+def append_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    table: torch.Tensor | None = None,
+    start: int = 0,
+    block_size: int = 1,
+) -> None:
+    """Store a forward's new keys and values ``(B, H, n, D)`` in a cache's storage; with ``*_scales``, as int8 codes
+    and scales (:func:`hf_kvcache.quant.quantize_symmetric`, the group ``G`` = ``D / scales.shape[-1]``, the scale
+    dtype the scales').
+
+    Without ``table`` the destinations are views ``(B, H, n, D)`` and ``(B, H, n, D / G)`` of a layer's token
+    buffers; with ``table`` ``(B, blocks)``, page pools ``(slots, H, D)`` and ``(slots, H)``, token ``i`` of row ``b``
+    at position ``start + i`` of the row's blocks (none stored under a padding entry). One launch on CUDA
+    (:func:`~hf_kvcache.kernels.triton_append.triton_append`, bit-exact to this reference), the reference
+    elsewhere."""
+    _append_reference(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size)
+
+
+@append_kv.register_fake
+def _(k, v, k_out, v_out, k_scales=None, v_scales=None, table=None, start=0, block_size=1):
+    return None
+
+
+@append_kv.register_kernel("cuda")
+def _(k, v, k_out, v_out, k_scales=None, v_scales=None, table=None, start=0, block_size=1):
+    if triton_available():
+        from .triton_append import triton_append
+
+        return triton_append(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size)
+    return _append_reference(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size)

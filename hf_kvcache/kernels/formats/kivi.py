@@ -1,0 +1,301 @@
+"""KIVI storage, 4, 3 and 2 bits: keys per channel over groups of ``G`` tokens, values per token over groups of ``G``
+channels, asymmetric (scale and zero point), codes packed ``8 / bits`` per byte, low bits first (3 bits: a 2-bit
+plane, then a 1-bit plane; :func:`hf_kvcache.quant.pack`). With ``key_axis="token"`` (the paper's ablation) keys are
+quantized like the values.
+
+Stored ``k`` / ``v`` uint8 ``(B, H, T, D * bits / 8)``; keys' ``ks`` / ``kz`` ``(B, H, T / G, Dk)`` (per token:
+``(B, H, T, Dk / G)``), values' ``vs`` / ``vz`` ``(B, H, T, Dv / G)``. Read by ``hf_kvcache::partial_kivi`` (with
+optional Hadamard rotations, :mod:`.rotated`, and keys stored before RoPE, :mod:`.pre_rope`, all in one launch) and,
+per-token keys, ``hf_kvcache::partial_kivi_token`` (the reference on every device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ... import quant
+from ...rope import RotarySpec
+from .. import reference
+from ._base import KIVI, KernelStorage, Partials, Parts, SegmentFormat, channel_groups, group_expand, register_partial
+from .pre_rope import PreRopeSegment
+from .rotated import rotated
+
+__all__ = ["KEY_AXES", "KiviCodec", "KiviSegment", "KiviTokenSegment", "kivi_scale_dtype"]
+
+KEY_AXES = ("channel", "token")  # KIVI keys: per channel (the paper's choice, the default) or per token (its ablation)
+
+
+def kivi_scale_dtype(scale_dtype: torch.dtype | None, kv_dtype: torch.dtype) -> torch.dtype:
+    """KIVI's scale dtype: ``scale_dtype`` when set, else the K/V dtype when it is 16-bit (KIVI stores fp16 scales),
+    else float32."""
+    if scale_dtype is not None:
+        return scale_dtype
+    return kv_dtype if kv_dtype.itemsize == 2 else torch.float32
+
+
+def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """``(..., D * bits / 8)`` uint8 -> ``(..., D)`` float32 codes (3 bits: a 2-bit plane, then a 1-bit plane; see
+    :func:`hf_kvcache.quant.pack`)."""
+    if bits == 3:
+        low = packed.shape[-1] * 2 // 3  # D / 4 bytes of low 2 bits, then D / 8 of high bits
+        return _unpack(packed[..., :low], 2) + 4 * _unpack(packed[..., low:], 1)
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, device=packed.device, dtype=torch.uint8) * bits
+    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # (..., D / k, k)
+    return codes.flatten(-2).float()
+
+
+@dataclass(frozen=True)
+class KiviSegment(SegmentFormat):
+    bits: int
+    group: int  # G: tokens per key group, channels per value group
+    start: int  # first token of the segment in the arrays' token axis (a sliding layer may start inside a group)
+    length: int
+    k: torch.Tensor  # (B, H, T, Dk * bits / 8) uint8
+    ks: torch.Tensor  # (B, H, T / G, Dk)
+    kz: torch.Tensor
+    v: torch.Tensor  # (B, H, T, Dv * bits / 8) uint8
+    vs: torch.Tensor  # (B, H, T, Dv / G)
+    vz: torch.Tensor
+
+    ROTATIONS_IN_LAUNCH = True
+    ROPE_IN_LAUNCH = True
+
+    @property
+    def heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def value_dim(self) -> int:
+        return self.v.shape[-1] * 8 // self.bits
+
+    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = a + self.start, b + self.start
+        groups = torch.arange(a, b, device=self.k.device) // self.group
+        k = _unpack(self.k[:, :, a:b], self.bits) * self.ks[:, :, groups].float() + self.kz[:, :, groups].float()
+        width = self.value_dim
+        v = _unpack(self.v[:, :, a:b], self.bits) * group_expand(self.vs[:, :, a:b], width)
+        return k, v + group_expand(self.vz[:, :, a:b], width)
+
+    def partial(self, query, mask, scaling, softcap, splits, rotations=(None, None), rope=None) -> Partials:
+        """``rotations``: the ``(H_k, H_v)`` the codes were stored rotated by; ``rope``: ``(rotary, first)`` of keys
+        stored before RoPE; both read in the same launch."""
+        turn = (None, 0, False, 0)
+        if rope is not None:
+            rotary, first = rope
+            turn = (rotary.inv_freq.to(device=query.device, dtype=torch.float32), rotary.rotary_dim,
+                    rotary.interleaved, first)  # fmt: skip
+        s = self
+        args = (s.k, s.ks, s.kz, s.v, s.vs, s.vz, mask, s.bits, s.group, s.start, s.length, *rotations, *turn)
+        return _OP(query, *args, scaling, softcap, splits)
+
+    def kernel_storage(self) -> KernelStorage:
+        k, v, ks, vs = self.k, self.v, self.ks, self.vs
+        return KernelStorage(
+            KIVI, k, v, k.shape[-1] * 8 // self.bits, self.value_dim, self.length, tuple(k.stride()),
+            tuple(v.stride()), ks=ks, kz=self.kz, vs=vs, vz=self.vz, ks_strides=tuple(ks.stride()),
+            vs_strides=tuple(vs.stride()), start=self.start, bits=self.bits, key_group=self.group,
+            value_group=self.group,
+        )  # fmt: skip
+
+
+def _segment(k, ks, kz, v, vs, vz, bits, group, start, length, hk, hv, inv_freq, rotary_dim, interleaved, first):
+    """A KIVI segment, read through its rotations (``hk``) and with its keys turned to their positions (pre-RoPE:
+    ``inv_freq``) when it has them."""
+    segment = rotated(KiviSegment(bits, group, start, length, k, ks, kz, v, vs, vz), hk, hv)
+    if inv_freq is None:
+        return segment
+    return PreRopeSegment(segment, RotarySpec(inv_freq, rotary_dim, interleaved), first)
+
+
+def _partial(
+    query: torch.Tensor,
+    k: torch.Tensor,
+    ks: torch.Tensor,
+    kz: torch.Tensor,
+    v: torch.Tensor,
+    vs: torch.Tensor,
+    vz: torch.Tensor,
+    mask: torch.Tensor | None,
+    bits: int,
+    group: int,
+    start: int,
+    length: int,
+    key_rotation: torch.Tensor | None,
+    value_rotation: torch.Tensor | None,
+    inv_freq: torch.Tensor | None,
+    rotary_dim: int,
+    interleaved: bool,
+    first: int,
+    scaling: float,
+    softcap: float,
+    splits: int,
+) -> Partials:
+    segment = _segment(k, ks, kz, v, vs, vz, bits, group, start, length, key_rotation, value_rotation,
+                       inv_freq, rotary_dim, interleaved, first)  # fmt: skip
+    return reference.partial(query, segment, mask, scaling, softcap, splits)
+
+
+_OP = register_partial(
+    "partial_kivi",
+    _partial,
+    lambda k, ks, kz, v, vs, vz, mask, bits, group, start, length, *rest: (
+        _segment(k, ks, kz, v, vs, vz, bits, group, start, length, *rest[:6]),
+        mask,
+        *rest[6:],
+    ),
+    lambda q, k, ks, kz, v, vs, vz, mask, bits, *rest: (k.shape[1], v.shape[-1] * 8 // bits),
+)
+
+
+@dataclass(frozen=True)
+class KiviTokenSegment(SegmentFormat):
+    """KIVI codes with keys quantized per token like the values (``key_axis="token"``): served by the pure-torch
+    reference on every device (the Triton kernel reads per-channel keys only)."""
+
+    bits: int
+    group: int  # G: channels per key group and per value group
+    k: torch.Tensor  # (B, H, T, Dk * bits / 8) uint8
+    ks: torch.Tensor  # (B, H, T, Dk / G)
+    kz: torch.Tensor
+    v: torch.Tensor  # (B, H, T, Dv * bits / 8) uint8
+    vs: torch.Tensor  # (B, H, T, Dv / G)
+    vz: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def value_dim(self) -> int:
+        return self.v.shape[-1] * 8 // self.bits
+
+    def _read(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        width = codes.shape[-1] * 8 // self.bits
+        x = _unpack(codes[:, :, a:b], self.bits) * group_expand(scale[:, :, a:b], width)
+        return x + group_expand(zero[:, :, a:b], width)
+
+    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._read(self.k, self.ks, self.kz, a, b), self._read(self.v, self.vs, self.vz, a, b)
+
+    def partial(self, query, mask, scaling, softcap, splits) -> Partials:
+        s = self
+        return _TOKEN_OP(query, s.k, s.ks, s.kz, s.v, s.vs, s.vz, mask, s.bits, s.group, scaling, softcap, splits)
+
+
+def _token_partial(
+    query: torch.Tensor,
+    k: torch.Tensor,
+    ks: torch.Tensor,
+    kz: torch.Tensor,
+    v: torch.Tensor,
+    vs: torch.Tensor,
+    vz: torch.Tensor,
+    mask: torch.Tensor | None,
+    bits: int,
+    group: int,
+    scaling: float,
+    softcap: float,
+    splits: int,
+) -> Partials:
+    segment = KiviTokenSegment(bits, group, k, ks, kz, v, vs, vz)
+    return reference.partial(query, segment, mask, scaling, softcap, splits)
+
+
+_TOKEN_OP = register_partial(
+    "partial_kivi_token",
+    _token_partial,
+    None,  # per-token keys: the reference on every device
+    lambda q, k, ks, kz, v, vs, vz, mask, bits, *rest: (k.shape[1], v.shape[-1] * 8 // bits),
+)
+
+
+class KiviCodec:
+    """KIVI 4/3/2-bit: keys per channel over groups of ``group_size`` tokens, values per token over groups of
+    ``group_size`` channels; asymmetric (scale + zero point); codes packed ``8 // bits`` per byte, low bits first
+    (3 bits: 8 codes in 3 bytes, see :func:`~hf_kvcache.quant.pack`).
+
+    Keys need a full group of tokens before they can be encoded, so tokens leave the residual ``group_size`` at a
+    time (``unit = group_size``).
+
+    With ``key_axis="token"`` (the paper's ablation) keys are quantized like the values: per token over groups of
+    ``group_size`` channels, so every token is encoded on its own (``unit = 1``).
+
+    Stored: ``k`` / ``v`` uint8 ``(B, H, T, D * bits / 8)``; ``ks`` / ``kz`` ``(B, H, T / G, Dk)`` (one per key
+    group and channel; ``(B, H, T, Dk / G)`` per token and channel group with ``key_axis="token"``); ``vs`` / ``vz``
+    ``(B, H, T, Dv / G)`` (one per token and channel group).
+    """
+
+    def __init__(self, bits: int, group_size: int, scale_dtype: torch.dtype | None, key_axis: str = "channel"):
+        self.bits = bits
+        self.group_size = group_size
+        self.scale_dtype = scale_dtype  # None: see kivi_scale_dtype
+        self.key_axis = key_axis
+        self.per_token_keys = key_axis == "token"
+        self.unit = 1 if self.per_token_keys else group_size
+        key_units = 1 if self.per_token_keys else group_size
+        self.units = {"k": 1, "ks": key_units, "kz": key_units, "v": 1, "vs": 1, "vz": 1}
+
+    def _encode_per_token(self, x: torch.Tensor, sdt: torch.dtype) -> tuple[torch.Tensor, ...]:
+        codes, scale, zero = quant.quantize_asymmetric(
+            channel_groups(x, self.group_size), self.bits, dim=-1, scale_dtype=sdt
+        )
+        return quant.pack(codes.view(x.shape), self.bits), scale.squeeze(-1), zero.squeeze(-1)  # (B, H, n, D/G)
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
+        b, h, n, dk = k.shape
+        sdt = kivi_scale_dtype(self.scale_dtype, k.dtype)
+        if self.per_token_keys:
+            kp, ks, kz = self._encode_per_token(k, sdt)
+        else:
+            kg = k.view(b, h, n // self.group_size, self.group_size, dk)  # (B, H, n/G, G, Dk): a group is G tokens
+            kc, ks, kz = quant.quantize_asymmetric(kg, self.bits, dim=3, scale_dtype=sdt)
+            kp, ks, kz = quant.pack(kc.view(b, h, n, dk), self.bits), ks.squeeze(3), kz.squeeze(3)  # (B, H, n/G, Dk)
+        vp, vs, vz = self._encode_per_token(v, sdt)
+        return {"k": kp, "ks": ks, "kz": kz, "v": vp, "vs": vs, "vz": vz}
+
+    def width(self, parts: Parts, name: str) -> int:
+        """Channels per head of the stored ``"k"`` or ``"v"`` codes (packed ``8 / bits`` per byte)."""
+        return parts[name].shape[-1] * 8 // self.bits
+
+    def segment(self, parts: Parts, start: int = 0) -> KiviSegment | KiviTokenSegment:
+        """The tokens of ``parts`` (aligned to key groups) from ``start`` on, as the kernels read them."""
+        names = ("k", "ks", "kz", "v", "vs", "vz")
+        if self.per_token_keys:
+            return KiviTokenSegment(self.bits, self.group_size, *(parts[n][:, :, start:] for n in names))
+        length = parts["k"].shape[2] - start
+        return KiviSegment(self.bits, self.group_size, start, length, *(parts[n] for n in names))
+
+    def _decode_per_token(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out: torch.Tensor):
+        quant.unpack(codes, self.bits, out=out)
+        g = channel_groups(out, self.group_size)
+        g.mul_(scale.unsqueeze(-1)).add_(zero.unsqueeze(-1))
+
+    def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        if self.per_token_keys:
+            self._decode_per_token(parts["k"], parts["ks"], parts["kz"], k_out)
+        else:
+            b, h, t, dk = k_out.shape
+            quant.unpack(parts["k"], self.bits, out=k_out)
+            kg = k_out.view(b, h, t // self.group_size, self.group_size, dk)
+            kg.mul_(parts["ks"].unsqueeze(3)).add_(parts["kz"].unsqueeze(3))
+        self._decode_per_token(parts["v"], parts["vs"], parts["vz"], v_out)
+
+    def bytes_per_token(
+        self, num_kv_heads: int, key_dim: int, value_dim: int, kv_dtype: torch.dtype = torch.bfloat16
+    ) -> float:
+        """Stored bytes per quantized token of one layer (keys and values, all heads); excludes the residual."""
+        scale = kivi_scale_dtype(self.scale_dtype, kv_dtype).itemsize
+        data = (key_dim + value_dim) * self.bits / 8
+        if self.per_token_keys:  # scale + zero per token and group of G channels
+            key_params = 2 * (key_dim // self.group_size) * scale
+        else:  # scale + zero per channel, shared by G tokens
+            key_params = 2 * key_dim * scale / self.group_size
+        value_params = 2 * (value_dim // self.group_size) * scale
+        return num_kv_heads * (data + key_params + value_params)

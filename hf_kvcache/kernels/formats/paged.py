@@ -1,0 +1,100 @@
+"""Paged storage: a block pool ``(slots, H, D)`` addressed through a block table ``(B, blocks)`` (int32 on the pool's
+device; :data:`~hf_kvcache.paging.PAD_BLOCK` entries are padding and must be masked), ``length`` tokens per row; in
+the model's dtype, or int8 pages with one scale per token and head ``(slots, H)`` (encoded by
+:class:`~hf_kvcache.kernels.formats.int8.Int8Codec`'s quantizer on append). Read by ``hf_kvcache::partial_paged``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import reference
+from ._base import PAGED, PAGED_INT8, KernelStorage, Partials, SegmentFormat, register_partial
+
+__all__ = ["PagedSegment"]
+
+
+@dataclass(frozen=True)
+class PagedSegment(SegmentFormat):
+    keys: torch.Tensor  # (slots, H, Dk): model dtype, or int8 codes with key_scales
+    values: torch.Tensor  # (slots, H, Dv)
+    block_table: torch.Tensor  # (B, blocks) int32; PAD_BLOCK (-1) entries are masked padding
+    block_size: int
+    length: int  # tokens per row
+    key_scales: torch.Tensor | None = None  # (slots, H) for int8 pages
+    value_scales: torch.Tensor | None = None
+
+    @property
+    def heads(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def value_dim(self) -> int:
+        return self.values.shape[-1]
+
+    def slots(self, a: int, b: int) -> torch.Tensor:
+        """``(B, b - a)`` storage slots of tokens ``a .. b`` (padding entries read slot 0)."""
+        positions = torch.arange(a, b, device=self.block_table.device)
+        blocks = self.block_table[:, positions // self.block_size].long().clamp_min(0)
+        return blocks * self.block_size + positions % self.block_size
+
+    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = self.slots(a, b)
+        batch, n = slots.shape
+        flat = slots.flatten()
+        k = self.keys.index_select(0, flat).float()  # (B * n, H, Dk)
+        v = self.values.index_select(0, flat).float()
+        if self.key_scales is not None:
+            k = k * self.key_scales.index_select(0, flat).float().unsqueeze(-1)
+            v = v * self.value_scales.index_select(0, flat).float().unsqueeze(-1)
+        # (B * n, H, D) -> (B, H, n, D)
+        return k.view(batch, n, *k.shape[1:]).transpose(1, 2), v.view(batch, n, *v.shape[1:]).transpose(1, 2)
+
+    def partial(self, query, mask, scaling, softcap, splits) -> Partials:
+        s = self
+        args = (s.keys, s.values, s.block_table, s.key_scales, s.value_scales, mask, s.block_size, s.length)
+        return _OP(query, *args, scaling, softcap, splits)
+
+    def kernel_storage(self) -> KernelStorage:
+        # A pool is (slots, H, D): the token stride is the slot stride and there is no batch stride.
+        k, v, ks, vs = self.keys, self.values, self.key_scales, self.value_scales
+        int8 = ks is not None
+        return KernelStorage(
+            PAGED_INT8 if int8 else PAGED, k, v, k.shape[-1], v.shape[-1], self.length,
+            (0, k.stride(1), k.stride(0), k.stride(2)), (0, v.stride(1), v.stride(0), v.stride(2)),
+            ks=ks, vs=vs, ks_strides=(0, ks.stride(1), ks.stride(0), 0) if int8 else (0, 0, 0, 0),
+            vs_strides=(0, vs.stride(1), vs.stride(0), 0) if int8 else (0, 0, 0, 0),
+            table=self.block_table, block_size=self.block_size, fold=int8,
+        )  # fmt: skip
+
+
+def _partial(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    block_table: torch.Tensor,
+    key_scales: torch.Tensor | None,
+    value_scales: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    block_size: int,
+    length: int,
+    scaling: float,
+    softcap: float,
+    splits: int,
+) -> Partials:
+    segment = PagedSegment(keys, values, block_table, block_size, length, key_scales, value_scales)
+    return reference.partial(query, segment, mask, scaling, softcap, splits)
+
+
+_OP = register_partial(
+    "partial_paged",
+    _partial,
+    lambda k, v, table, kscale, vscale, mask, block_size, length, *rest: (
+        PagedSegment(k, v, table, block_size, length, kscale, vscale),
+        mask,
+        *rest,
+    ),
+    lambda q, k, v, *rest: (k.shape[1], v.shape[-1]),
+)

@@ -1,0 +1,56 @@
+"""Keys stored before RoPE (``pre_rope=True``, KVQuant): a quantized segment whose token ``t`` sits at position
+``first + t``, its key rotated there as it is read. Formats whose op takes the rotary arguments
+(``ROPE_IN_LAUNCH``: KIVI) turn each tile of keys in registers inside their launch; other storage goes to the Triton
+launch directly on CUDA. Over Hadamard-rotated codes the reference serves on every device: RoPE sits between the
+rotation and the query, so the rotation cannot be folded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...rope import RotarySpec, rotate_positions
+from .. import reference
+from ._base import KernelStorage, Partials, SegmentFormat, triton_available, triton_or_reference
+
+__all__ = ["PreRopeSegment"]
+
+
+@dataclass(frozen=True)
+class PreRopeSegment(SegmentFormat):
+    inner: SegmentFormat
+    rotary: RotarySpec
+    first: int  # position (token index in the layer) of the segment's first token
+
+    @property
+    def length(self) -> int:
+        return self.inner.length
+
+    @property
+    def heads(self) -> int:
+        return self.inner.heads
+
+    @property
+    def value_dim(self) -> int:
+        return self.inner.value_dim
+
+    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.inner.read(a, b)
+        return rotate_positions(k, self.first + a, self.rotary), v
+
+    def partial(self, query, mask, scaling, softcap, splits) -> Partials:
+        if self.inner.ROPE_IN_LAUNCH:  # turned in the inner format's own launch
+            return self.inner.partial(query, mask, scaling, softcap, splits, rope=(self.rotary, self.first))
+        if query.is_cuda and triton_available():  # not a custom op: the Triton launch called directly on CUDA
+            return triton_or_reference(query, self, mask, scaling, softcap, splits)
+        return reference.partial(query, self, mask, scaling, softcap, splits)
+
+    def kernel_storage(self) -> KernelStorage | None:
+        storage = self.inner.kernel_storage()
+        if storage is None or storage.key_rotation is not None:  # RoPE between the rotation and the query
+            return None
+        inv_freq = self.rotary.inv_freq.to(device=storage.k.device, dtype=torch.float32)
+        rope = 2 if self.rotary.interleaved else 1
+        return storage.replace(rope=rope, rotary_dim=self.rotary.rotary_dim, first=self.first, inv_freq=inv_freq)

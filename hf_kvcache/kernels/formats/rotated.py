@@ -1,0 +1,133 @@
+"""Hadamard-rotated storage: any quantized format over keys and values rotated by an orthonormal, symmetric transform
+of the head dimension (``rotate="hadamard"``: QuaRot, TurboQuant), which spreads an outlier channel over its block.
+
+The codes are read as they are: scores are unchanged with the query rotated, ``q . k = (q H_k) . (k H_k)``, and a
+split's accumulator comes out rotated, ``sum_j p_j (v_j H_v) = (sum_j p_j v_j) H_v``, so it is rotated back once per
+split (``H_v H_v = I``). Formats whose op takes the rotations (``ROTATIONS_IN_LAUNCH``: int8, KIVI) do both inside
+their launch; others get the query rotated and the accumulators rotated back around their own op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import reference
+from ._base import KernelStorage, Partials, Parts, SegmentFormat
+
+__all__ = ["ROTATIONS", "RotatedCodec", "RotatedSegment", "hadamard", "rotated"]
+
+ROTATIONS = ("hadamard",)
+
+
+@dataclass(frozen=True)
+class RotatedSegment(SegmentFormat):
+    """A quantized segment whose keys and values were stored rotated (``k H_k``, ``v H_v``). :meth:`read` rotates
+    the decoded tokens back: the plain reading the in-launch fold is tested against."""
+
+    inner: SegmentFormat
+    key_rotation: torch.Tensor  # (Dk, Dk) float32
+    value_rotation: torch.Tensor  # (Dv, Dv) float32
+
+    @property
+    def length(self) -> int:
+        return self.inner.length
+
+    @property
+    def heads(self) -> int:
+        return self.inner.heads
+
+    @property
+    def value_dim(self) -> int:
+        return self.value_rotation.shape[-1]
+
+    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.inner.read(a, b)
+        return k @ self.key_rotation, v @ self.value_rotation
+
+    def partial(self, query, mask, scaling, softcap, splits) -> Partials:
+        if self.inner.ROTATIONS_IN_LAUNCH:  # the query rotated and the accumulator rotated back in one launch
+            rotations = (self.key_rotation, self.value_rotation)
+            return self.inner.partial(query, mask, scaling, softcap, splits, rotations=rotations)
+        return reference.fold_rotation(_inner_partial, query, self, mask, scaling, softcap, splits)
+
+    def kernel_storage(self) -> KernelStorage | None:
+        storage = self.inner.kernel_storage() if self.inner.ROTATIONS_IN_LAUNCH else None
+        if storage is None:
+            return None
+        device = storage.k.device
+        return storage.replace(
+            key_rotation=self.key_rotation.to(device=device, dtype=torch.float32).contiguous(),
+            value_rotation=self.value_rotation.to(device=device, dtype=torch.float32).contiguous(),
+        )
+
+    def reference_partial(self, query, mask, scaling, softcap, splits, chunk=reference.REFERENCE_CHUNK) -> Partials:
+        return reference.fold_rotation(reference.partial, query, self, mask, scaling, softcap, splits, chunk)
+
+
+def _inner_partial(query, segment, mask, scaling, softcap, splits) -> Partials:
+    return segment.partial(query, mask, scaling, softcap, splits)
+
+
+def rotated(inner, key_rotation: torch.Tensor | None, value_rotation: torch.Tensor | None):
+    """``inner`` read through the rotations its codes were stored with (none: as it is)."""
+    if key_rotation is None:
+        return inner
+    return RotatedSegment(inner, key_rotation, value_rotation)
+
+
+_HADAMARD: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def hadamard(width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An orthonormal, symmetric ``(width, width)`` Hadamard transform (so it is its own inverse): Sylvester's
+    construction on blocks of the largest power of two dividing ``width``, block-diagonal for other widths
+    (96 = 3 blocks of 32). Built in float64, cached per width, dtype and device."""
+    key = (width, dtype, torch.device(device))
+    if key not in _HADAMARD:
+        block = width & -width  # the largest power of two dividing width
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < block:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        h = torch.block_diag(*[h / block**0.5] * (width // block))
+        _HADAMARD[key] = h.to(dtype=dtype, device=device)
+    return _HADAMARD[key]
+
+
+class RotatedCodec:
+    """Any codec, applied to keys and values rotated by a Hadamard transform of the head dimension (QuaRot,
+    TurboQuant): an outlier channel is spread over every channel of its block before quantizing, and decoding
+    rotates back (the transform is orthonormal and symmetric, its own inverse). Stored tensors and bytes are the
+    inner codec's. The kernels read the codes in place (:class:`RotatedSegment`): the rotation
+    is folded into the query and the attention output, so a decode step adds two small products per layer instead of
+    one per cached token."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.unit, self.units = inner.unit, inner.units
+
+    def __getattr__(self, name):  # group_size, bits, key_axis, ... of the inner codec
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor) -> torch.Tensor:
+        return x @ hadamard(x.shape[-1], x.dtype, x.device)
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
+        return self.inner.encode(self._rotate(k), self._rotate(v))
+
+    def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        self.inner.decode(parts, k_out, v_out)
+        k_out.copy_(self._rotate(k_out))
+        v_out.copy_(self._rotate(v_out))
+
+    def segment(self, parts: Parts, start: int = 0) -> RotatedSegment:
+        inner = self.inner.segment(parts, start)
+        device, (dk, dv) = parts["k"].device, (self.inner.width(parts, name) for name in ("k", "v"))
+        return RotatedSegment(inner, hadamard(dk, torch.float32, device), hadamard(dv, torch.float32, device))
+
+    def bytes_per_token(self, *args, **kwargs) -> float:
+        return self.inner.bytes_per_token(*args, **kwargs)
