@@ -183,11 +183,15 @@ def capturing():
         _CAPTURE = previous
 
 
-def launch_partial(query, segment, mask, scaling, softcap, splits) -> Launch:
-    """What ``triton_partial`` launches for one segment (inside :func:`capturing`)."""
+def launch_partial(query, segment, mask, scaling, softcap, splits) -> Launch | None:
+    """What ``triton_partial`` launches for one segment (inside :func:`capturing`); None when it launched nothing (a
+    segment the kernel does not read: the reference serves it)."""
     if _CAPTURE is None:
         raise RuntimeError("launch_partial runs inside capturing()")
+    before = len(_CAPTURE)
     kernel_module().triton_partial(query, segment, mask, scaling, softcap, splits)
+    if len(_CAPTURE) == before:
+        return None
     launch = _CAPTURE[-1]
     while hasattr(segment, "inner"):  # a rotated or pre-RoPE segment: named by the storage it reads
         segment = segment.inner

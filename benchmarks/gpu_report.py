@@ -48,10 +48,10 @@ KINDS = {
     "dense": "sink:window=4096",
     "int8": "int8",
     "int4": "int4",
-    # int3 / int2 by default also quantize keys before RoPE over rotated codes, which only the reference kernel reads
-    # (RoPE sits between the rotation and the query): these rows are their fused setting, rotation and sinks.
-    "int3": "int3:pre_rope=false",
-    "int2": "int2:pre_rope=false",
+    # int3 / int2 as a user gets them: Hadamard-rotated codes, keys quantized before RoPE, 4 sinks (each key tile
+    # rotated back and turned in the launch)
+    "int3": "int3",
+    "int2": "int2",
     "int4 pre-RoPE": "int4:pre_rope=true",
     "paged": "paged",
     "paged int8": "paged:bits=8",
@@ -131,7 +131,9 @@ def _intercepted(launches: list):
         b, hq, q, _ = query.shape
         heads = segment_heads(segment)
         splits = num_splits(segment.length, b * heads)
-        launches.append(aot.launch_partial(query, segment, mask, scaling, softcap, splits))
+        launch = aot.launch_partial(query, segment, mask, scaling, softcap, splits)
+        if launch is not None:  # None: a segment the kernel does not read (the reference serves it inside the op)
+            launches.append(launch)
         shape = (b, heads, hq // heads, q, splits)
         m = torch.full(shape, float("-inf"))
         return m, torch.zeros(shape), torch.zeros((*shape, segment_value_dim(segment)))
@@ -234,7 +236,10 @@ def compile_variants(grid: list[dict], log) -> tuple[list[dict], dict]:
             continue
         main = _main_launch(v["kind"], launches)
         if main is None:
-            findings[name] = f"no {STORAGE[v['kind']]} launch in the step (segments: {[x.segment for x in launches]})"
+            findings[name] = (
+                f"no {STORAGE[v['kind']]} launch in the step: the Triton kernel does not read it, the reference serves "
+                f"it inside the op (launches: {[x.segment for x in launches]})"
+            )
             continue
         for launch in launches:
             for arch in aot.TARGETS:

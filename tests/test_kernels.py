@@ -248,16 +248,17 @@ def test_rotated_segment_folds_the_rotation(inner, head_dim, dtype):
     _close(tri, ref, dtype)
 
 
-@pytest.mark.parametrize("inner", ["dense", "int8", "kivi4", "kivi3", "kivi2", "kivi4-rot", "int8-rot"])
+@pytest.mark.parametrize("inner", ["dense", "int8", "kivi4", "kivi3", "kivi2", "kivi4-rot", "kivi2-rot", "int8-rot"])
 @pytest.mark.parametrize("layout", ["half", "interleaved", "partial"])
 @pytest.mark.parametrize("first", [37, 30011])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_pre_rope_segment_turns_keys_per_tile(inner, layout, first, dtype):
+def test_pre_rope_segment_turns_keys_per_tile(inner, layout, first, dtype, monkeypatch):
     """Keys stored before RoPE (pre_rope=True) are turned to their positions in the Triton kernel per tile, equal to
     the reference, which turns each chunk it reads, at positions near 0 and past 30,000 (angles the kernel reduces
     itself) (rotate_half and interleaved pairs split in registers; partial
-    rotary with each channel's pair loaded beside it). Over Hadamard-rotated codes triton_partial hands the segment
-    to the reference (the rotation cannot be folded through RoPE)."""
+    rotary with each channel's pair loaded beside it). Over Hadamard-rotated KIVI codes (int3 / int2's default) the
+    kernel rotates each tile back before turning it, in the same launch (the reference is not called); other rotated
+    cases (int8, partial rotary) go to the reference."""
     from hf_kvcache.kernels import PreRopeSegment
     from hf_kvcache.kernels.formats import RotatedCodec
     from hf_kvcache.rope import RotarySpec, rotate_positions
@@ -282,7 +283,15 @@ def test_pre_rope_segment_turns_keys_per_tile(inner, layout, first, dtype):
         _close(keys, k, dtype)  # the round trip: turned back, then forward
     mask = _two_query_mask(seg.length, 5)
     query = torch.randn(2, 8, 2, head_dim, generator=g).to(dtype)
-    ref, tri = _run(query, seg, mask, splits=2)
+    ref = combine([partial(query, seg, mask, 0.125, 0.0, 2)], dtype=torch.float32)
+    if inner.startswith("kivi") and inner.endswith("-rot") and layout != "partial":
+
+        def no_reference(*args, **kwargs):
+            raise AssertionError("the Triton kernel handed a rotated pre-RoPE KIVI segment to the reference")
+
+        monkeypatch.setattr(triton_decode.reference, "partial", no_reference)
+    tri = combine([triton_decode.triton_partial(query, seg, mask, 0.125, 0.0, 2)], dtype=torch.float32)
+    monkeypatch.undo()
     _close(tri, ref, dtype)
     _close(ref, _sdpa(query, keys, values, mask, 0.125), dtype)
 

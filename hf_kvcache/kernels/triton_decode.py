@@ -257,7 +257,7 @@ def _partial_kernel(
     dv_ok = dv < DV
     q_row = Q + b * sq_b + (h * G + g)[:, None] * sq_h + i[:, None] * sq_q
     q = tl.load(q_row + dk[None, :] * sq_d, mask=row_ok[:, None] & dk_ok[None, :], other=0)
-    if ROTATED:  # codes stored rotated (k H_k): scores are those of the rotated query, q H_k to float32 accuracy,
+    if ROTATED and not ROPE:  # codes stored rotated (k H_k): scores are those of the rotated query, q H_k in fp32,
         # summed over RCH-channel slices of q and H_k (64: a whole 128 x 128 H_k in registers spilled 14 KB; 32-channel
         # slices left ptxas at 128 registers with spills at head_dim 64 on sm_90)
         qr = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
@@ -290,10 +290,14 @@ def _partial_kernel(
             k_scale = tl.load(KS + kgroup, mask=dk_ok, other=0).to(tl.float32)
             k_zero = tl.load(KZ + kgroup, mask=dk_ok, other=0).to(tl.float32)
             qf = q.to(tl.float32)
-            if (
-                ROPE
-            ):  # pre-RoPE keys: dequantized with the group's channel scales, then turned (no folding through RoPE)
+            if ROPE:  # pre-RoPE keys: dequantized with the group's channel scales, then turned (no fold through RoPE)
                 kf = _codes_as(k, tl.float32) * k_scale[None, :] + k_zero[None, :]
+                if ROTATED:  # codes of k H_k: k = (k H_k) H_k back before RoPE turns it (HK in the dot's dtype)
+                    hk = tl.load(HK + dk[:, None] * DK + dk[None, :], mask=dk_ok[:, None] & dk_ok[None, :], other=0)
+                    if DOT_FP32:
+                        kf = tl.dot(kf, hk, input_precision="ieee")
+                    else:
+                        kf = tl.dot(kf.to(hk.dtype), hk)
                 kf = _rope_pairs(kf, t, INV_FREQ, POS0, ROPE, BLOCK_N, BLOCK_DK)
                 qk = qf
                 bias = tl.zeros([BLOCK_R], tl.float32)
@@ -393,6 +397,21 @@ def _reach(t: torch.Tensor | None) -> int:
     )
 
 
+_CONVERTED: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``, converted once per tensor (rotations are cached per width and device by
+    :func:`~hf_kvcache.kernels.formats.hadamard`, so a decode step launches no conversion)."""
+    key = (t.data_ptr(), t.device, dtype)
+    hit = _CONVERTED.get(key)
+    if hit is None or hit[0] is not t:
+        if len(_CONVERTED) > 64:
+            _CONVERTED.clear()
+        hit = _CONVERTED[key] = (t, t.to(dtype))
+    return hit[1]
+
+
 def triton_partial(
     query: torch.Tensor,
     segment: Segment,
@@ -441,10 +460,17 @@ def triton_partial(
     # and accumulator tiles of 64+ rows spill with four; also for keys turned per tile under a causal mask tile
     # (pre-RoPE with several query tokens spilled at four on sm_90).
     warps = 8 if _block(rows) >= 64 or rope_per_element or (rope and mask is not None and q_len > 1) else 4
+    if rope and s.key_rotation is not None:  # each key tile rotated back (a 64 x D x D product): 4 warps spilled
+        warps = 8
     mask_u8 = mask.view(torch.uint8) if mask is not None else None
     per_split = -(-max(length, 1) // splits)
     per_split = -(-per_split // block_n) * block_n
     hk, hv = s.key_rotation, s.value_rotation
+    if hk is not None and rope:  # pre-RoPE keys over rotated codes: each tile rotated back (x H_k), then turned
+        if not kivi_tile:  # keys turned per element (partial rotary, other widths) cannot be: the reference
+            return reference.partial(query, segment, mask, scaling, softcap, splits)
+        if query.dtype != torch.float32:
+            hk = _in_dtype(hk, query.dtype)  # the per-tile product on 16-bit tensor cores
     opt = [s.ks, s.kz, s.vs, s.vz, s.table, mask_u8]
     _partial_kernel[(b * hkv, splits)](
         query, s.k, s.v, *(x if x is not None else dummy for x in opt),

@@ -104,6 +104,24 @@ class SegmentFormat:
         return reference.partial_from_reads(query, self, mask, scaling, softcap, splits, chunk)
 
 
+class OverSegment(SegmentFormat):
+    """A transform over another segment (``inner``): its tokens, heads and value width are the inner segment's."""
+
+    inner: SegmentFormat
+
+    @property
+    def length(self) -> int:
+        return self.inner.length
+
+    @property
+    def heads(self) -> int:
+        return self.inner.heads
+
+    @property
+    def value_dim(self) -> int:
+        return self.inner.value_dim
+
+
 def _fake(query: torch.Tensor, heads: int, value_dim: int, splits: int) -> Partials:
     b, hq, q, _ = query.shape
     shape = (b, heads, hq // heads, q, splits)

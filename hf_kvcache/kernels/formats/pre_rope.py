@@ -1,8 +1,10 @@
 """Keys stored before RoPE (``pre_rope=True``, KVQuant): a quantized segment whose token ``t`` sits at position
 ``first + t``, its key rotated there as it is read. Formats whose op takes the rotary arguments
-(``ROPE_IN_LAUNCH``: KIVI) turn each tile of keys in registers inside their launch; other storage goes to the Triton
-launch directly on CUDA. Over Hadamard-rotated codes the reference serves on every device: RoPE sits between the
-rotation and the query, so the rotation cannot be folded.
+(``ROPE_IN_LAUNCH``: KIVI, Hadamard-rotated or not) turn each tile of keys in registers inside their launch; other
+storage goes to the Triton launch directly on CUDA. Over rotated codes RoPE sits between the rotation and the query,
+so the rotation cannot be folded into the query: the kernel rotates each tile of keys back (``x H_k``, one
+tensor-core product per tile) before turning it, when the tile is one key group of a power-of-two width with every
+channel rotary; the reference serves the other cases.
 """
 
 from __future__ import annotations
@@ -13,28 +15,16 @@ import torch
 
 from ...rope import RotarySpec, rotate_positions
 from .. import reference
-from ._base import KernelStorage, Partials, SegmentFormat, triton_available, triton_or_reference
+from ._base import KernelStorage, OverSegment, Partials, SegmentFormat, triton_available, triton_or_reference
 
 __all__ = ["PreRopeSegment"]
 
 
 @dataclass(frozen=True)
-class PreRopeSegment(SegmentFormat):
+class PreRopeSegment(OverSegment):
     inner: SegmentFormat
     rotary: RotarySpec
     first: int  # position (token index in the layer) of the segment's first token
-
-    @property
-    def length(self) -> int:
-        return self.inner.length
-
-    @property
-    def heads(self) -> int:
-        return self.inner.heads
-
-    @property
-    def value_dim(self) -> int:
-        return self.inner.value_dim
 
     def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.inner.read(a, b)
@@ -49,7 +39,7 @@ class PreRopeSegment(SegmentFormat):
 
     def kernel_storage(self) -> KernelStorage | None:
         storage = self.inner.kernel_storage()
-        if storage is None or storage.key_rotation is not None:  # RoPE between the rotation and the query
+        if storage is None:
             return None
         inv_freq = self.rotary.inv_freq.to(device=storage.k.device, dtype=torch.float32)
         rope = 2 if self.rotary.interleaved else 1

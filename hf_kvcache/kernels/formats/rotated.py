@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import reference
-from ._base import KernelStorage, Partials, Parts, SegmentFormat
+from ._base import KernelStorage, OverSegment, Partials, Parts, SegmentFormat
 
 __all__ = ["ROTATIONS", "RotatedCodec", "RotatedSegment", "hadamard", "rotated"]
 
@@ -22,21 +22,13 @@ ROTATIONS = ("hadamard",)
 
 
 @dataclass(frozen=True)
-class RotatedSegment(SegmentFormat):
+class RotatedSegment(OverSegment):
     """A quantized segment whose keys and values were stored rotated (``k H_k``, ``v H_v``). :meth:`read` rotates
     the decoded tokens back: the plain reading the in-launch fold is tested against."""
 
     inner: SegmentFormat
     key_rotation: torch.Tensor  # (Dk, Dk) float32
     value_rotation: torch.Tensor  # (Dv, Dv) float32
-
-    @property
-    def length(self) -> int:
-        return self.inner.length
-
-    @property
-    def heads(self) -> int:
-        return self.inner.heads
 
     @property
     def value_dim(self) -> int:
@@ -46,9 +38,16 @@ class RotatedSegment(SegmentFormat):
         k, v = self.inner.read(a, b)
         return k @ self.key_rotation, v @ self.value_rotation
 
-    def partial(self, query, mask, scaling, softcap, splits) -> Partials:
+    @property
+    def ROPE_IN_LAUNCH(self) -> bool:  # noqa: N802 (the flag every format has)
+        return self.inner.ROTATIONS_IN_LAUNCH and self.inner.ROPE_IN_LAUNCH
+
+    def partial(self, query, mask, scaling, softcap, splits, rope=None) -> Partials:
+        """``rope``: ``(rotary, first)`` of keys stored before RoPE (:mod:`.pre_rope`), when :attr:`ROPE_IN_LAUNCH`."""
         if self.inner.ROTATIONS_IN_LAUNCH:  # the query rotated and the accumulator rotated back in one launch
             rotations = (self.key_rotation, self.value_rotation)
+            if rope is not None:
+                return self.inner.partial(query, mask, scaling, softcap, splits, rotations=rotations, rope=rope)
             return self.inner.partial(query, mask, scaling, softcap, splits, rotations=rotations)
         return reference.fold_rotation(_inner_partial, query, self, mask, scaling, softcap, splits)
 
