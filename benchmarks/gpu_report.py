@@ -694,7 +694,9 @@ def render(report: dict) -> str:
             "## Before and after the kernel changes",
             "",
             f"`before → after` where a figure changed; before: {before['what']}. The estimate is the roofline "
-            "model's, not a measurement.",
+            "model's, not a measurement. `int2` then had KIVI's plain layout; its row is now its default (Hadamard "
+            "rotation, keys before RoPE, 4 sinks: each key tile rotated back and turned in the launch), which the "
+            "kernel did not read before (the reference served it).",
             "",
             _table(compared, list(compared[0])),
             "",

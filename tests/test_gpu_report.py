@@ -132,10 +132,10 @@ def test_thresholds_no_spills_and_loop_cost_against_dense(reports):
 # The variants of the full grid that spilled at 1 or 4 query tokens before the launch configurations of
 # triton_partial were set by the compiled numbers (kind, head_dim, q_len, left-padded): pre-RoPE KIVI keys turned per
 # element at head_dim 96 (kilobytes), pre-RoPE tiles under a causal mask at head_dim 128 on sm_90, rotated 3-bit codes
-# at head_dim 64 on sm_90 (ptxas held 128 registers), and int2's default (rotated pre-RoPE key tiles rotated back per
-# tile) with 4 warps.
+# at head_dim 64 on sm_90 (ptxas held 128 registers), and int2's default (pre-RoPE key tiles rotated back per tile)
+# with 4 warps at head_dim 128 and with 8 at head_dim 64 on sm_80.
 ONCE_SPILLING = [("int4 pre-RoPE", 96, 1, False), ("int4 pre-RoPE", 96, 4, True), ("int4 pre-RoPE", 128, 4, False),
-                 ("int3", 64, 1, False), ("int2", 128, 1, True)]  # fmt: skip
+                 ("int3", 64, 1, False), ("int2", 128, 1, True), ("int2", 64, 1, True)]  # fmt: skip
 
 
 @needs_ptxas

@@ -460,8 +460,8 @@ def triton_partial(
     # and accumulator tiles of 64+ rows spill with four; also for keys turned per tile under a causal mask tile
     # (pre-RoPE with several query tokens spilled at four on sm_90).
     warps = 8 if _block(rows) >= 64 or rope_per_element or (rope and mask is not None and q_len > 1) else 4
-    if rope and s.key_rotation is not None:  # each key tile rotated back (a 64 x D x D product): 4 warps spilled
-        warps = 8
+    if rope and s.key_rotation is not None and _block(dk) >= 128:  # each key tile rotated back (64 x D x D): 4 warps
+        warps = 8  # spilled at head_dim 128 (at 64, 8 warps left ptxas at 128 registers with spills on sm_80)
     mask_u8 = mask.view(torch.uint8) if mask is not None else None
     per_split = -(-max(length, 1) // splits)
     per_split = -(-per_split // block_n) * block_n
