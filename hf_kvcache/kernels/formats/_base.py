@@ -85,7 +85,19 @@ class KernelStorage:
 
 
 class SegmentFormat:
-    """Defaults of every segment type (a mixin of the frozen segment dataclasses)."""
+    """Defaults of every segment type (a mixin of the frozen segment dataclasses). Formats name their stored tensors
+    alike: ``k`` / ``v`` the keys' and values' data (``(B, H, T, D)``, or a block pool's ``(slots, H, D)``), ``ks`` /
+    ``vs`` their scales, ``kz`` / ``vz`` their zero points."""
+
+    @property
+    def heads(self) -> int:
+        """KV heads."""
+        return self.k.shape[1]
+
+    @property
+    def value_dim(self) -> int:
+        """Channels per head of the values."""
+        return self.v.shape[-1]
 
     ROTATIONS_IN_LAUNCH = False  # its op reads Hadamard-rotated codes in place (the query and output rotated inside)
     ROPE_IN_LAUNCH = False  # its op turns keys stored before RoPE to their positions inside the launch

@@ -18,29 +18,21 @@ __all__ = ["DenseSegment", "IdentityCodec"]
 
 @dataclass(frozen=True)
 class DenseSegment(SegmentFormat):
-    keys: torch.Tensor  # (B, H, T, Dk)
-    values: torch.Tensor  # (B, H, T, Dv)
+    k: torch.Tensor  # (B, H, T, Dk) keys
+    v: torch.Tensor  # (B, H, T, Dv) values
 
     @property
     def length(self) -> int:
-        return self.keys.shape[2]
-
-    @property
-    def heads(self) -> int:
-        return self.keys.shape[1]
-
-    @property
-    def value_dim(self) -> int:
-        return self.values.shape[-1]
+        return self.k.shape[2]
 
     def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[:, :, a:b].float(), self.values[:, :, a:b].float()
+        return self.k[:, :, a:b].float(), self.v[:, :, a:b].float()
 
     def partial(self, query, mask, scaling, softcap, splits) -> Partials:
-        return _OP(query, self.keys, self.values, mask, scaling, softcap, splits)
+        return _OP(query, self.k, self.v, mask, scaling, softcap, splits)
 
     def kernel_storage(self) -> KernelStorage:
-        k, v = self.keys, self.values
+        k, v = self.k, self.v
         return KernelStorage(DENSE, k, v, k.shape[-1], v.shape[-1], self.length, tuple(k.stride()), tuple(v.stride()))
 
 

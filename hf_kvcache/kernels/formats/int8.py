@@ -34,14 +34,6 @@ class Int8Segment(SegmentFormat):
         return self.k.shape[2]
 
     @property
-    def heads(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def value_dim(self) -> int:
-        return self.v.shape[-1]
-
-    @property
     def per_token_scales(self) -> bool:
         """One scale per token and head (int8's default): the scales fold into scores and weights, in the reference
         (:meth:`read_folded`) and the Triton kernel alike."""

@@ -64,10 +64,6 @@ class KiviSegment(SegmentFormat):
     ROPE_IN_LAUNCH = True
 
     @property
-    def heads(self) -> int:
-        return self.k.shape[1]
-
-    @property
     def value_dim(self) -> int:
         return self.v.shape[-1] * 8 // self.bits
 
@@ -167,10 +163,6 @@ class KiviTokenSegment(SegmentFormat):
     @property
     def length(self) -> int:
         return self.k.shape[2]
-
-    @property
-    def heads(self) -> int:
-        return self.k.shape[1]
 
     @property
     def value_dim(self) -> int:

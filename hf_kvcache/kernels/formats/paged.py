@@ -18,21 +18,13 @@ __all__ = ["PagedSegment"]
 
 @dataclass(frozen=True)
 class PagedSegment(SegmentFormat):
-    keys: torch.Tensor  # (slots, H, Dk): model dtype, or int8 codes with key_scales
-    values: torch.Tensor  # (slots, H, Dv)
+    k: torch.Tensor  # (slots, H, Dk) keys: model dtype, or int8 codes with ks
+    v: torch.Tensor  # (slots, H, Dv) values
     block_table: torch.Tensor  # (B, blocks) int32; PAD_BLOCK (-1) entries are masked padding
     block_size: int
     length: int  # tokens per row
-    key_scales: torch.Tensor | None = None  # (slots, H) for int8 pages
-    value_scales: torch.Tensor | None = None
-
-    @property
-    def heads(self) -> int:
-        return self.keys.shape[1]
-
-    @property
-    def value_dim(self) -> int:
-        return self.values.shape[-1]
+    ks: torch.Tensor | None = None  # (slots, H) key scales of int8 pages
+    vs: torch.Tensor | None = None  # (slots, H) value scales
 
     def slots(self, a: int, b: int) -> torch.Tensor:
         """``(B, b - a)`` storage slots of tokens ``a .. b`` (padding entries read slot 0)."""
@@ -44,22 +36,22 @@ class PagedSegment(SegmentFormat):
         slots = self.slots(a, b)
         batch, n = slots.shape
         flat = slots.flatten()
-        k = self.keys.index_select(0, flat).float()  # (B * n, H, Dk)
-        v = self.values.index_select(0, flat).float()
-        if self.key_scales is not None:
-            k = k * self.key_scales.index_select(0, flat).float().unsqueeze(-1)
-            v = v * self.value_scales.index_select(0, flat).float().unsqueeze(-1)
+        k = self.k.index_select(0, flat).float()  # (B * n, H, Dk)
+        v = self.v.index_select(0, flat).float()
+        if self.ks is not None:
+            k = k * self.ks.index_select(0, flat).float().unsqueeze(-1)
+            v = v * self.vs.index_select(0, flat).float().unsqueeze(-1)
         # (B * n, H, D) -> (B, H, n, D)
         return k.view(batch, n, *k.shape[1:]).transpose(1, 2), v.view(batch, n, *v.shape[1:]).transpose(1, 2)
 
     def partial(self, query, mask, scaling, softcap, splits) -> Partials:
         s = self
-        args = (s.keys, s.values, s.block_table, s.key_scales, s.value_scales, mask, s.block_size, s.length)
+        args = (s.k, s.v, s.block_table, s.ks, s.vs, mask, s.block_size, s.length)
         return _OP(query, *args, scaling, softcap, splits)
 
     def kernel_storage(self) -> KernelStorage:
         # A pool is (slots, H, D): the token stride is the slot stride and there is no batch stride.
-        k, v, ks, vs = self.keys, self.values, self.key_scales, self.value_scales
+        k, v, ks, vs = self.k, self.v, self.ks, self.vs
         int8 = ks is not None
         return KernelStorage(
             PAGED_INT8 if int8 else PAGED, k, v, k.shape[-1], v.shape[-1], self.length,
