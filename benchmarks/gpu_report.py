@@ -125,18 +125,17 @@ def _intercepted(launches: list):
     the CUDA path computes) instead of the CPU reference; the attention then returns zeros."""
     from hf_kvcache.kernels import ops
     from hf_kvcache.kernels.reference import num_splits
-    from hf_kvcache.kernels.segments import segment_heads, segment_value_dim
 
     def partial(query, segment, mask, scaling, softcap, splits):
         b, hq, q, _ = query.shape
-        heads = segment_heads(segment)
+        heads = segment.heads
         splits = num_splits(segment.length, b * heads)
         launch = aot.launch_partial(query, segment, mask, scaling, softcap, splits)
         if launch is not None:  # None: a segment the kernel does not read (the reference serves it inside the op)
             launches.append(launch)
         shape = (b, heads, hq // heads, q, splits)
         m = torch.full(shape, float("-inf"))
-        return m, torch.zeros(shape), torch.zeros((*shape, segment_value_dim(segment)))
+        return m, torch.zeros(shape), torch.zeros((*shape, segment.value_dim))
 
     original = ops.segment_partial
     ops.segment_partial = partial

@@ -15,11 +15,10 @@ import torch
 from . import reference
 from .append import append_kv
 from .formats import triton_available
+from .formats._base import Partials
 from .segments import KVHandle, Segment
 
 __all__ = ["append_kv", "decode_attention", "segment_partial", "triton_available"]
-
-Partials = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def segment_partial(

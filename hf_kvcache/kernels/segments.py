@@ -33,21 +33,9 @@ __all__ = [
     "PreRopeSegment",
     "RotatedSegment",
     "Segment",
-    "segment_heads",
-    "segment_value_dim",
 ]
 
 Segment = DenseSegment | Int8Segment | KiviSegment | KiviTokenSegment | PagedSegment | RotatedSegment | PreRopeSegment
-
-
-def segment_heads(segment: Segment) -> int:
-    """KV heads of a segment."""
-    return segment.heads
-
-
-def segment_value_dim(segment: Segment) -> int:
-    """Channels per head of a segment's values."""
-    return segment.value_dim
 
 
 @dataclass(frozen=True)

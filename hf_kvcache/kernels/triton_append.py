@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .formats._base import pool_strides, strides
+
 __all__ = ["triton_append"]
 
 
@@ -103,11 +105,6 @@ def _append_kernel(
 _SCALE_TYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def _pool_strides(t: torch.Tensor) -> list[int]:
-    """A pool ``(slots, H, ...)`` addressed as ``(batch, head, token, channel)``: no batch stride, slots as tokens."""
-    return [0, t.stride(1), t.stride(0), t.stride(2) if t.dim() > 2 else 0]
-
-
 def triton_append(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -130,19 +127,18 @@ def triton_append(
     b, h, n, dk = k.shape
     dv = v.shape[-1]
     quant = k_scales is not None
+    outs = (k_out, v_out, k_scales, v_scales)  # absent scales: zero strides
     if table is None:
-        strides = [list(x.stride()) for x in (k_out, v_out)]
-        strides += [list(x.stride()) if quant else [0] * 4 for x in (k_scales, v_scales)]
+        out_strides = [strides(x) for x in outs]
         gk, gv = (dk // k_scales.shape[-1], dv // v_scales.shape[-1]) if quant else (dk, dv)
     else:
-        strides = [_pool_strides(x) for x in (k_out, v_out)]
-        strides += [_pool_strides(x) if quant else [0] * 4 for x in (k_scales, v_scales)]
+        out_strides = [pool_strides(x) for x in outs]
         gk, gv = dk, dv
     if b * h * n == 0:
         return
     _append_kernel[(b * h * n, 2)](
         k, v, k_out, v_out, k_scales if quant else k_out, v_scales if quant else v_out,
-        table if table is not None else k_out, *k.stride(), *v.stride(), *(s for x in strides for s in x),
+        table if table is not None else k_out, *k.stride(), *v.stride(), *(s for x in out_strides for s in x),
         *(table.stride() if table is not None else (0, 0)), h, n, start,
         DK=dk, DV=dv, GK=gk, GV=gv, SDT=_SCALE_TYPES[k_scales.dtype] if quant else tl.float32, QUANT=quant,
         PAGED=table is not None, BS=block_size, BLOCK_GK=triton.next_power_of_2(dk // gk),

@@ -14,8 +14,7 @@ from collections.abc import Callable
 import torch
 
 from ..kernels.append import append_kv
-
-Parts = dict[str, torch.Tensor]
+from ..kernels.formats._base import Parts
 
 # Headroom added when a buffer grows: a fraction of the needed size, at least MIN_GROWTH_TOKENS tokens.
 GROWTH = 0.125

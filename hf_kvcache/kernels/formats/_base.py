@@ -37,6 +37,14 @@ def strides(t: torch.Tensor | None, n: int = 4) -> tuple[int, ...]:
     return tuple(t.stride()) if t is not None else (0,) * n
 
 
+def pool_strides(t: torch.Tensor | None) -> tuple[int, ...]:
+    """A block pool ``(slots, H[, D])`` addressed as ``(batch, head, token, channel)``: no batch stride, its slot
+    stride as the token stride (zeros for an absent tensor)."""
+    if t is None:
+        return (0, 0, 0, 0)
+    return (0, t.stride(1), t.stride(0), t.stride(2) if t.dim() > 2 else 0)
+
+
 def channel_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
     """Split the last (channel) axis into groups: ``(B, H, T, D) -> (B, H, T, D / G, G)``."""
     return x.view(*x.shape[:-1], x.shape[-1] // group_size, group_size)

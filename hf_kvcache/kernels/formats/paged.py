@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import reference
-from ._base import PAGED, PAGED_INT8, KernelStorage, Partials, SegmentFormat, register_partial
+from ._base import PAGED, PAGED_INT8, KernelStorage, Partials, SegmentFormat, pool_strides, register_partial
 
 __all__ = ["PagedSegment"]
 
@@ -50,14 +50,11 @@ class PagedSegment(SegmentFormat):
         return _OP(query, *args, scaling, softcap, splits)
 
     def kernel_storage(self) -> KernelStorage:
-        # A pool is (slots, H, D): the token stride is the slot stride and there is no batch stride.
         k, v, ks, vs = self.k, self.v, self.ks, self.vs
         int8 = ks is not None
         return KernelStorage(
-            PAGED_INT8 if int8 else PAGED, k, v, k.shape[-1], v.shape[-1], self.length,
-            (0, k.stride(1), k.stride(0), k.stride(2)), (0, v.stride(1), v.stride(0), v.stride(2)),
-            ks=ks, vs=vs, ks_strides=(0, ks.stride(1), ks.stride(0), 0) if int8 else (0, 0, 0, 0),
-            vs_strides=(0, vs.stride(1), vs.stride(0), 0) if int8 else (0, 0, 0, 0),
+            PAGED_INT8 if int8 else PAGED, k, v, k.shape[-1], v.shape[-1], self.length, pool_strides(k),
+            pool_strides(v), ks=ks, vs=vs, ks_strides=pool_strides(ks), vs_strides=pool_strides(vs),
             table=self.block_table, block_size=self.block_size, fold=int8,
         )  # fmt: skip
 

@@ -15,7 +15,7 @@ import torch
 
 from ...rope import RotarySpec, rotate_positions
 from .. import reference
-from ._base import KernelStorage, OverSegment, Partials, SegmentFormat, triton_available, triton_or_reference
+from ._base import KernelStorage, OverSegment, Partials, SegmentFormat, triton_or_reference
 
 __all__ = ["PreRopeSegment"]
 
@@ -33,7 +33,7 @@ class PreRopeSegment(OverSegment):
     def partial(self, query, mask, scaling, softcap, splits) -> Partials:
         if self.inner.ROPE_IN_LAUNCH:  # turned in the inner format's own launch
             return self.inner.partial(query, mask, scaling, softcap, splits, rope=(self.rotary, self.first))
-        if query.is_cuda and triton_available():  # not a custom op: the Triton launch called directly on CUDA
+        if query.is_cuda:  # not a custom op: the Triton launch called directly on CUDA (when triton imports)
             return triton_or_reference(query, self, mask, scaling, softcap, splits)
         return reference.partial(query, self, mask, scaling, softcap, splits)
 
