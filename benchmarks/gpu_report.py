@@ -292,9 +292,9 @@ def derived_findings(rows: list[dict]) -> dict:
     padded_rows = sorted({(r["rows"], r["block_r"]) for r in rows if "block_r" in r and r["rows"] < r["block_r"]})
     if padded_rows:
         out["query rows"] = (
-            "a program computes BLOCK_R = max(16, next_power_of_2(G * q_len)) rows (tl.dot needs 16) for G * q_len "
-            f"real ones: {', '.join(f'{a} of {b}' for a, b in padded_rows)} at 32/8 heads, so most of the softmax "
-            "math and reductions in the loop (fp32 math, shuffles above) work on padding rows"
+            "a program computes BLOCK_R = max(8, next_power_of_2(G * q_len)) rows (tensor cores pad smaller products "
+            f"themselves) for G * q_len real ones: {', '.join(f'{a} of {b}' for a, b in padded_rows)} at 32/8 heads, "
+            "so part of the softmax math in the loop works on padding rows"
         )
     spilling = [r for r in rows if r.get("spill_stores") and r["q_len"] in (1, 4)]
     if spilling:

@@ -123,7 +123,7 @@ def test_thresholds_no_spills_and_loop_cost_against_dense(reports):
     for (kind, arch), r in rows.items():
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (kind, arch, r["spill_stores"], r["spill_loads"])
         assert r["fits"], (kind, arch, r["limited_by"])
-    assert rows[("int8", 90)]["blocks_per_sm"] >= 3, rows[("int8", 90)]  # 32-token tiles: 168 registers
+    assert rows[("int8", 90)]["blocks_per_sm"] >= 3, rows[("int8", 90)]  # 102 registers: 4 blocks
     dense = rows[("dense", 90)]["loop_instructions"]
     assert rows[("int8", 90)]["loop_instructions"] <= 1.5 * dense, (rows[("int8", 90)]["loop_instructions"], dense)
     assert rows[("int4", 90)]["loop_instructions"] <= 2.0 * dense, (rows[("int4", 90)]["loop_instructions"], dense)

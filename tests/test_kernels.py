@@ -147,6 +147,24 @@ def test_kernel_shapes(kind, length, q_len, gqa, head_dim):
     _close(ref, _sdpa(query, keys, values, mask, 0.125), torch.float32)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_one_query_token_reads_any_mask_row(kind, dtype):
+    """With one query token the kernel loads the mask as one row per batch row and broadcasts it over the heads:
+    exact for any mask, holes included (not only left padding), and a row that sees nothing gives zeros."""
+    g = torch.Generator().manual_seed(3)
+    query, seg, keys, values, _ = _case(kind, 150, 1, 4, 64, dtype=dtype)
+    mask = torch.rand(2, 1, seg.length, generator=g) > 0.4
+    mask[0, :, 40:90] = False  # a wide hole: whole tiles masked
+    ref, tri = _run(query, seg, mask, splits=3)
+    _close(tri, ref, dtype)
+    _close(ref, _sdpa(query, keys, values, mask, 0.125), dtype)
+    mask[1] = False  # a row that attends to nothing: the kernel and the reference both give zeros
+    ref, tri = _run(query, seg, mask, splits=3)
+    _close(tri, ref, dtype)
+    assert tri[1].abs().max() == 0
+
+
 def test_softcap_and_sinks():
     query, seg, keys, values, mask = _case("int8", 200, 2)
     ref, tri = _run(query, seg, mask, splits=2, softcap=3.0)

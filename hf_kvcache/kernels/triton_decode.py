@@ -4,7 +4,9 @@ Flash-decoding: the grid is (batch x KV heads, splits); a program takes all quer
 heads x ``q`` query tokens, so K/V are read once per KV head, not once per query head), walks its split of the tokens
 ``BLOCK_N`` at a time, dequantizes each tile in registers (int8: codes, scales folded into scores and probabilities;
 KIVI: a tile is one key group, its packed rows loaded whole and unpacked in registers, the group's channel scales and
-zero points folded into the query; paged: slots through the block table) and keeps an online softmax;
+zero points folded into the query, values dequantized in the model's 16-bit dtype; paged: slots through the block
+table) and keeps an online softmax. Values dequantized in registers enter the second product as its first operand
+(``acc^T += v^T p^T``); with one query token the mask is one row per batch row, broadcast over the heads;
 :func:`triton_combine` reduces the splits of all segments in one more launch (the contract of
 :func:`~hf_kvcache.kernels.reference.combine`). Every load is masked (out-of-range tokens, channels
 and rows), so the kernels also run under ``TRITON_INTERPRET=1`` on CPU tensors, which is how the CPU test suite checks
@@ -25,6 +27,10 @@ __all__ = ["MAX_COMBINED_SEGMENTS", "triton_combine", "triton_partial"]
 
 assert (DENSE, INT8, KIVI, PAGED, PAGED_INT8) == (0, 1, 2, 3, 4)  # the KIND branches below test these numbers
 BLOCK_N = 64
+# Query rows of a program (query heads of one KV head x query tokens) are padded to at least 8: tensor-core products
+# pad small M themselves, and each padded row costs softmax math (16 rows took 4-25% more main-loop instructions at
+# the 8B shape on sm_90 and 20-80 more registers; 4 spilled paged int8; benchmarks/gpu_report.py).
+MIN_ROWS = 8
 
 
 @triton.jit
@@ -115,13 +121,13 @@ def _codes_as(code, dtype: tl.constexpr):
 
 @triton.jit
 def _kivi_group_expand(X, base, ta, tok_ok, s_t, s_d, D: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_D: tl.constexpr):  # fmt: skip
+                       BLOCK_D: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
     """Per-token values of ``GROUP``-channel groups, loaded as a ``(BLOCK_N, groups)`` tile and broadcast over each
-    group's channels to ``(BLOCK_N, BLOCK_D)`` in registers (not addressed per element)."""
+    group's channels to ``(BLOCK_N, BLOCK_D)`` in registers (not addressed per element), as ``dtype``."""
     NG: tl.constexpr = BLOCK_D // GROUP
     gi = tl.arange(0, NG)
     x = tl.load(X + base + ta[:, None] * s_t + gi[None, :] * s_d, mask=tok_ok[:, None] & (gi < D // GROUP)[None, :],
-                other=0).to(tl.float32)  # fmt: skip
+                other=0).to(dtype)  # fmt: skip
     return tl.reshape(tl.broadcast_to(x[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, BLOCK_D))
 
 
@@ -236,7 +242,7 @@ def _partial_kernel(
     KIND: tl.constexpr, BITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, BS: tl.constexpr,
     HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, FOLD: tl.constexpr,
     KIVI_TILE: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr, ROTATED: tl.constexpr, RCH: tl.constexpr,
-    LARGE: tl.constexpr,
+    LARGE: tl.constexpr, ONE_QUERY: tl.constexpr, SWAP: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -304,12 +310,13 @@ def _partial_kernel(
             else:
                 qk = qf * k_scale[None, :]
                 bias = tl.sum(qf * k_zero[None, :], 1)
+            # values dequantized in the dtype they enter the product in (16-bit: packed multiply-adds, one rounding
+            # where float32 math rounded again when converted for the tensor cores)
+            VT: tl.constexpr = tl.float32 if DOT_FP32 else q.dtype
             vbase = b * svs_b + h * svs_h
-            v = _codes_as(
-                _kivi_codes(V, b * sv_b + h * sv_h, ta, tok_ok, sv_t, sv_d, DV, BITS, BLOCK_N, BLOCK_DV), tl.float32
-            )
-            v = v * _kivi_group_expand(VS, vbase, ta, tok_ok, svs_t, svs_d, DV, GV, BLOCK_N, BLOCK_DV)
-            v = v + _kivi_group_expand(VZ, vbase, ta, tok_ok, svs_t, svs_d, DV, GV, BLOCK_N, BLOCK_DV)
+            v = _codes_as(_kivi_codes(V, b * sv_b + h * sv_h, ta, tok_ok, sv_t, sv_d, DV, BITS, BLOCK_N, BLOCK_DV), VT)
+            v_scale = _kivi_group_expand(VS, vbase, ta, tok_ok, svs_t, svs_d, DV, GV, BLOCK_N, BLOCK_DV, VT)
+            v = v * v_scale + _kivi_group_expand(VZ, vbase, ta, tok_ok, svs_t, svs_d, DV, GV, BLOCK_N, BLOCK_DV, VT)
             if ROPE:
                 if DOT_FP32:
                     s = tl.dot(qk, tl.trans(kf), input_precision="ieee")
@@ -317,7 +324,9 @@ def _partial_kernel(
                     s = tl.dot(q, tl.trans(kf.to(q.dtype)))
             elif DOT_FP32:
                 s = tl.dot(qk, tl.trans(_codes_as(k, tl.float32)), input_precision="ieee") + bias[:, None]
-            else:  # codes are exact in 16 bits
+            elif SWAP:  # codes are exact in 16 bits; unpacked in registers, the product's first operand: s^T = k q^T
+                s = tl.trans(tl.dot(_codes_as(k, q.dtype), tl.trans(qk.to(q.dtype)))) + bias[:, None]
+            else:
                 s = tl.dot(qk.to(q.dtype), tl.trans(_codes_as(k, q.dtype))) + bias[:, None]
         else:
             k = _load_kv(
@@ -349,7 +358,11 @@ def _partial_kernel(
         if SOFTCAP:
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
         valid = row_ok[:, None] & tok_ok[None, :]
-        if HAS_MASK:
+        if HAS_MASK and ONE_QUERY:  # one query token: the tile's mask is a row, loaded once and broadcast over the
+            # heads (a 2-D mask tile put the scores in a layout whose row reductions took 5 shuffle levels per row)
+            allowed = tl.load(MASK + b * sm_b + t * sm_t, mask=tok_ok, other=0)
+            valid = valid & (allowed != 0)[None, :]
+        elif HAS_MASK:
             allowed = tl.load(MASK + b * sm_b + i[:, None] * sm_q + t[None, :] * sm_t, mask=valid, other=0)
             valid = valid & (allowed != 0)
         s = tl.where(valid, s, float("-inf"))
@@ -364,6 +377,8 @@ def _partial_kernel(
             pv = p * value_scales[None, :]
         if DOT_FP32:
             acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
+        elif SWAP:  # values dequantized in registers as the product's first operand: acc^T += v^T p^T
+            acc = acc * alpha[:, None] + tl.trans(tl.dot(tl.trans(v.to(q.dtype)), tl.trans(pv.to(q.dtype))))
         else:
             acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype))
         m_i = m_new
@@ -443,19 +458,25 @@ def triton_partial(
     # a power of two); other group sizes dequantize every element of the tile.
     kivi_tile = kind == KIVI and 16 <= gk <= 128 and gk & (gk - 1) == 0 and (not rope or rot_dim == _block(dk))
     # Tile and pipelining depth per kind, from the kernels compiled for sm_80 / sm_90 (benchmarks/gpu_report.py):
-    # - int8 with folded scales: 32-token tiles, no pipelining: 168 registers, 3 resident blocks per SM (64-token
-    #   tiles took 223 and 2 blocks); latency is hidden by 12 resident warps instead of cp.async stages;
+    # - int8 with folded scales: no pipelining: 102 registers, 4 resident blocks per SM at the 8B shape on sm_90 (2
+    #   stages took 160 and 3 blocks); latency is hidden by resident warps instead of cp.async stages; 32-token tiles
+    #   for 64 query rows (64-token ones spilled);
     # - KIVI tiles (one key group each): no pipelining (2 stages spilled at 4 query tokens on sm_90), except with keys
     #   turned per tile (pre-RoPE), where 2 stages spill less;
     # - KIVI keys turned per element (partial rotary, or a width that is not a power of two: each channel's pair
     #   dequantized beside it): 32-token tiles, no pipelining, eight warps (64-token tiles spilled KBs at 4 warps);
-    # - paged gathers: 2 stages (3 spilled at 4 query tokens); dense and int8 pages: Triton's default 3.
+    # - paged gathers and dense tiles: 2 stages (3 spilled at 4 query tokens for pages, and 20 B at head_dim 96 on
+    #   sm_90 for dense tiles, with twice the shared memory for no fewer instructions); int8 pages: Triton's default 3.
     rope_per_element = kind == KIVI and rope and not kivi_tile
-    block_n = gk if kivi_tile else 32 if s.fold and kind == INT8 or rope_per_element else BLOCK_N
+    # Tiles dequantized in registers enter the products as their first operand (s^T = k q^T, acc^T += v^T p^T) while
+    # a program holds at most 16 query rows: 2-8% fewer main-loop instructions at the 8B shape on sm_90 (wgmma over
+    # the head dimension); with 64 rows (16 query tokens) the swapped tiles spilled.
+    swap = kind in (INT8, KIVI, PAGED_INT8) and _block(rows, MIN_ROWS) <= 16
+    block_n = gk if kivi_tile else 32 if s.fold and kind == INT8 and not swap or rope_per_element else BLOCK_N
     if kind == INT8 and s.fold or kivi_tile and not rope or rope_per_element:
         stages = 1
     else:
-        stages = 2 if kind == PAGED or kivi_tile else 3
+        stages = 2 if kind in (DENSE, PAGED) or kivi_tile else 3
     # Eight warps once a program holds 64 query rows or more (16 query tokens x 4 heads): the scores, probabilities
     # and accumulator tiles of 64+ rows spill with four; also for keys turned per tile under a causal mask tile
     # (pre-RoPE with several query tokens spilled at four on sm_90).
@@ -483,7 +504,7 @@ def triton_partial(
         SOFTCAP=bool(softcap), DOT_FP32=query.dtype == torch.float32, FOLD=s.fold, KIVI_TILE=kivi_tile, ROPE=rope,
         ROT_DIM=rot_dim, ROTATED=hk is not None, RCH=min(64, _block(dk), _block(dv)),
         LARGE=any(_reach(x) >= 2**31 for x in (s.k, s.v, s.ks, s.vs, s.kz, s.vz, query)),
-        BLOCK_R=_block(rows), BLOCK_N=block_n,
+        ONE_QUERY=q_len == 1, SWAP=swap, BLOCK_R=_block(rows, MIN_ROWS), BLOCK_N=block_n,
         BLOCK_DK=_block(dk), BLOCK_DV=_block(dv), num_stages=stages, num_warps=warps,
     )  # fmt: skip
     return m.view(b, hkv, g, q_len, splits), l_.view(b, hkv, g, q_len, splits), acc.view(b, hkv, g, q_len, splits, dv)
