@@ -397,6 +397,48 @@ def test_append_kernel_encodes_int8_bit_exactly(dtype, scale_dtype, group, head_
     assert torch.equal(results[0][0][:, :, 2:7], p["k"]) and torch.equal(results[0][2][:, :, 2:7], p["ks"])
 
 
+def _awkward_tokens(dtype, n, head_dim, gen):
+    """``(2, 2, n, D)`` keys and values over 12 decades per channel and per token, with NaN, +-inf, subnormals, a
+    constant channel and a token of zeros, a channel of only -inf: every branch of the asymmetric encoding."""
+    scales = torch.logspace(-8, 4, head_dim).view(1, 1, 1, head_dim)
+    k = torch.randn(2, 2, n, head_dim, generator=gen) * scales[..., torch.randperm(head_dim, generator=gen)]
+    v = torch.randn(2, 2, n, head_dim, generator=gen) * torch.logspace(-8, 4, n).view(1, 1, n, 1)
+    k[0, 0, 0, 3], k[0, 0, 1, 5], k[1, 1, :, 7] = float("nan"), float("inf"), float("-inf")
+    k[1, 0, :, 2] = 0.37  # a constant channel: zero spread
+    k[0, 1, :, 9] = 1e-41  # subnormal in float32: the scale underflows
+    v[0, 1, 1] = 0.0
+    v[1, 0, 2, :8] = float("nan")
+    v[0, 1, 3, 1], v[1, 1, 0, 4] = float("-inf"), float("inf")
+    return k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.parametrize(
+    "bits, group, head_dim, key_axis",
+    [(4, 16, 64, "channel"), (3, 8, 64, "channel"), (2, 24, 96, "channel"), (3, 8, 64, "token")],
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_kivi_encode_kernel_is_bit_exact(bits, group, head_dim, key_axis, dtype):
+    """Tokens leaving a KIVI cache's residual are encoded in one launch, bit for bit KiviCodec.encode (codes packed,
+    3 bits in two planes; scales and zero points rounded outward in their dtype), into strided slot views of a layer's
+    storage and nothing beside them. (A group of signed zeros may keep either zero as its minimum: compared as
+    values there, as the sign of a zero point changes no decoded value.)"""
+    from hf_kvcache.kernels.triton_append import kivi_encodable, triton_kivi_encode
+
+    n = 2 * group
+    k, v = _awkward_tokens(dtype, n, head_dim, torch.Generator().manual_seed(bits + group))
+    codec = KiviCodec(bits, group, None, key_axis=key_axis)
+    want = codec.encode(k, v)
+    assert kivi_encodable(bits, group, head_dim, head_dim, key_axis == "token")
+    # the slots of the middle half of buffers twice as long, as TokenBuffers.reserve hands them out
+    bufs = {name: torch.zeros(*t.shape[:2], 2 * t.shape[2], *t.shape[3:], dtype=t.dtype) for name, t in want.items()}
+    out = {name: bufs[name][:, :, t.shape[2] // 2 : t.shape[2] // 2 + t.shape[2]] for name, t in want.items()}
+    triton_kivi_encode(k, v, out, bits, group, key_axis == "token")
+    for name in want:
+        assert torch.equal(_tensor_bits(out[name] + 0), _tensor_bits(want[name] + 0)), name  # + 0: -0.0 -> 0.0
+        rows = want[name].shape[2]
+        assert not bufs[name][:, :, : rows // 2].any() and not bufs[name][:, :, rows // 2 + rows :].any(), name
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_append_kernel_copies_full_precision_tokens(dtype):
     """Without scales the append stores keys and values as they are (a residual's or the sinks' buffers), both in one

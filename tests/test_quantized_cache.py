@@ -67,8 +67,8 @@ def test_every_token_encoded_once_and_prompt_tail_stays_in_residual(monkeypatch)
     cache = QuantizedKVCache(_config(), bits=4, group_size=8, residual_length=16, **KIVI)
     encoded = []
     codec = cache.layers[0].codec
-    original = codec.encode
-    monkeypatch.setattr(codec, "encode", lambda k, v: encoded.append(k.shape[2]) or original(k, v))
+    original = codec.encode_into  # the layer encodes straight into its storage
+    monkeypatch.setattr(codec, "encode_into", lambda k, v, out: encoded.append(k.shape[2]) or original(k, v, out))
     k, v = _kv(100)
     _feed(cache, k, v, [37] + [1] * 63)
     layer = cache.layers[0]
@@ -481,6 +481,33 @@ def test_rotate_validation_bytes_and_spec():
         model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=5, do_sample=False)
     assert cache_nbytes(rotated) == cache_nbytes(plain) and rotated.bytes_per_token() == plain.bytes_per_token()
     assert "rotate='hadamard'" in repr(rotated) and rotated.rotate == "hadamard" and plain.rotate is None
+
+
+@torch.no_grad()
+def _teacher_forced(model, ids, cache, prefill=8):
+    logits = [model(ids[:, :prefill], past_key_values=cache, use_cache=True).logits[:, -1]]
+    for t in range(prefill, ids.shape[1]):
+        logits.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+    return torch.stack(logits, 1)
+
+
+@pytest.mark.parametrize(
+    "spec", ["int8", "int4:residual_length=4:group_size=8", "int2:residual_length=4:group_size=8:pre_rope=false"]
+)
+def test_rotated_cache_stores_what_it_reads(spec):
+    """Through the layer's own append path (tokens encoded straight into the storage), a rotated cache stays within
+    its kind's stated teacher-forced bound: the encoder rotates what the reader rotates back. (int8's in-place
+    encoder once reached through the rotated codec stored unrotated codes: 2.2 x std.)"""
+    from hf_kvcache.compare import LOGIT_BOUNDS
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    errors = {}
+    for rotate in ("none", "hadamard"):
+        cache = make_cache(f"{spec}:rotate={rotate}", model)
+        ref, got = _teacher_forced(model, ids, DynamicCache(config=model.config)), _teacher_forced(model, ids, cache)
+        errors[rotate] = float((got - ref).abs().max() / ref.std())
+    assert 0 < errors["hadamard"] <= LOGIT_BOUNDS[spec.split(":")[0]], errors
 
 
 def test_rotated_cache_is_read_in_place_under_hf_kvcache(monkeypatch):

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .formats._base import pool_strides, strides
 
-__all__ = ["triton_append"]
+__all__ = ["kivi_encodable", "triton_append", "triton_kivi_encode"]
 
 
 @triton.jit
@@ -144,4 +144,218 @@ def triton_append(
         PAGED=table is not None, BS=block_size, BLOCK_GK=triton.next_power_of_2(dk // gk),
         BLOCK_CK=triton.next_power_of_2(gk), BLOCK_GV=triton.next_power_of_2(dv // gv),
         BLOCK_CV=triton.next_power_of_2(gv),
+    )  # fmt: skip
+
+
+# --- KIVI: tokens leaving the residual, encoded into the storage in one launch -------------------------------------
+
+
+@triton.jit
+def _round_down(x, SDT: tl.constexpr):
+    """Float32 ``x`` in ``SDT``, rounded toward -inf (to nearest, then one unit down where that rose above ``x``)."""
+    if SDT == tl.float32:
+        return x
+    y = x.to(SDT)
+    bits = y.to(tl.int16, bitcast=True)
+    down = tl.where(y > 0, bits - 1, bits + 1).to(SDT, bitcast=True)  # y <= 0 here only from x < 0: magnitude up
+    return tl.where(y.to(tl.float32) > x, down, y)
+
+
+@triton.jit
+def _round_up(x, SDT: tl.constexpr):
+    """Non-negative float32 ``x`` in ``SDT``, rounded toward +inf."""
+    if SDT == tl.float32:
+        return x
+    y = x.to(SDT)
+    return tl.where(y.to(tl.float32) < x, _next_up(y), y)
+
+
+@triton.jit
+def _asymmetric(x, ok, mn, mx, TOP: tl.constexpr, SDT: tl.constexpr):
+    """Codes (int32, ``[0, TOP]``), scales and zero points of groups with finite extrema ``mn`` / ``mx`` (float32,
+    broadcast against ``x``), bit for bit :func:`hf_kvcache.quant.quantize_asymmetric`: the zero point is the minimum
+    rounded down to ``SDT``, the scale ``(max - zero) / TOP`` (divided first) rounded up, bumped to the smallest
+    positive value if it underflowed and one unit more if the range still exceeds ``TOP`` steps; non-finite inputs
+    mapped (infinities to the extrema, NaN to the value nearest 0 in the range); codes rounded half to even."""
+    zero = _round_down(mn, SDT)
+    zf = zero.to(tl.float32)
+    scale = _round_up(tl.math.div_rn(mx, TOP * 1.0) - tl.math.div_rn(zf, TOP * 1.0), SDT)
+    scale = tl.where((mx - zf > 0) & (scale == 0), _next_up(tl.zeros_like(scale)), scale)
+    positive = tl.where(scale > 0, scale.to(tl.float32), 1.0)
+    scale = tl.where(tl.math.div_rn(mx, positive) - tl.math.div_rn(zf, positive) > TOP, _next_up(scale), scale)
+    safe = tl.where(scale > 0, scale.to(tl.float32), 1.0)
+    finite = (x == x) & (tl.abs(x) != float("inf"))
+    nan_value = tl.minimum(tl.maximum(tl.zeros_like(mn), mn), mx)
+    x = tl.where(finite, x, tl.where(x != x, nan_value, tl.where(x > 0, mx, mn)))
+    c = tl.math.div_rn(x, safe) - tl.math.div_rn(zf, safe)
+    c = (c + 12582912.0) - 12582912.0  # half to even, as torch.round
+    codes = tl.where(ok, tl.minimum(tl.maximum(c, 0.0), TOP * 1.0), 0.0).to(tl.int32)
+    return codes, scale, zero
+
+
+@triton.jit
+def _finite_extrema(x, ok, axis: tl.constexpr):
+    """Min and max over ``axis`` of the finite elements of ``x`` where ``ok`` (both 0 for a group with none)."""
+    finite = ok & (x == x) & (tl.abs(x) != float("inf"))
+    mn = tl.min(tl.where(finite, x, float("inf")), axis)
+    mx = tl.max(tl.where(finite, x, float("-inf")), axis)
+    empty = mn > mx
+    return tl.where(empty, 0.0, mn), tl.where(empty, 0.0, mx)
+
+
+@triton.jit
+def _kivi_group(
+    X, P, S, Z, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_t, s_d,
+    NT, D: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, PLANE: tl.constexpr, OFFSET: tl.constexpr,
+    SCALES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, SDT: tl.constexpr,
+):  # fmt: skip
+    """One key group: ``NT`` tokens x ``D`` channels, a scale and zero point per channel (over the tokens), the codes'
+    bit plane ``PLANE`` (bits ``PLANE`` up, ``PER`` codes per byte) written at byte ``OFFSET`` of each token's row."""
+    ti = tl.arange(0, BLOCK_T)[:, None, None]
+    wi = tl.arange(0, BLOCK_W)[None, :, None]
+    j = tl.arange(0, PER)[None, None, :]
+    d = wi * PER + j
+    ok = (ti < NT) & (d < D)
+    x = tl.load(X + x_off + ti * t_stride + d * d_stride, mask=ok, other=0.0).to(tl.float32)
+    mn, mx = _finite_extrema(x, ok, 0)
+    codes, scale, zero = _asymmetric(x, ok, mn[None], mx[None], (1 << BITS) - 1, SDT)
+    if SCALES:
+        dd = wi * PER + j  # (1, W, PER)
+        tl.store(S + s_off + dd * s_d, scale, mask=dd < D)
+        tl.store(Z + s_off + dd * s_d, zero, mask=dd < D)
+    width: tl.constexpr = 2 if PER == 4 and BITS == 3 else 1 if BITS == 3 else BITS
+    part = (codes >> PLANE) & ((1 << width) - 1)
+    byte = tl.sum(part << (j * width), 2)  # (T, W)
+    w2 = tl.arange(0, BLOCK_W)[None, :]
+    t2 = tl.arange(0, BLOCK_T)[:, None]
+    tl.store(P + p_row + t2 * p_t + (OFFSET + w2) * p_d, byte.to(tl.uint8), mask=(t2 < NT) & (w2 * PER < D))
+
+
+@triton.jit
+def _kivi_token(
+    X, P, S, Z, x_off, p_off, s_off, d_stride, p_d, s_d,
+    D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, PLANE: tl.constexpr,
+    OFFSET: tl.constexpr, SCALES: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr, SDT: tl.constexpr,
+):  # fmt: skip
+    """One token: ``D`` channels in groups of ``G`` (``G`` a multiple of ``PER``), a scale and zero point per group,
+    the codes' bit plane ``PLANE`` written ``PER`` per byte from byte ``OFFSET`` of the token's row."""
+    gi = tl.arange(0, BLOCK_G)[:, None, None]
+    wi = tl.arange(0, BLOCK_W)[None, :, None]
+    j = tl.arange(0, PER)[None, None, :]
+    d = gi * G + wi * PER + j
+    ok = (gi < D // G) & (wi < G // PER) & (j < PER)
+    x = tl.load(X + x_off + d * d_stride, mask=ok, other=0.0).to(tl.float32)
+    flat = (BLOCK_G, BLOCK_W * PER)  # a group's channels in one row (row-major: order kept)
+    mn, mx = _finite_extrema(tl.reshape(x, flat), tl.reshape(ok, flat), 1)
+    codes, scale, zero = _asymmetric(x, ok, mn[:, None, None], mx[:, None, None], (1 << BITS) - 1, SDT)
+    if SCALES:
+        g1 = tl.arange(0, BLOCK_G)
+        tl.store(S + s_off + g1 * s_d, tl.reshape(scale, (BLOCK_G,)), mask=g1 < D // G)
+        tl.store(Z + s_off + g1 * s_d, tl.reshape(zero, (BLOCK_G,)), mask=g1 < D // G)
+    width: tl.constexpr = 2 if PER == 4 and BITS == 3 else 1 if BITS == 3 else BITS
+    part = (codes >> PLANE) & ((1 << width) - 1)
+    byte = tl.sum(part << (j * width), 2)  # (G, W): byte gi * G / PER + wi of the plane
+    g2 = tl.arange(0, BLOCK_G)[:, None]
+    w2 = tl.arange(0, BLOCK_W)[None, :]
+    where = OFFSET + g2 * (G // PER) + w2
+    tl.store(P + p_off + where * p_d, byte.to(tl.uint8), mask=(g2 < D // G) & (w2 < G // PER))
+
+
+@triton.jit
+def _kivi_group_planes(
+    X, P, S, Z, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_t, s_d, NT,
+    D: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    if BITS == 3:  # the 2-bit plane (4 codes per byte), then the high bits (8 per byte) after its D / 4 bytes
+        _kivi_group(X, P, S, Z, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_t, s_d, NT,
+                    D, 3, 4, 0, 0, True, BLOCK_T, BLOCK_D // 4, SDT)  # fmt: skip
+        _kivi_group(X, P, S, Z, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_t, s_d, NT,
+                    D, 3, 8, 2, D // 4, False, BLOCK_T, BLOCK_D // 8, SDT)  # fmt: skip
+    else:
+        _kivi_group(X, P, S, Z, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_t, s_d, NT,
+                    D, BITS, 8 // BITS, 0, 0, True, BLOCK_T, BLOCK_D // (8 // BITS), SDT)  # fmt: skip
+
+
+@triton.jit
+def _kivi_token_planes(
+    X, P, S, Z, x_off, p_off, s_off, d_stride, p_d, s_d,
+    D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    if BITS == 3:
+        _kivi_token(X, P, S, Z, x_off, p_off, s_off, d_stride, p_d, s_d, D, G, 3, 4, 0, 0, True, BLOCK_G,
+                    BLOCK_C // 4, SDT)  # fmt: skip
+        _kivi_token(X, P, S, Z, x_off, p_off, s_off, d_stride, p_d, s_d, D, G, 3, 8, 2, D // 4, False, BLOCK_G,
+                    BLOCK_C // 8, SDT)  # fmt: skip
+    else:
+        _kivi_token(X, P, S, Z, x_off, p_off, s_off, d_stride, p_d, s_d, D, G, BITS, 8 // BITS, 0, 0, True,
+                    BLOCK_G, BLOCK_C // (8 // BITS), SDT)  # fmt: skip
+
+
+@triton.jit
+def _kivi_encode_kernel(
+    K, V, KP, KS, KZ, VP, VS, VZ,
+    sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+    skp_b, skp_h, skp_t, skp_d, sks_b, sks_h, sks_t, sks_d,
+    svp_b, svp_h, svp_t, svp_d, svs_b, svs_h, svs_t, svs_d,
+    H, n, NK,
+    DK: tl.constexpr, DV: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, KEY_TOKEN: tl.constexpr,
+    SDT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_GK: tl.constexpr,
+    BLOCK_GV: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(B x H, NK + n)``: items below ``NK`` encode keys (a group of ``G`` tokens per channel, or one token
+    with ``KEY_TOKEN``), the rest one token's values each."""
+    pid = tl.program_id(0)
+    item = tl.program_id(1)
+    h = (pid % H).to(tl.int64)  # 64-bit offsets: a layer's buffers may pass 2^31 elements
+    b = (pid // H).to(tl.int64)
+    if item < NK:
+        if KEY_TOKEN:
+            t = item.to(tl.int64)
+            _kivi_token_planes(
+                K, KP, KS, KZ, b * sk_b + h * sk_h + t * sk_t, b * skp_b + h * skp_h + t * skp_t,
+                b * sks_b + h * sks_h + t * sks_t, sk_d, skp_d, sks_d, DK, G, BITS, SDT, BLOCK_GK, BLOCK_C,
+            )  # fmt: skip
+        else:
+            t0 = item.to(tl.int64) * G
+            _kivi_group_planes(
+                K, KP, KS, KZ, b * sk_b + h * sk_h + t0 * sk_t, b * skp_b + h * skp_h + t0 * skp_t,
+                b * sks_b + h * sks_h + item * sks_t, sk_t, sk_d, skp_t, skp_d, sks_t, sks_d, G,
+                DK, BITS, SDT, BLOCK_T, BLOCK_DK,
+            )  # fmt: skip
+    else:
+        t = (item - NK).to(tl.int64)
+        _kivi_token_planes(
+            V, VP, VS, VZ, b * sv_b + h * sv_h + t * sv_t, b * svp_b + h * svp_h + t * svp_t,
+            b * svs_b + h * svs_h + t * svs_t, sv_d, svp_d, svs_d, DV, G, BITS, SDT, BLOCK_GV, BLOCK_C,
+        )  # fmt: skip
+
+
+def kivi_encodable(bits: int, group: int, key_dim: int, value_dim: int, per_token_keys: bool = False) -> bool:
+    """Whether :func:`triton_kivi_encode` takes this geometry: every channel group a whole number of packed bytes
+    (``group`` a multiple of the codes per byte: 8 at 3 bits, whose high-bit plane packs 8) and whole groups of
+    channels."""
+    per = 8 if bits == 3 else 8 // bits
+    return group % per == 0 and value_dim % group == 0 and key_dim % (group if per_token_keys else per) == 0
+
+
+def triton_kivi_encode(k: torch.Tensor, v: torch.Tensor, out: dict[str, torch.Tensor], bits: int, group: int,
+                       per_token_keys: bool = False) -> None:  # fmt: skip
+    """KIVI-encode ``k`` / ``v`` ``(B, H, n, D)`` into ``out`` (views of a layer's storage for ``n`` tokens: ``k`` /
+    ``v`` packed codes, ``ks`` / ``kz`` ``(B, H, n / G, Dk)`` (per token: ``(B, H, n, Dk / G)``), ``vs`` / ``vz``
+    ``(B, H, n, Dv / G)``) in one launch, bit for bit :meth:`hf_kvcache.kernels.formats.KiviCodec.encode`. Needs
+    :func:`kivi_encodable` geometry (the ``scale_dtype`` is the scales')."""
+    b, h, n, dk = k.shape
+    dv = v.shape[-1]
+    nk = n if per_token_keys else n // group
+    if b * h * n == 0:
+        return
+    _kivi_encode_kernel[(b * h, nk + n)](
+        k, v, out["k"], out["ks"], out["kz"], out["v"], out["vs"], out["vz"],
+        *k.stride(), *v.stride(), *strides(out["k"]), *strides(out["ks"]), *strides(out["v"]), *strides(out["vs"]),
+        h, n, nk,
+        DK=dk, DV=dv, G=group, BITS=bits, KEY_TOKEN=per_token_keys, SDT=_SCALE_TYPES[out["ks"].dtype],
+        BLOCK_T=triton.next_power_of_2(group), BLOCK_DK=triton.next_power_of_2(dk),
+        BLOCK_GK=triton.next_power_of_2(max(dk // group, 1)), BLOCK_GV=triton.next_power_of_2(max(dv // group, 1)),
+        BLOCK_C=triton.next_power_of_2(group),
     )  # fmt: skip

@@ -274,13 +274,13 @@ class QuantizedLayer(KVLayer):
             from_res = min(n_encode, self.residual.length)
             from_new = n_encode - from_res
             ke, ve = k[:, :, :from_new], v[:, :, :from_new]
-            if from_res:
+            if from_res:  # the residual's oldest tokens (read in place when no new token joins them)
                 kr, vr = self.residual.view("k")[:, :, :from_res], self.residual.view("v")[:, :, :from_res]
-                ke, ve = torch.cat([kr, ke], dim=2), torch.cat([vr, ve], dim=2)
+                ke, ve = (torch.cat([kr, ke], dim=2), torch.cat([vr, ve], dim=2)) if from_new else (kr, vr)
             if self.key_rope is not None:  # the chunk's first token follows the stored codes
                 ke = rotate_positions(ke, self._store_position() + self.store.length, self.key_rope, inverse=True)
             encode_into = getattr(self.codec, "encode_into", None)
-            if encode_into is not None:  # int8: encoded straight into the storage, one launch
+            if encode_into is not None:  # int8, KIVI: encoded straight into the storage, one launch on CUDA
                 self.store.append_written(
                     n_encode, lambda: self.codec.like(ke, ve), lambda out: encode_into(ke, ve, out)
                 )

@@ -18,11 +18,21 @@ import torch
 from ... import quant
 from ...rope import RotarySpec
 from .. import reference
-from ._base import KIVI, KernelStorage, Partials, Parts, SegmentFormat, channel_groups, group_expand, register_partial
+from ._base import (
+    KIVI,
+    KernelStorage,
+    Partials,
+    Parts,
+    SegmentFormat,
+    channel_groups,
+    group_expand,
+    register_partial,
+    triton_available,
+)
 from .pre_rope import PreRopeSegment
 from .rotated import rotated
 
-__all__ = ["KEY_AXES", "KiviCodec", "KiviSegment", "KiviTokenSegment", "kivi_scale_dtype"]
+__all__ = ["KEY_AXES", "KiviCodec", "KiviSegment", "KiviTokenSegment", "encode_kivi", "kivi_scale_dtype"]
 
 KEY_AXES = ("channel", "token")  # KIVI keys: per channel (the paper's choice, the default) or per token (its ablation)
 
@@ -208,6 +218,61 @@ _TOKEN_OP = register_partial(
 )
 
 
+def _encode_reference(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kp: torch.Tensor,
+    ks: torch.Tensor,
+    kz: torch.Tensor,
+    vp: torch.Tensor,
+    vs: torch.Tensor,
+    vz: torch.Tensor,
+    bits: int,
+    group: int,
+    per_token_keys: bool,
+) -> None:
+    codec = KiviCodec(bits, group, ks.dtype, "token" if per_token_keys else "channel")
+    for name, t in codec.encode(k, v).items():
+        {"k": kp, "ks": ks, "kz": kz, "v": vp, "vs": vs, "vz": vz}[name].copy_(t)
+
+
+@torch.library.custom_op("hf_kvcache::encode_kivi", mutates_args=("kp", "ks", "kz", "vp", "vs", "vz"))
+def encode_kivi(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kp: torch.Tensor,
+    ks: torch.Tensor,
+    kz: torch.Tensor,
+    vp: torch.Tensor,
+    vs: torch.Tensor,
+    vz: torch.Tensor,
+    bits: int,
+    group: int,
+    per_token_keys: bool,
+) -> None:
+    """KIVI-encode ``k`` / ``v`` ``(B, H, n, D)`` into views of a layer's storage (packed codes, scales and zero
+    points, as :meth:`KiviCodec.encode` returns them; the scale dtype the views'): one launch on CUDA
+    (:func:`~hf_kvcache.kernels.triton_append.triton_kivi_encode`, bit-exact to this reference) where the geometry
+    packs whole bytes per channel group, the reference elsewhere."""
+    _encode_reference(k, v, kp, ks, kz, vp, vs, vz, bits, group, per_token_keys)
+
+
+@encode_kivi.register_fake
+def _(k, v, kp, ks, kz, vp, vs, vz, bits, group, per_token_keys):
+    return None
+
+
+@encode_kivi.register_kernel("cuda")
+def _(k, v, kp, ks, kz, vp, vs, vz, bits, group, per_token_keys):
+    if triton_available():
+        from ..triton_append import kivi_encodable, triton_kivi_encode
+
+        if kivi_encodable(bits, group, k.shape[-1], v.shape[-1], per_token_keys):
+            out = {"k": kp, "ks": ks, "kz": kz, "v": vp, "vs": vs, "vz": vz}
+            return triton_kivi_encode(k, v, out, bits, group, per_token_keys)
+    return _encode_reference(k, v, kp, ks, kz, vp, vs, vz, bits, group, per_token_keys)
+
+
 class KiviCodec:
     """KIVI 4/3/2-bit: keys per channel over groups of ``group_size`` tokens, values per token over groups of
     ``group_size`` channels; asymmetric (scale + zero point); codes packed ``8 // bits`` per byte, low bits first
@@ -251,6 +316,27 @@ class KiviCodec:
             kp, ks, kz = quant.pack(kc.view(b, h, n, dk), self.bits), ks.squeeze(3), kz.squeeze(3)  # (B, H, n/G, Dk)
         vp, vs, vz = self._encode_per_token(v, sdt)
         return {"k": kp, "ks": ks, "kz": kz, "v": vp, "vs": vs, "vz": vz}
+
+    def like(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
+        """Zero-token tensors with the dtype, device and trailing shape of each stored tensor of ``k`` / ``v``."""
+        b, h, _, dk = k.shape
+        dv = v.shape[-1]
+        sdt = kivi_scale_dtype(self.scale_dtype, k.dtype)
+        key_params = dk // self.group_size if self.per_token_keys else dk
+        return {
+            "k": k.new_empty((b, h, 0, quant.pack_width(dk, self.bits)), dtype=torch.uint8),
+            "ks": k.new_empty((b, h, 0, key_params), dtype=sdt),
+            "kz": k.new_empty((b, h, 0, key_params), dtype=sdt),
+            "v": v.new_empty((b, h, 0, quant.pack_width(dv, self.bits)), dtype=torch.uint8),
+            "vs": v.new_empty((b, h, 0, dv // self.group_size), dtype=sdt),
+            "vz": v.new_empty((b, h, 0, dv // self.group_size), dtype=sdt),
+        }
+
+    def encode_into(self, k: torch.Tensor, v: torch.Tensor, out: Parts) -> None:
+        """:meth:`encode` written straight into ``out`` (views of the storage for these tokens): one kernel per layer
+        on CUDA (``hf_kvcache::encode_kivi``)."""
+        encode_kivi(k, v, out["k"], out["ks"], out["kz"], out["v"], out["vs"], out["vz"], self.bits,
+                    self.group_size, self.per_token_keys)  # fmt: skip
 
     def width(self, parts: Parts, name: str) -> int:
         """Channels per head of the stored ``"k"`` or ``"v"`` codes (packed ``8 / bits`` per byte)."""

@@ -106,8 +106,8 @@ class RotatedCodec:
         self.inner = inner
         self.unit, self.units = inner.unit, inner.units
 
-    def __getattr__(self, name):  # group_size, bits, key_axis, ... of the inner codec
-        if name == "inner":
+    def __getattr__(self, name):  # group_size, bits, key_axis, like, ... of the inner codec (not its encoders)
+        if name in ("inner", "encode", "encode_into"):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
@@ -117,6 +117,12 @@ class RotatedCodec:
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
         return self.inner.encode(self._rotate(k), self._rotate(v))
+
+    def encode_into(self, k: torch.Tensor, v: torch.Tensor, out: Parts) -> None:
+        """:meth:`encode` written straight into ``out``: rotated, then the inner codec's own ``encode_into`` (one
+        launch on CUDA for int8 and KIVI). Defined here, not reached through the inner codec, which would store the
+        tokens unrotated."""
+        self.inner.encode_into(self._rotate(k), self._rotate(v), out)
 
     def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
         self.inner.decode(parts, k_out, v_out)
