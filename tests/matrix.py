@@ -204,20 +204,30 @@ BATCHES = ("single", "padded")
 
 
 def matrix(batches=BATCHES, modes=tuple(MODES)) -> list:
-    """``pytest.param(case, family, attn, batch, mode)`` for every supported combination (none skipped at run time).
+    """``pytest.param(case, family, attn, batch, mode)`` over every cache case, family, attention and batch shape
+    (none skipped at run time).
 
-    Left out: assisted / prompt-lookup decoding with a padded batch (transformers supports batch size 1 only there),
-    and a case with its own attention implementation under anything but the sdpa reference it is compared with."""
+    Decoding modes: a case's first family runs every mode under each attention and batch shape; its other families
+    run greedy and one more mode each, in turn per batch shape (so each family meets the sampling, beam and
+    speculative modes across its attention x batch combinations without the full product: the cache operations a
+    mode exercises - reorder, repeat, crop - are the cache's, tested in full on the first family). Left out:
+    assisted / prompt-lookup decoding with a padded batch (transformers supports batch size 1 only there), and a case
+    with its own attention implementation under anything but the sdpa reference it is compared with."""
     params = []
     for case in CACHE_CASES:
-        for family in case.families or FAMILY_IDS:
+        families = case.families or FAMILY_IDS
+        turn = dict.fromkeys(batches, 0)
+        for family in families:
             for attn in ATTENTION:
                 if case.attn and attn != "sdpa":
                     continue
                 for batch in batches:
-                    for mode in modes:
-                        if batch == "padded" and mode in ("prompt-lookup", "assisted"):
-                            continue
+                    allowed = [m for m in modes if not (batch == "padded" and m in ("prompt-lookup", "assisted"))]
+                    others = [m for m in allowed if m != "greedy"]
+                    if family != families[0] and len(others) > 1:
+                        allowed = [m for m in allowed if m == "greedy" or m == others[turn[batch] % len(others)]]
+                        turn[batch] += 1
+                    for mode in allowed:
                         parts = [case.id, family, attn] + [batch] * (len(batches) > 1) + [mode] * (len(modes) > 1)
                         params.append(pytest.param(case, family, attn, batch, mode, id="-".join(parts)))
     return params
