@@ -218,22 +218,14 @@ _TOKEN_OP = register_partial(
 )
 
 
-def _encode_reference(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kp: torch.Tensor,
-    ks: torch.Tensor,
-    kz: torch.Tensor,
-    vp: torch.Tensor,
-    vs: torch.Tensor,
-    vz: torch.Tensor,
-    bits: int,
-    group: int,
-    per_token_keys: bool,
-) -> None:
-    codec = KiviCodec(bits, group, ks.dtype, "token" if per_token_keys else "channel")
-    for name, t in codec.encode(k, v).items():
-        {"k": kp, "ks": ks, "kz": kz, "v": vp, "vs": vs, "vz": vz}[name].copy_(t)
+_STORED = ("k", "ks", "kz", "v", "vs", "vz")
+
+
+def _encode_reference(k: torch.Tensor, v: torch.Tensor, out: tuple, bits: int, group: int, per_token: bool) -> None:
+    """:meth:`KiviCodec.encode` copied into ``out``, the storage views in :data:`_STORED` order."""
+    parts = KiviCodec(bits, group, out[1].dtype, "token" if per_token else "channel").encode(k, v)
+    for name, dest in zip(_STORED, out):
+        dest.copy_(parts[name])
 
 
 @torch.library.custom_op("hf_kvcache::encode_kivi", mutates_args=("kp", "ks", "kz", "vp", "vs", "vz"))
@@ -254,7 +246,7 @@ def encode_kivi(
     points, as :meth:`KiviCodec.encode` returns them; the scale dtype the views'): one launch on CUDA
     (:func:`~hf_kvcache.kernels.triton_append.triton_kivi_encode`, bit-exact to this reference) where the geometry
     packs whole bytes per channel group, the reference elsewhere."""
-    _encode_reference(k, v, kp, ks, kz, vp, vs, vz, bits, group, per_token_keys)
+    _encode_reference(k, v, (kp, ks, kz, vp, vs, vz), bits, group, per_token_keys)
 
 
 @encode_kivi.register_fake
@@ -268,9 +260,9 @@ def _(k, v, kp, ks, kz, vp, vs, vz, bits, group, per_token_keys):
         from ..triton_append import kivi_encodable, triton_kivi_encode
 
         if kivi_encodable(bits, group, k.shape[-1], v.shape[-1], per_token_keys):
-            out = {"k": kp, "ks": ks, "kz": kz, "v": vp, "vs": vs, "vz": vz}
+            out = dict(zip(_STORED, (kp, ks, kz, vp, vs, vz)))
             return triton_kivi_encode(k, v, out, bits, group, per_token_keys)
-    return _encode_reference(k, v, kp, ks, kz, vp, vs, vz, bits, group, per_token_keys)
+    return _encode_reference(k, v, (kp, ks, kz, vp, vs, vz), bits, group, per_token_keys)
 
 
 class KiviCodec:
@@ -344,11 +336,10 @@ class KiviCodec:
 
     def segment(self, parts: Parts, start: int = 0) -> KiviSegment | KiviTokenSegment:
         """The tokens of ``parts`` (aligned to key groups) from ``start`` on, as the kernels read them."""
-        names = ("k", "ks", "kz", "v", "vs", "vz")
         if self.per_token_keys:
-            return KiviTokenSegment(self.bits, self.group_size, *(parts[n][:, :, start:] for n in names))
+            return KiviTokenSegment(self.bits, self.group_size, *(parts[n][:, :, start:] for n in _STORED))
         length = parts["k"].shape[2] - start
-        return KiviSegment(self.bits, self.group_size, start, length, *(parts[n] for n in names))
+        return KiviSegment(self.bits, self.group_size, start, length, *(parts[n] for n in _STORED))
 
     def _decode_per_token(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out: torch.Tensor):
         quant.unpack(codes, self.bits, out=out)
