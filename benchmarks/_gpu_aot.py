@@ -101,7 +101,7 @@ def kernel_module():
 
 @functools.cache
 def kernels() -> dict:
-    """Every Triton kernel of the package by name: the decode kernel, the split reduction, the append."""
+    """Every Triton kernel of the package by name: the decode kernel, the split reduction, the appends."""
     check_compiled_mode()
     from hf_kvcache.kernels import triton_append
 
@@ -110,6 +110,7 @@ def kernels() -> dict:
         "partial": decode._partial_kernel,
         "combine": decode._combine_kernel,
         "append": triton_append._append_kernel,
+        "kivi_encode": triton_append._kivi_encode_kernel,
     }
 
 

@@ -363,9 +363,11 @@ def _specialized(launch) -> str:
 def helper_launches() -> list[tuple[str, object]]:
     """The launches of the kernels around decode attention at the 8B shape (16k tokens x batch 8, bfloat16), as the
     cache and attention issue them per layer-step: the split reduction over the history's splits and the new token's,
-    and the new token stored (int8 codes into a layer's buffers, into int8 pages, bfloat16 into pages)."""
+    and the new token stored (int8 codes into a layer's buffers, into int8 pages, bfloat16 into pages); and, every
+    ``group`` steps, a KIVI cache's oldest residual tokens encoded into its storage (4, 3 and 2 bits, groups of 64)."""
+    from hf_kvcache.kernels.formats import KiviCodec
     from hf_kvcache.kernels.reference import num_splits
-    from hf_kvcache.kernels.triton_append import triton_append
+    from hf_kvcache.kernels.triton_append import triton_append, triton_kivi_encode
 
     decode = aot.kernel_module()
     b, hkv, g, d, tokens, bs = 8, 8, 4, 128, 16384, 16
@@ -387,6 +389,18 @@ def helper_launches() -> list[tuple[str, object]]:
         ("append int8 pages", lambda: triton_append(k, k, pool8, pool8, pool_s, pool_s, table, tokens, bs)),
         ("append pages (bfloat16)", lambda: triton_append(k, k, pool, pool, None, None, table, tokens, bs)),
     ]
+    group = 64  # the default at head_dim 128
+    flushed = torch.empty(b, hkv, group, d, dtype=torch.bfloat16)
+    for bits in (4, 3, 2):
+        codec = KiviCodec(bits, group, None)
+        out = {  # the slots of the storage's next key group, strided as in a layer's buffers
+            name: t.new_empty((b, hkv, (tokens + 2 * group) // codec.units[name], *t.shape[3:]))[
+                :, :, tokens // codec.units[name] : (tokens + group) // codec.units[name]
+            ]
+            for name, t in codec.like(flushed, flushed).items()
+        }
+        encode = lambda out=out, bits=bits: triton_kivi_encode(flushed, flushed, out, bits, group)  # noqa: E731
+        calls.append((f"KIVI encode {bits}-bit ({group} tokens)", encode))
     out = []
     for name, call in calls:
         with aot.capturing() as captured:

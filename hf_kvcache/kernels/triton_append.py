@@ -245,8 +245,8 @@ def _kivi_token(
     d = gi * G + wi * PER + j
     ok = (gi < D // G) & (wi < G // PER) & (j < PER)
     x = tl.load(X + x_off + d * d_stride, mask=ok, other=0.0).to(tl.float32)
-    flat = (BLOCK_G, BLOCK_W * PER)  # a group's channels in one row (row-major: order kept)
-    mn, mx = _finite_extrema(tl.reshape(x, flat), tl.reshape(ok, flat), 1)
+    WIDTH: tl.constexpr = BLOCK_W * PER  # a group's channels in one row (reshaped row-major: order kept)
+    mn, mx = _finite_extrema(tl.reshape(x, (BLOCK_G, WIDTH)), tl.reshape(ok, (BLOCK_G, WIDTH)), 1)
     codes, scale, zero = _asymmetric(x, ok, mn[:, None, None], mx[:, None, None], (1 << BITS) - 1, SDT)
     if SCALES:
         g1 = tl.arange(0, BLOCK_G)
