@@ -204,8 +204,16 @@ def _finite_extrema(x, ok, axis: tl.constexpr):
 
 
 @triton.jit
+def _pack_plane(codes, j, PER: tl.constexpr, PLANE: tl.constexpr):
+    """Bytes of a ``(..., W, PER)`` code tile: bits ``PLANE`` up of each code, ``PER`` codes (``8 / PER`` bits each)
+    per byte along the last axis, low bits first (:func:`hf_kvcache.quant.pack`)."""
+    WIDTH: tl.constexpr = 8 // PER
+    return tl.sum(((codes >> PLANE) & ((1 << WIDTH) - 1)) << (j * WIDTH), 2)
+
+
+@triton.jit
 def _kivi_group(
-    X, P, S, Z, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_t, s_d,
+    X, P, S, Z, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_d,
     NT, D: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, PLANE: tl.constexpr, OFFSET: tl.constexpr,
     SCALES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, SDT: tl.constexpr,
 ):  # fmt: skip
@@ -223,9 +231,7 @@ def _kivi_group(
         dd = wi * PER + j  # (1, W, PER)
         tl.store(S + s_off + dd * s_d, scale, mask=dd < D)
         tl.store(Z + s_off + dd * s_d, zero, mask=dd < D)
-    width: tl.constexpr = 2 if PER == 4 and BITS == 3 else 1 if BITS == 3 else BITS
-    part = (codes >> PLANE) & ((1 << width) - 1)
-    byte = tl.sum(part << (j * width), 2)  # (T, W)
+    byte = _pack_plane(codes, j, PER, PLANE)  # (T, W)
     w2 = tl.arange(0, BLOCK_W)[None, :]
     t2 = tl.arange(0, BLOCK_T)[:, None]
     tl.store(P + p_row + t2 * p_t + (OFFSET + w2) * p_d, byte.to(tl.uint8), mask=(t2 < NT) & (w2 * PER < D))
@@ -252,9 +258,7 @@ def _kivi_token(
         g1 = tl.arange(0, BLOCK_G)
         tl.store(S + s_off + g1 * s_d, tl.reshape(scale, (BLOCK_G,)), mask=g1 < D // G)
         tl.store(Z + s_off + g1 * s_d, tl.reshape(zero, (BLOCK_G,)), mask=g1 < D // G)
-    width: tl.constexpr = 2 if PER == 4 and BITS == 3 else 1 if BITS == 3 else BITS
-    part = (codes >> PLANE) & ((1 << width) - 1)
-    byte = tl.sum(part << (j * width), 2)  # (G, W): byte gi * G / PER + wi of the plane
+    byte = _pack_plane(codes, j, PER, PLANE)  # (G, W): byte gi * G / PER + wi of the plane
     g2 = tl.arange(0, BLOCK_G)[:, None]
     w2 = tl.arange(0, BLOCK_W)[None, :]
     where = OFFSET + g2 * (G // PER) + w2
@@ -263,16 +267,16 @@ def _kivi_token(
 
 @triton.jit
 def _kivi_group_planes(
-    X, P, S, Z, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_t, s_d, NT,
+    X, P, S, Z, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_d, NT,
     D: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     if BITS == 3:  # the 2-bit plane (4 codes per byte), then the high bits (8 per byte) after its D / 4 bytes
-        _kivi_group(X, P, S, Z, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_t, s_d, NT,
+        _kivi_group(X, P, S, Z, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_d, NT,
                     D, 3, 4, 0, 0, True, BLOCK_T, BLOCK_D // 4, SDT)  # fmt: skip
-        _kivi_group(X, P, S, Z, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_t, s_d, NT,
+        _kivi_group(X, P, S, Z, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_d, NT,
                     D, 3, 8, 2, D // 4, False, BLOCK_T, BLOCK_D // 8, SDT)  # fmt: skip
     else:
-        _kivi_group(X, P, S, Z, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_t, s_d, NT,
+        _kivi_group(X, P, S, Z, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_d, NT,
                     D, BITS, 8 // BITS, 0, 0, True, BLOCK_T, BLOCK_D // (8 // BITS), SDT)  # fmt: skip
 
 
@@ -320,7 +324,7 @@ def _kivi_encode_kernel(
             t0 = item.to(tl.int64) * G
             _kivi_group_planes(
                 K, KP, KS, KZ, b * sk_b + h * sk_h + t0 * sk_t, b * skp_b + h * skp_h + t0 * skp_t,
-                b * sks_b + h * sks_h + item * sks_t, sk_t, sk_d, skp_t, skp_d, sks_t, sks_d, G,
+                b * sks_b + h * sks_h + item * sks_t, sk_t, sk_d, skp_t, skp_d, sks_d, G,
                 DK, BITS, SDT, BLOCK_T, BLOCK_DK,
             )  # fmt: skip
     else:
