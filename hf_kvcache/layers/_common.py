@@ -165,6 +165,13 @@ class KVLayer(BatchOpsMixin, CacheLayerMixin):
         self.batch_size = None
         self.cumulative_length = 0
 
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Store a forward's new keys and values without building what its attention would read: the same state as
+        :meth:`update`, none of its reads (a dequantized history, a gather of pages). What a prefill computed once
+        and handed to several caches needs (:func:`hf_kvcache.prefill.store_prefill`). Layers whose update has no
+        read to skip inherit this one."""
+        self.update(key_states, value_states)
+
     def _begin_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)

@@ -395,9 +395,8 @@ class PagedLayer(KVLayer):
 
     # -- CacheLayerMixin ------------------------------------------------------------------------------------------
 
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> torch.Tensor:
+        """Write the new tokens into their blocks (allocating them on the first layer); the block table."""
         self._begin_update(key_states, value_states)
         state = self.state
         if self.rank == 0:
@@ -407,9 +406,17 @@ class PagedLayer(KVLayer):
                 for row in group[1:]:
                     if not _same_rows(key_states, value_states, row, group[0]):
                         state.unshare(row)
-        q, total = key_states.shape[-2], state.tables.num_tokens
         table = state.block_table(self.device)
-        self.storage.write(table, total - q, state.block_size, key_states, value_states)
+        self.storage.write(table, state.tables.num_tokens - key_states.shape[-2], state.block_size, key_states,
+                           value_states)  # fmt: skip
+        return table
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self.write(key_states, value_states)
+        state = self.state
+        q, total = key_states.shape[-2], state.tables.num_tokens
         # The forward's own tokens are attended exactly, as the quantized cache does (int8 pages store them rounded).
         if self.mode.handles(q, total - q):
             pages = self.storage.segment(table, state.block_size, total - q)

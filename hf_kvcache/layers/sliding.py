@@ -124,6 +124,13 @@ class SinkWindowLayer(KVLayer):
             self._evict()
         return keys, values
 
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._begin_update(key_states, value_states)
+        self._extend_body(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        if not self.record_past:
+            self._evict()
+
     def get_seq_length(self) -> int:
         return self.cumulative_length
 

@@ -1,0 +1,76 @@
+"""One prefill, several caches: a prompt's keys and values, computed once, stored in a cache as the prompt's forward
+would have stored them.
+
+Every cache we ship stores what a forward hands it (``update`` per layer, in layer order), and a prefill's own
+logits attend to the prompt's full-precision K/V whatever the cache. So the K/V of one prefill (a ``DynamicCache``'s,
+or any per-layer K/V) can be written into another cache without running the model again: :func:`store_prefill` calls
+each layer's ``write`` (``update`` without the read that feeds attention: no dequantized history, no gather of pages)
+and gives the cache the prompt's attention mask, as the model's forward hook does, so sinks and pages know each row's
+left padding. The cache's state is then the one a prefill through it leaves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from transformers.cache_utils import Cache
+
+from .layers._common import KVLayer
+
+__all__ = ["store_prefill", "write_tokens"]
+
+
+def write_tokens(cache: Cache, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """Store one layer's share of a forward, ``(B, H, n, D)`` keys and values, without the read that would feed its
+    attention (our layers' ``write``; transformers' layers, whose ``update`` returns what they store, update). Called
+    for every layer in layer order per forward, as the model does, it leaves the state the forward leaves: a chunked
+    prefill written this way chunk by chunk stores what one through the cache stores, with no scratch."""
+    layers = getattr(cache, "layers", None)
+    layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
+    if isinstance(layer, KVLayer):
+        layer.write(key_states, value_states)
+    else:
+        cache.update(key_states, value_states, layer_idx)
+
+
+def store_prefill(
+    cache: Cache,
+    key_value_states: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    attention_mask: torch.Tensor | None = None,
+) -> Cache:
+    """Store a prefill's keys and values, ``(key_states, value_states)`` of each layer in layer order (shapes as the
+    model passes them to ``Cache.update``: ``(B, H, T, D)``, every layer the whole prompt's ``T`` tokens: the
+    ``layers`` of a ``DynamicCache()`` built without a config that the prompt's forward filled), in an empty
+    ``cache``; ``attention_mask``: the prompt's 2-D mask (1 = real token), for caches that read each row's left
+    padding. Returns ``cache``.
+
+    >>> from transformers import DynamicCache, LlamaConfig
+    >>> from hf_kvcache import QuantizedKVCache
+    >>> from hf_kvcache.prefill import store_prefill
+    >>> config = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    >>> kv = [(torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)) for _ in range(2)]
+    >>> store_prefill(QuantizedKVCache(config), kv).get_seq_length()
+    40
+    """
+    if cache.get_seq_length() != 0:
+        raise ValueError(
+            f"store_prefill needs an empty cache; this one holds {cache.get_seq_length()} tokens (call cache.reset())"
+        )
+    if attention_mask is not None and hasattr(cache, "before_forward"):
+        cache.before_forward({"attention_mask": attention_mask})  # what the model's forward hook would tell it
+    count, tokens = 0, None
+    for layer_idx, (key_states, value_states) in enumerate(key_value_states):
+        tokens = key_states.shape[-2] if tokens is None else tokens
+        if key_states.shape[-2] != tokens:
+            raise ValueError(
+                f"store_prefill: layer {layer_idx} got {key_states.shape[-2]} tokens, layer 0 got {tokens}: every "
+                "layer needs the whole prompt's K/V (a DynamicCache built from a hybrid model's config keeps only "
+                "its sliding layers' windows; DynamicCache() without a config keeps every token)"
+            )
+        write_tokens(cache, layer_idx, key_states, value_states)
+        count += 1
+    layers = getattr(cache, "layers", None)
+    if layers is not None and count != len(layers):
+        raise ValueError(f"store_prefill got the K/V of {count} layers for a cache of {len(layers)} layers")
+    return cache
