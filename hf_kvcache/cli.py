@@ -222,6 +222,12 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--weights-bits", type=int, default=16, help="16, 8 or 4 (bitsandbytes)")
     p.add_argument("--reserve", default=None, help="memory kept for activations, CUDA context (1GiB + 5%%)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: plan one rank's share of the KV heads")
+    p.add_argument(
+        "--attn",
+        default="sdpa",
+        help="attention decoding will use: eager or sdpa (quantized caches need a dequantization workspace) or "
+        "hf_kvcache (codes read in place: no workspace)",
+    )
     p.add_argument("--caches", default=",".join(DEFAULT_PLAN_CACHES), help="cache specs, comma-separated")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_plan)
@@ -233,7 +239,7 @@ def _plan(args) -> int:
 
     from ._validate import dtype_from_name
     from .models import model_path
-    from .plan import parse_memory, plan_memory
+    from .plan import PLAN_ATTENTIONS, parse_memory, plan_memory
 
     # Checked here with the flags' names in the messages; plan_memory checks them again under its argument names.
     if args.weights_bits not in (4, 8, 16):
@@ -242,6 +248,8 @@ def _plan(args) -> int:
         check_int("--context", args.context, 1)
     check_int("--batch", args.batch, 1)
     check_int("--tp", args.tp, 1)
+    if args.attn not in PLAN_ATTENTIONS:
+        raise ValueError(f"--attn must be one of {', '.join(PLAN_ATTENTIONS)}, got {args.attn!r}")
     dtype = dtype_from_name("--dtype", args.dtype)
     for flag, value in (("--memory", args.memory), ("--reserve", args.reserve)):
         if value is not None:
@@ -256,6 +264,7 @@ def _plan(args) -> int:
         caches=_split(args.caches),
         reserve=args.reserve,
         tp=args.tp,
+        attn=args.attn,
     )
     print(json.dumps(dataclasses.asdict(plan), indent=1) if args.json else plan.table())
     return 0

@@ -21,6 +21,7 @@ caches' ``nbytes`` after real forwards, for every kind and for hybrid models):
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -31,10 +32,20 @@ import torch
 
 from ._config import LayerSpec, layer_specs, model_type, resolve_config
 from ._validate import check_int, dtype_from_name
+from .attention import ATTENTION
 from .layers.window import dynamic_layer_nbytes
 from .registry import check_spec, make_cache, parse_spec
 
-__all__ = ["DEFAULT_PLAN_CACHES", "MemoryPlan", "PlanRow", "kv_bytes", "parse_memory", "plan_memory", "weight_bytes"]
+__all__ = [
+    "DEFAULT_PLAN_CACHES",
+    "PLAN_ATTENTIONS",
+    "MemoryPlan",
+    "PlanRow",
+    "kv_bytes",
+    "parse_memory",
+    "plan_memory",
+    "weight_bytes",
+]
 
 DEFAULT_PLAN_CACHES = (
     "dynamic",
@@ -47,6 +58,7 @@ DEFAULT_PLAN_CACHES = (
     "paged:share=8",
     "paged:bits=8",
 )
+PLAN_ATTENTIONS = ("eager", "sdpa", ATTENTION)  # how decoding reads the cache: what scratch it needs
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -254,13 +266,26 @@ class MemoryPlan:
         return f"{head}\n\n{tabulate(body, headers=headers, tablefmt='github', disable_numparse=True)}\n\n{notes}"
 
 
-def _scratch(spec: str, config, tokens: int, batch: int, dtype: torch.dtype, tp: int = 1) -> int:
+@functools.lru_cache
+def _decodes_into_workspace(kind: str) -> bool:
+    """Whether a cache kind hands eager / sdpa attention its history decoded into a shared workspace (the quantized
+    kinds), told from a cache of that kind built for a one-layer config."""
+    from transformers import LlamaConfig
+
+    from .caches import QuantizedKVCache
+
+    tiny = LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
+    return isinstance(make_cache(kind, tiny), QuantizedKVCache)
+
+
+def _scratch(spec: str, config, tokens: int, batch: int, dtype: torch.dtype, tp: int = 1, attn: str = "sdpa") -> int:
     """Decode scratch of the quantized caches under eager / sdpa attention: one workspace per distinct layer width,
     shared by the layers, holding a layer's dequantized history (with the buffers' growth headroom). Sink and paged
-    caches and ``DynamicCache`` hand attention their own tensors or a gather that is freed per layer."""
+    caches and ``DynamicCache`` hand attention their own tensors or a gather that is freed per layer; under the
+    ``hf_kvcache`` attention the quantized caches read their codes in place and need none."""
     from .layers._storage import _grown_capacity
 
-    if _plan_spec(spec)[0] not in ("int8", "int4", "int2"):
+    if attn == ATTENTION or not _decodes_into_workspace(_plan_spec(spec)[0]):
         return 0
     widths = {}
     for s in layer_specs(resolve_config(config), "plan"):
@@ -294,6 +319,7 @@ def plan_memory(
     reserve: str | int | None = None,
     max_context: int = 2**24,
     tp: int = 1,
+    attn: str = "sdpa",
 ) -> MemoryPlan:
     """Plan the KV cache of a model (a ``PretrainedConfig``, a model, a local folder, a ``config.json`` or a hub id)
     for ``memory`` bytes (``"80GiB"``): per cache spec, bytes, largest context at ``batch``, largest batch at
@@ -303,7 +329,9 @@ def plan_memory(
     prefill (chunk long prompts with ``prefill_chunk_size`` to keep them small), the logits, allocator
     fragmentation. ``max_context`` caps the search (bounded caches report ``None``: any context). ``tp``: plan one
     rank of ``tp`` under tensor parallelism (``memory`` is one device's; each rank holds ``1 / tp`` of the KV heads,
-    exactly, and of the weights, approximately).
+    exactly, and of the weights, approximately). ``attn``: the attention implementation decoding will use:
+    ``"eager"`` / ``"sdpa"`` (the quantized caches dequantize one layer's history per step into a workspace, counted
+    as scratch) or ``"hf_kvcache"`` (they read their codes in place: no scratch).
 
     >>> from transformers import LlamaConfig
     >>> config = LlamaConfig(num_hidden_layers=16, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
@@ -320,6 +348,8 @@ def plan_memory(
         dtype = dtype_from_name("dtype", dtype)
     check_int("batch", batch, 1)
     check_int("tp", tp, 1)
+    if attn not in PLAN_ATTENTIONS:
+        raise ValueError(f"attn must be one of {', '.join(PLAN_ATTENTIONS)}, got {attn!r}")
     layer_specs(config, "plan", tp)  # the degree must divide every layer's KV heads
     context = context if context is not None else getattr(config, "max_position_embeddings", None) or 4096
     check_int("context", context, 1)
@@ -332,12 +362,13 @@ def plan_memory(
     budget = memory_bytes - weights["bytes"] - reserve_bytes
 
     def need(spec: str, tokens: int, rows: int) -> int:
-        return kv_bytes(spec, config, tokens, rows, dtype, tp=tp) + _scratch(spec, config, tokens, rows, dtype, tp)
+        stored = kv_bytes(spec, config, tokens, rows, dtype, tp=tp)
+        return stored + _scratch(spec, config, tokens, rows, dtype, tp, attn)
 
     rows = []
     for spec in caches:
         stored = kv_bytes(spec, config, context, batch, dtype, tp=tp)
-        scratch = _scratch(spec, config, context, batch, dtype, tp)
+        scratch = _scratch(spec, config, context, batch, dtype, tp, attn)
         longest_need = need(spec, max_context, batch)
         bounded = longest_need == need(spec, max_context // 2, batch)
         if bounded and longest_need <= budget:
@@ -367,8 +398,13 @@ def plan_memory(
             if tp > 1
             else []
         ),
-        "decode scratch (counted): int8/int4/int2 under eager or sdpa dequantize one layer's history per step into a "
-        "shared workspace; under attn_implementation='hf_kvcache' they read their codes in place and need none",
+        f"decode scratch, for {attn} attention: "
+        + (
+            "none (the quantized caches read their codes in place)"
+            if attn == ATTENTION
+            else "int8/int4/int3/int2 dequantize one layer's history per step into a shared workspace (counted); "
+            "under attn_implementation='hf_kvcache' they read their codes in place and need none"
+        ),
         "paged:share=N: groups of N rows share one prompt (sampling, beams) and each generates 256 tokens",
         "growth headroom: our caches grow their buffers by 12.5%; DynamicCache's torch.cat briefly holds two "
         "copies of one layer; both fit in the reserve at typical sizes",

@@ -186,3 +186,21 @@ def test_cli_plan_tp(capsys):
     assert "--tp must be" in capsys.readouterr().err
     assert cli(["plan", "--memory", "24GiB", "--model", "reference", "--tp", "2", "--caches", "dynamic"]) == 0
     assert "tensor parallel: one rank of 2" in capsys.readouterr().out
+
+
+def test_scratch_follows_the_attention_that_decodes():
+    """Under eager / sdpa every quantized kind (int3 included) dequantizes one layer's history per step into a
+    workspace, counted as scratch; under the hf_kvcache attention none reads through one."""
+    config = LlamaConfig(**LLAMA3_8B)
+    specs = ("dynamic", "int8", "int4", "int3", "int2", "paged:bits=8")
+    sdpa = plan_memory(config, "80GiB", context=32768, caches=specs)
+    ours = plan_memory(config, "80GiB", context=32768, caches=specs, attn="hf_kvcache")
+    workspace = 36880  # the workspace's tokens: the history, the new token and 12.5% headroom, aligned to 16
+    for spec in ("int8", "int4", "int3", "int2"):
+        assert sdpa.row(spec).scratch_bytes == workspace * 8 * (128 + 128) * 2, spec
+        assert ours.row(spec).scratch_bytes == 0 and ours.row(spec).max_batch >= sdpa.row(spec).max_batch
+    for spec in ("dynamic", "paged:bits=8"):
+        assert sdpa.row(spec).scratch_bytes == ours.row(spec).scratch_bytes == 0
+    with pytest.raises(ValueError, match="attn must be one of eager, sdpa, hf_kvcache, got 'flash'"):
+        plan_memory(config, "80GiB", attn="flash")
+    assert cli(["plan", "--model", "reference", "--memory", "1GiB", "--attn", "flash"]) == 2
