@@ -1,10 +1,22 @@
-"""Whether the Triton kernels can be used in this process (triton imports and builds for this platform)."""
+"""Whether the Triton kernels can be used in this process, and what to do where one cannot.
+
+A kernel that this machine's Triton cannot build (an older Triton without a language feature we use, a GPU whose
+resources a variant exceeds) must not cost a user their generation: :func:`guarded` runs the reference instead, warns
+once, and remembers why (:func:`kernel_fallbacks`: the GPU run reports them)."""
 
 from __future__ import annotations
 
 import functools
+import warnings
+from collections.abc import Callable
+from typing import TypeVar
 
-__all__ = ["triton_available"]
+import torch
+
+__all__ = ["guarded", "kernel_fallbacks", "triton_available"]
+
+T = TypeVar("T")
+_FALLBACKS: dict[str, str] = {}  # kernel name -> why it could not run here
 
 
 @functools.cache
@@ -14,3 +26,38 @@ def triton_available() -> bool:
     except Exception:  # no triton, or one that cannot build for this platform
         return False
     return True
+
+
+def kernel_fallbacks() -> dict[str, str]:
+    """The kernels that failed to build or launch in this process, with the error, by name."""
+    return dict(_FALLBACKS)
+
+
+def _build_errors() -> tuple[type[BaseException], ...]:
+    """What a Triton kernel raises when it cannot be compiled or launched here (never a CUDA out-of-memory)."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    return (CompilationError, OutOfResources, RuntimeError)
+
+
+def guarded(name: str, launch: Callable[[], T], reference: Callable[[], T]) -> T:
+    """``launch()`` (a Triton kernel ``name``), or ``reference()`` from the first time it fails to build or launch
+    on this machine on: warned once, recorded in :func:`kernel_fallbacks`. Running out of device memory is not a
+    build failure and propagates."""
+    if name in _FALLBACKS:
+        return reference()
+    try:
+        return launch()
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except _build_errors() as err:
+        last = str(err).strip().splitlines()[-1:] or [""]  # a compiler's message ends with its verdict
+        _FALLBACKS[name] = f"{type(err).__name__}: {last[0][:300]}"
+        warnings.warn(
+            f"hf_kvcache: the Triton kernel {name} cannot run here ({_FALLBACKS[name]}); using the pure-torch "
+            "reference for it",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return reference()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .. import quant
-from ._available import triton_available
+from ._available import guarded, triton_available
 
 __all__ = ["append_kv"]
 
@@ -79,5 +79,9 @@ def _(k, v, k_out, v_out, k_scales=None, v_scales=None, table=None, start=0, blo
     if triton_available():
         from .triton_append import triton_append
 
-        return triton_append(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size)
+        return guarded(
+            "append_kv",
+            lambda: triton_append(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size),
+            lambda: _append_reference(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size),
+        )
     return _append_reference(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size)

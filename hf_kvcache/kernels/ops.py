@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
+from ._available import guarded
 from .append import append_kv
 from .formats import triton_available
 from .formats._base import Partials
@@ -50,12 +51,16 @@ def _(m, l, acc, sinks, dtype):  # noqa: E741
 @_combine.register_kernel("cuda")
 def _(m, l, acc, sinks, dtype):  # noqa: E741
     partials = list(zip(m, l, acc))
+
+    def ref() -> torch.Tensor:
+        return reference.combine(partials, sinks, dtype).contiguous()
+
     if triton_available():
         from .triton_decode import MAX_COMBINED_SEGMENTS, triton_combine
 
         if len(partials) <= MAX_COMBINED_SEGMENTS:
-            return triton_combine(partials, sinks, dtype)
-    return reference.combine(partials, sinks, dtype).contiguous()
+            return guarded("combine", lambda: triton_combine(partials, sinks, dtype), ref)
+    return ref()
 
 
 def decode_attention(

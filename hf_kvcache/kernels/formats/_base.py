@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import reference
-from .._available import triton_available
+from .._available import guarded, triton_available
 
 Partials = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 Parts = dict[str, torch.Tensor]  # a codec's stored tensors by name
@@ -151,11 +151,16 @@ def _fake(query: torch.Tensor, heads: int, value_dim: int, splits: int) -> Parti
 
 def triton_or_reference(query, segment, mask, scaling, softcap, splits) -> Partials:
     """On CUDA: the Triton launch when triton imports (it falls back to the reference for storage it does not read)."""
+
+    def ref() -> Partials:
+        return reference.partial(query, segment, mask, scaling, softcap, splits)
+
     if triton_available():
         from ..triton_decode import triton_partial
 
-        return triton_partial(query, segment, mask, scaling, softcap, splits)
-    return reference.partial(query, segment, mask, scaling, softcap, splits)
+        name = f"partial:{type(segment).__name__}"
+        return guarded(name, lambda: triton_partial(query, segment, mask, scaling, softcap, splits), ref)
+    return ref()
 
 
 def register_partial(name: str, schema_fn, to_segment, heads_and_dim):

@@ -18,6 +18,7 @@ import torch
 from ... import quant
 from ...rope import RotarySpec
 from .. import reference
+from .._available import guarded
 from ._base import (
     KIVI,
     KernelStorage,
@@ -261,7 +262,11 @@ def _(k, v, kp, ks, kz, vp, vs, vz, bits, group, per_token_keys):
 
         if kivi_encodable(bits, group, k.shape[-1], v.shape[-1], per_token_keys):
             out = dict(zip(_STORED, (kp, ks, kz, vp, vs, vz)))
-            return triton_kivi_encode(k, v, out, bits, group, per_token_keys)
+            return guarded(
+                f"encode_kivi:{bits}",
+                lambda: triton_kivi_encode(k, v, out, bits, group, per_token_keys),
+                lambda: _encode_reference(k, v, (kp, ks, kz, vp, vs, vz), bits, group, per_token_keys),
+            )
     return _encode_reference(k, v, (kp, ks, kz, vp, vs, vz), bits, group, per_token_keys)
 
 
