@@ -848,7 +848,7 @@ bundled ptxas, from the exact specialization a real launch gets; kernel launches
 CPU; the kernel variants that decoding compiles. **Every time and speed-up on this page is an estimate** from the
 roofline model written out below, not a GPU measurement; registers, spills, shared memory, occupancy, instruction
 counts and launch counts are exact for the compiled binaries and the counting rule stated. GPU measurements, when a
-GPU runs them, go to [Results](results.md) (`benchmarks/bench_decode_kernels.py`).
+GPU runs them, go to [Results](results.md#on-a-gpu) ([the GPU run](gpu-run.md)).
 
 The page is generated (about 20 minutes on a 2-core CPU with a cold Triton compile cache, less with a warm one,
 the same numbers either way; `--quick` compiles one variant per storage kind, as the tests do; `--from-json`

@@ -113,9 +113,14 @@ def load_run(name: str) -> dict:
 
 
 def render(name: str) -> str:
+    record = load_run(name)
+    if record["kind"] == "gpu-run":  # saved by `python -m hf_kvcache.tools.gpu_run.render RUN_DIR --save NAME`
+        from hf_kvcache.tools.gpu_run.render import render as render_gpu_run
+
+        return render_gpu_run(record)
     from hf_kvcache.eval.report import render_saved_run
 
-    return render_saved_run(load_run(name))
+    return render_saved_run(record)
 
 
 def regions(text: str):

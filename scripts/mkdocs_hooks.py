@@ -25,7 +25,7 @@ def on_files(files, config):
         with tempfile.TemporaryDirectory() as tmp:
             if record["kind"] == "bench":
                 write_bench_report(record["results"], tmp)
-            else:
+            elif record["kind"] == "eval":
                 write_report(record["results"], tmp)
             for png in sorted(Path(tmp).glob("*.png")):
                 files.append(File.generated(config, f"results/{saved.stem}/{png.name}", content=png.read_bytes()))

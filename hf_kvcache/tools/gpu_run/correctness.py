@@ -1,0 +1,179 @@
+"""Stage ``correctness``: the compiled kernels against their pure-torch references on the device, in float16 and
+bfloat16 (the CPU interpreter cannot check bfloat16), for every storage kind, and one model end to end.
+
+1. **decode**: per cache kind, a one-layer cache at Llama-3-8B's attention shape holding 1,000 tokens (2 rows, row 1
+   left-padded by 7), one decode step of 1 and of 4 new tokens (causal) read by ``decode_attention`` (the Triton
+   launches on CUDA) and by the reference (``reference.partial`` per segment, ``reference.combine``), compared with
+   the tolerance of ``tests/test_kernels.py`` (2e-3 in float16, 1.6e-2 in bfloat16, relative to the output's scale);
+2. **encode**: the tokens a cache encodes, by the Triton launch (``encode_into``: int8's append, KIVI's encode) and
+   by the codec's torch ``encode`` on the same device: the share of identical codes, scales and zero points (the
+   kernels are meant to be bit-exact);
+3. **model**: a small random Llama (head_dim 128) in each dtype, a prompt then 8 teacher-forced decode steps through
+   each cache under sdpa and under ``hf_kvcache``: the largest logit difference of the two attention paths over the
+   same cache, relative to the logits' spread.
+
+Each check is one item with ``passed``; a check that raises (a kernel that does not compile here) is an error item
+and the next runs.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaForCausalLM
+
+from ...kernels import KVHandle, decode_attention, reference
+from ...kernels.formats import Int8Codec, KiviCodec
+from ...registry import make_cache
+from .kernels import decode_handle, triton_status
+from .record import StageRecord
+from .shapes import cache_kinds, model_config
+
+__all__ = ["TOLERANCE", "headline", "run"]
+
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
+PAD = 7  # left padding of row 1
+
+
+def _mask(batch: int, q_len: int, total: int, device) -> torch.Tensor:
+    """``(B, 1, q, T)``: row 1 left-padded, query token i not seeing the last ``q - 1 - i`` tokens."""
+    mask = torch.ones(batch, 1, q_len, total, dtype=torch.bool, device=device)
+    mask[1:, :, :, :PAD] = False
+    for i in range(q_len - 1):
+        mask[:, :, i, total - (q_len - 1 - i) :] = False
+    return mask
+
+
+def _reference_attention(query, handle: KVHandle, mask, scaling) -> torch.Tensor:
+    parts, col = [], 0
+    for segment in handle.segments:
+        part_mask = mask[:, 0, :, col : col + segment.length]
+        parts.append(reference.partial(query, segment, part_mask, scaling, 0.0, 1))
+        col += segment.length
+    return reference.combine(parts, None, torch.float32)
+
+
+def _decode_checks(record: StageRecord, dev, dtypes, smoke: bool) -> None:
+    config = model_config(smoke, layers=1)
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    context = 300 if smoke else 1000
+    scaling = dim**-0.5
+    for dtype in dtypes:
+        g = torch.Generator(device=dev).manual_seed(1)
+        k = torch.randn((2, kv_heads, context, dim), generator=g, device=dev, dtype=dtype)
+        v = torch.randn((2, kv_heads, context, dim), generator=g, device=dev, dtype=dtype)
+        for q_len in (1, 4):
+            new = [torch.randn((2, kv_heads, q_len, dim), generator=g, device=dev, dtype=dtype) for _ in range(2)]
+            query = torch.randn((2, heads, q_len, dim), generator=g, device=dev, dtype=dtype)
+            for label, spec in cache_kinds().items():
+                what = f"decode {label} {str(dtype)[6:]} q={q_len}"
+                if not record.has_time(2):
+                    record.skip(what, "the stage's time box ran out")
+                    continue
+                try:
+                    handle = decode_handle(spec, config, k, v, *new)[0]
+                    mask = _mask(2, q_len, handle.length, dev)
+                    got = decode_attention(query, handle, mask, scaling).float()
+                    want = _reference_attention(query, handle, mask, scaling)
+                except Exception as err:
+                    record.error(what, err)
+                    continue
+                scale = max(1.0, float(want.abs().max()))
+                err = float((got - want).abs().max()) / scale
+                tol = TOLERANCE[dtype]
+                record.add({"check": "decode", "kind": label, "dtype": str(dtype), "q_len": q_len,
+                            "segments": [type(s).__name__ for s in handle.segments], "max_error": err,
+                            "tolerance": tol, "passed": err <= tol})  # fmt: skip
+
+
+def _encode_checks(record: StageRecord, dev, dtypes) -> None:
+    codecs = {"int8": Int8Codec(None, torch.float32)} | {f"int{b}": KiviCodec(b, 64, None) for b in (4, 3, 2)}
+    for dtype in dtypes:
+        g = torch.Generator(device=dev).manual_seed(2)
+        # 12 decades of magnitude across rows and channels: scales at every exponent, codes at rounding ties
+        k = torch.randn((2, 4, 256, 128), generator=g, device=dev) * torch.logspace(-6, 6, 128, device=dev)
+        v = torch.randn((2, 4, 256, 128), generator=g, device=dev) * torch.logspace(-6, 6, 256, device=dev)[:, None]
+        k, v = k.to(dtype), v.to(dtype)
+        for name, codec in codecs.items():
+            what = f"encode {name} {str(dtype)[6:]}"
+            if not record.has_time(2):
+                record.skip(what, "the stage's time box ran out")
+                continue
+            try:
+                want = codec.encode(k, v)
+                got = {n: torch.empty_like(t) for n, t in want.items()}
+                codec.encode_into(k, v, got)
+            except Exception as err:
+                record.error(what, err)
+                continue
+            same = {n: float((got[n].view(torch.uint8) == want[n].view(torch.uint8)).float().mean()) for n in want}
+            record.add({"check": "encode", "kind": name, "dtype": str(dtype), "identical_bytes": same,
+                        "passed": all(s == 1.0 for s in same.values())})  # fmt: skip
+
+
+def _teacher_forced(model, spec: str, attn: str, ids: torch.Tensor, prompt: int) -> torch.Tensor:
+    """Logits of each decode step after a ``prompt``-token prefill, feeding ``ids`` one token at a time."""
+    model.set_attn_implementation(attn)
+    cache = make_cache(spec, model)
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        model(input_ids=ids[:, :prompt], attention_mask=mask[:, :prompt], past_key_values=cache)
+        steps = [
+            model(input_ids=ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache).logits
+            for t in range(prompt, ids.shape[1])
+        ]
+    return torch.cat(steps, 1).float()
+
+
+def _model_checks(record: StageRecord, dev, dtypes, smoke: bool) -> None:
+    config = model_config(smoke=True)  # tiny layers, but the 8B head shape where it matters: head_dim 128
+    config.head_dim, config.num_attention_heads, config.num_key_value_heads = 128, 8, 2
+    config.hidden_size = 8 * 128
+    prompt = 200 if smoke else 700
+    for dtype in dtypes:
+        torch.manual_seed(0)
+        with torch.device(dev):
+            model = LlamaForCausalLM(config).to(dtype).eval()
+        ids = torch.randint(3, config.vocab_size, (2, prompt + 8), generator=torch.Generator().manual_seed(3))
+        ids = ids.to(dev)
+        for label, spec in {"dynamic": "dynamic", **cache_kinds()}.items():
+            what = f"model {label} {str(dtype)[6:]}"
+            if not record.has_time(3):
+                record.skip(what, "the stage's time box ran out")
+                continue
+            try:
+                sdpa = _teacher_forced(model, spec, "sdpa", ids, prompt)
+                ours = _teacher_forced(model, spec, "hf_kvcache", ids, prompt)
+            except Exception as err:
+                record.error(what, err)
+                continue
+            err = float((ours - sdpa).abs().max() / sdpa.std())
+            tol = 4 * TOLERANCE[dtype] if dtype != torch.float32 else 1e-3
+            record.add({"check": "model", "kind": label, "dtype": str(dtype), "max_error_over_std": err,
+                        "tolerance": tol, "passed": err <= tol})  # fmt: skip
+        del model
+
+
+def run(record: StageRecord, device: str, smoke: bool) -> None:
+    dev = torch.device(device)
+    ok, why = triton_status()
+    # The interpreter computes bfloat16 wrongly: on CPU the checks run in float32 and float16.
+    dtypes = [torch.float16, torch.bfloat16] if dev.type == "cuda" else [torch.float32, torch.float16]
+    record.info |= {"triton": ok, "triton_error": why, "dtypes": [str(d) for d in dtypes]}
+    record.save()
+    _decode_checks(record, dev, dtypes, smoke)
+    _encode_checks(record, dev, dtypes)
+    _model_checks(record, dev, dtypes, smoke)
+
+
+def headline(record: dict) -> list[str]:
+    items = record.get("items", [])
+    lines = []
+    for check in ("decode", "encode", "model"):
+        mine = [i for i in items if i["check"] == check]
+        failed = [f"{i['kind']} {i['dtype'][6:]}" + (f" q={i['q_len']}" if "q_len" in i else "") for i in mine
+                  if not i["passed"]]  # fmt: skip
+        verdict = f"; FAILED {failed}" if failed else ""
+        lines.append(f"{check}: {len(mine) - len(failed)}/{len(mine)} passed{verdict}")
+    if record.get("skipped"):
+        lines.append(f"skipped (time): {len(record['skipped'])}")
+    return lines

@@ -1,0 +1,152 @@
+"""Stage ``kernels``: one decode step of one layer's attention at Llama-3-8B's attention shape (32 query / 8 KV heads,
+head_dim 128, bfloat16), for every cache kind, against ``scaled_dot_product_attention`` over bfloat16 K/V with the
+flash backend (what ``DynamicCache`` + sdpa reads).
+
+Each kind's storage is the real cache's: a one-layer cache of that kind is filled with the context's K/V (random,
+one ``update`` as a prefill stores them), then one decode token is passed with the ``hf_kvcache`` attention on, and
+the handle the layer returns (its sinks, codes, residual and the new token, views of its storage) is what is timed:
+``decode_attention`` over it, every launch of that layer's step (the partials of each segment and their combine).
+Bytes read: what the layer stores (``nbytes``) plus the query. Per cell: median time, spread, speed-up over sdpa,
+achieved bandwidth, and the memory roofline (bytes / peak bandwidth) as a fraction of the measured time.
+
+Order: the 16k x 8 cell for every kind first (the targets' shape), then the others, so a short box still measures it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...kernels import DenseSegment, KVHandle, decode_attention
+from ...registry import make_cache
+from .env import peak_bandwidth
+from .record import StageRecord
+from .shapes import cache_kinds, model_config
+from .timing import bench
+
+__all__ = ["SHAPES", "headline", "run"]
+
+# (context, batch), the targets' cell first
+SHAPES = ((16384, 8), (4096, 1), (65536, 8), (4096, 8), (16384, 1), (65536, 1))
+SMOKE_SHAPES = ((400, 2), (256, 1))
+
+
+def triton_status() -> tuple[bool, str | None]:
+    """Whether the Triton kernels import on this machine, and why not."""
+    try:
+        from ...kernels import triton_decode  # noqa: F401
+    except Exception as err:
+        return False, f"{type(err).__name__}: {err}"
+    return True, None
+
+
+def _sdpa(query, k, v, scaling):
+    """sdpa over bf16 K/V with GQA, the flash backend forced where torch has it for these inputs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def plain():
+        return torch.nn.functional.scaled_dot_product_attention(query, k, v, scale=scaling, enable_gqa=True)
+
+    if query.is_cuda:
+        try:
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                plain()
+
+            def flash():
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                    return plain()
+
+            return flash, "flash"
+        except RuntimeError:
+            pass
+    return plain, "default"
+
+
+def decode_handle(spec: str, config, k: torch.Tensor, v: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor):
+    """``(handle, layer bytes)`` of one decode step of a one-layer ``spec`` cache holding ``k``/``v``."""
+    cache = make_cache(spec, config)
+    config._attn_implementation = "sdpa"
+    cache.update(k, v, 0)  # a prefill: stored as the model's forward stores it
+    config._attn_implementation = "hf_kvcache"
+    handle, _ = cache.update(k1, v1, 0)
+    if not isinstance(handle, KVHandle):
+        raise RuntimeError(f"{spec}: the layer returned {type(handle).__name__}, not a storage handle")
+    return handle, cache, cache.layers[0].nbytes
+
+
+def run(record: StageRecord, device: str, smoke: bool) -> None:
+    dev = torch.device(device)
+    ok, why = triton_status()
+    peak, source = peak_bandwidth(dev)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # the interpreter is wrong for bfloat16
+    config = model_config(smoke, layers=1)
+    record.info |= {"triton": ok, "triton_error": why, "dtype": str(dtype), "heads": config.num_attention_heads,
+                    "kv_heads": config.num_key_value_heads, "head_dim": config.head_dim, "peak_bandwidth": peak,
+                    "peak_source": source}  # fmt: skip
+    for context, batch in SMOKE_SHAPES if smoke else SHAPES:
+        if not record.has_time(5):
+            record.skip(f"{context} x {batch}", "the stage's time box ran out")
+            continue
+        _cell(record, config, dev, dtype, context, batch, peak)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _cell(record: StageRecord, config, dev, dtype, context: int, batch: int, peak: float | None) -> None:
+    """sdpa, our kernel over dense K/V, then every cache kind, at one (context, batch)."""
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    scaling = dim**-0.5
+    g = torch.Generator(device=dev).manual_seed(context + batch)
+    shape = (batch, kv_heads, context, dim)
+    k = torch.randn(shape, generator=g, device=dev, dtype=dtype)
+    v = torch.randn(shape, generator=g, device=dev, dtype=dtype)
+    k1 = torch.randn((batch, kv_heads, 1, dim), generator=g, device=dev, dtype=dtype)
+    v1 = torch.randn((batch, kv_heads, 1, dim), generator=g, device=dev, dtype=dtype)
+    query = torch.randn((batch, heads, 1, dim), generator=g, device=dev, dtype=dtype)
+    kf, vf = torch.cat([k, k1], 2), torch.cat([v, v1], 2)  # what DynamicCache holds after the step
+    sdpa, backend = _sdpa(query, kf, vf, scaling)
+    base = bench(sdpa, dev)
+    query_bytes = query.numel() * query.element_size()
+    base_bytes = 2 * kf.numel() * kf.element_size() + query_bytes
+    cell = {"context": context, "batch": batch}
+    record.add(cell | {"kind": "sdpa", "backend": backend, "bytes": base_bytes, **_rates(base, base_bytes, peak)})
+    kinds = {"dense": None, **cache_kinds()}
+    for label, spec in kinds.items():
+        if not record.has_time(2):
+            record.skip(f"{label} {context} x {batch}", "the stage's time box ran out")
+            continue
+        try:
+            if spec is None:  # our kernel over the bf16 K/V sdpa reads
+                handle, nbytes = KVHandle((DenseSegment(kf, vf),)), base_bytes
+            else:
+                handle, _, nbytes = decode_handle(spec, config, k, v, k1, v1)
+                nbytes += query_bytes
+            timing = bench(lambda handle=handle: decode_attention(query, handle, None, scaling), dev)
+        except Exception as err:
+            record.error(f"{label} {context} x {batch}", err)
+            continue
+        item = cell | {"kind": label, "bytes": nbytes, "segments": [type(s).__name__ for s in handle.segments]}
+        item |= _rates(timing, nbytes, peak) | {"speedup_vs_sdpa": base.median_s / timing.median_s}
+        record.add(item)
+
+
+def _rates(timing, nbytes: int, peak: float | None) -> dict:
+    out = timing.as_dict() | {"bytes_per_s": nbytes / timing.median_s}
+    if peak:
+        out |= {"of_peak": nbytes / timing.median_s / peak, "roofline_us": 1e6 * nbytes / peak}
+    return out
+
+
+def headline(record: dict) -> list[str]:
+    info = record.get("info", {})
+    lines = [f"triton kernels: {'yes' if info.get('triton') else 'NO: ' + str(info.get('triton_error'))}"]
+    by_cell: dict = {}
+    for item in record.get("items", []):
+        by_cell.setdefault((item["context"], item["batch"]), []).append(item)
+    for (context, batch), items in by_cell.items():
+        parts = []
+        for item in items:
+            share = f" {item['of_peak']:.0%}bw" if "of_peak" in item else ""
+            speed = f" {item['speedup_vs_sdpa']:.2f}x" if "speedup_vs_sdpa" in item else ""
+            parts.append(f"{item['kind']} {item['median_us']:.0f}us{speed}{share}")
+        lines.append(f"{context} x {batch}: " + ", ".join(parts))
+    return lines

@@ -1,0 +1,47 @@
+"""The shapes the GPU run measures at: Llama-3-8B's attention (and, with fewer layers where time demands, its whole
+architecture), or tiny stand-ins for the smoke run."""
+
+from __future__ import annotations
+
+from transformers import LlamaConfig
+
+from ...compare import LLAMA3_8B
+
+__all__ = ["SMOKE_MODEL", "cache_kinds", "model_config"]
+
+# A tiny Llama with the 8B's proportions where they matter to the kernels (GQA 4:1, RoPE), for --smoke.
+SMOKE_MODEL = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=64,
+    max_position_embeddings=4096,
+)
+
+# label -> make_cache spec of every kind the run measures, as a user gets it (int3 / int2: their defaults,
+# Hadamard-rotated codes with keys quantized before RoPE and 4 sinks). The last is there to price those defaults.
+CACHE_KINDS = {
+    "int8": "int8",
+    "int4": "int4",
+    "int3": "int3",
+    "int2": "int2",
+    "paged": "paged",
+    "paged int8": "paged:bits=8",
+    "int2 KIVI layout": "int2:rotate=none:sinks=0:pre_rope=false",
+}
+
+
+def cache_kinds() -> dict[str, str]:
+    return dict(CACHE_KINDS)
+
+
+def model_config(smoke: bool, layers: int | None = None) -> LlamaConfig:
+    """Llama-3-8B's architecture (``layers`` decoder layers, default all 32), or the smoke model."""
+    kwargs = dict(SMOKE_MODEL if smoke else LLAMA3_8B)
+    if layers is not None:
+        kwargs["num_hidden_layers"] = layers
+    config = LlamaConfig(**kwargs, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    return config

@@ -1,0 +1,132 @@
+"""The GPU run (``benchmarks/gpu_run.py``) kept from rotting between GPU loans: every stage at tiny shapes on CPU, with
+the modules the lent machine lacks hidden, so a missing import is found here; its failure handling; its tables."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_kvcache.kernels import _available
+from hf_kvcache.tools.gpu_run import STAGES, runner
+from hf_kvcache.tools.gpu_run.render import NONE_YET, load_run, render, save_run, targets
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_run.py"
+
+
+def _gpu_run(out: Path, *flags: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--output", str(out), "--device", "cpu", *flags],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("gpu-run")
+    done = _gpu_run(out, "--smoke", "--budget-s", "600", "--hide", ",".join(runner.HIDDEN_FOR_SMOKE))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out, done.stdout
+
+
+@pytest.mark.slow
+def test_smoke_run_every_stage_with_the_lent_machines_modules(smoke):
+    smoke_run, console = smoke
+    run = json.loads((smoke_run / "run.json").read_text())
+    assert [s["stage"] for s in run["stages"]] == list(STAGES)
+    assert {s["status"] for s in run["stages"]} == {"done"}
+    for stage in STAGES:
+        record = json.loads((smoke_run / f"{stage}.json").read_text())
+        assert record["status"] == "done" and record["items"], stage
+        assert record["errors"] == [], (stage, record["errors"])
+    correctness = json.loads((smoke_run / "correctness.json").read_text())["items"]
+    assert {i["check"] for i in correctness} == {"decode", "encode", "model"}
+    assert all(i["passed"] for i in correctness)
+    generate = json.loads((smoke_run / "generate.json").read_text())["items"]
+    decoded = {(i["cache"], i["attn"]) for i in generate if i["measure"] == "decode"}
+    assert ("dynamic", "sdpa") in decoded and ("int2", "hf_kvcache") in decoded and ("paged int8", "sdpa") in decoded
+    assert {i["measure"] for i in generate} == {"decode", "largest batch", "ttft"}
+    # Each stage's headline reaches the console (a run whose files do not come back still shows its numbers).
+    for line in ("copy bandwidth", "decode: 28/28 passed", "triton kernels: yes", "largest batch at 160: int4",
+                 "cpu float32 [hf_kvcache]: int8"):  # fmt: skip
+        assert line in console, line
+
+
+@pytest.mark.slow
+def test_smoke_run_renders(smoke):
+    record = load_run(smoke[0])
+    text = render(record)
+    for title in ("Correctness on the device", "Decode kernels", "generate() end to end", "Quality"):
+        assert f"**{title}**" in text
+    assert "int2 KIVI layout" in text and "largest batch" in text.lower()
+    rows = targets(record["results"])
+    assert all(len(row) == 4 and row[3] in ("yes", "no") for row in rows)
+
+
+def test_a_failing_stage_is_recorded_and_the_next_runs(tmp_path):
+    done = _gpu_run(tmp_path, "--stages", "env,kernels", "--hide", "torch", timeout=120)
+    assert done.returncode == 1
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert [(s["stage"], s["status"]) for s in run["stages"]] == [("env", "failed"), ("kernels", "failed")]
+    record = json.loads((tmp_path / "kernels.json").read_text())
+    assert record["errors"][0]["error"] == "exit code 1" and "torch" in record["errors"][0]["trace"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--stages", "env,bogus"], "--stages must name stages among env, correctness"),
+        (["--budget-s", "inf"], "--budget-s must be a positive number of seconds, got inf"),
+        (["--budget-s", "0"], "--budget-s must be a positive number of seconds, got 0.0"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(tmp_path, capsys, flags, message):
+    assert runner.main(["--output", str(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_a_kernel_that_cannot_build_falls_back_to_the_reference_once(monkeypatch):
+    monkeypatch.setattr(_available, "_FALLBACKS", {})
+    calls = []
+
+    def launch():
+        calls.append("launch")
+        raise RuntimeError("PassManager::run failed\nerror: unsupported op")
+
+    with pytest.warns(RuntimeWarning, match="the Triton kernel demo cannot run here .RuntimeError: error: unsupported"):
+        assert _available.guarded("demo", launch, lambda: "reference") == "reference"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once: the second call goes straight to the reference
+        assert _available.guarded("demo", launch, lambda: "reference") == "reference"
+    assert calls == ["launch"]
+    assert _available.kernel_fallbacks() == {"demo": "RuntimeError: error: unsupported op"}
+
+    def out_of_memory():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.cuda.OutOfMemoryError):  # not a build failure: the caller must see it
+        _available.guarded("oom", out_of_memory, lambda: "reference")
+
+
+@pytest.mark.slow
+def test_a_saved_run_gets_its_region_on_the_results_page(smoke, tmp_path):
+    docs = tmp_path / "docs"
+    (docs / "results").mkdir(parents=True)
+    shutil.copy(ROOT / "docs" / "results.md", docs / "results.md")
+    path = save_run(smoke[0], "gpu-run-smoke", docs)
+    assert json.loads(path.read_text())["kind"] == "gpu-run"
+    text = (docs / "results.md").read_text()
+    assert "<!-- gpu-runs -->\n\n<!-- results:gpu-run-smoke -->\n<!-- /results -->" in text and NONE_YET not in text
+    save_run(smoke[0], "gpu-run-smoke", docs)  # saving again keeps one region
+    assert (docs / "results.md").read_text().count("results:gpu-run-smoke") == 1
