@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -56,34 +57,61 @@ def rerotate(x: torch.Tensor, delta: torch.Tensor | int, spec: RotarySpec) -> to
         angles = (delta * inv_freq).view(1, 1, 1, -1)
     else:
         angles = delta.float().view(b, 1, 1, 1) * inv_freq.view(1, 1, 1, -1)  # (B, 1, 1, R/2)
-    return _turn(x, angles, spec)
+    return _turn(x, angles.cos(), angles.sin(), spec)
 
 
 def rotate_positions(x: torch.Tensor, first: int, spec: RotarySpec, inverse: bool = False) -> torch.Tensor:
     """Rotate keys ``x`` ``(B, H, T, D)`` as RoPE rotates token ``t`` at position ``first + t`` (``inverse``: by minus
-    that, back to the key before RoPE). The forward and the inverse compute the same float32 angles, so one undoes the
-    other to float rounding (what pre-RoPE quantization relies on)."""
-    positions = torch.arange(first, first + x.shape[-2], device=x.device, dtype=torch.float32)
-    angles = positions[:, None] * spec.inv_freq.to(x.device)[None, :]  # (T, R/2)
-    return _turn(x, -angles if inverse else angles, spec)
+    that, back to the key before RoPE). The forward and the inverse use the same float32 angles (``position *
+    inv_freq``), so one undoes the other to float rounding (what pre-RoPE quantization relies on); their cosines and
+    sines come from a table kept per rotation and device (:class:`_AngleTable`), so reading ``T`` stored keys costs
+    the turn itself, not ``T x R`` trigonometric functions every step."""
+    cos, sin = _ANGLES.get(spec, first, first + x.shape[-2], x.device)  # (T, R/2)
+    return _turn(x, cos, -sin if inverse else sin, spec)
 
 
-def _turn(x: torch.Tensor, angles: torch.Tensor, spec: RotarySpec) -> torch.Tensor:
-    """``x`` with every rotary channel pair turned by ``angles`` (broadcast to ``(B, H, T, R/2)``)."""
-    if spec.interleaved:
-        angles = angles.repeat_interleave(2, dim=-1)
-    else:
-        angles = torch.cat([angles, angles], dim=-1)
-    cos, sin = angles.cos(), angles.sin()  # (..., R)
+class _AngleTable:
+    """``cos`` and ``sin`` of ``position * inv_freq`` (float32) for positions ``0 .. n``, per rotation and device,
+    grown geometrically as longer sequences come; a few rotations kept (the models of a process). A rotation is
+    known by its ``inv_freq`` tensor, held weakly: the table never keeps a cache's tensors alive."""
+
+    KEEP = 8
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple, tuple[weakref.ref, torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, spec: RotarySpec, start: int, stop: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (id(spec.inv_freq), torch.device(device))
+        entry = self._tables.get(key)
+        same = entry is not None and entry[0]() is spec.inv_freq
+        if not same or entry[1].shape[0] < stop:
+            size = max(stop, 2 * entry[1].shape[0] if same else 0, 1024)
+            positions = torch.arange(size, device=device, dtype=torch.float32)
+            angles = positions[:, None] * spec.inv_freq.to(device)[None, :]  # (n, R/2), as transformers computes
+            self._tables.pop(key, None)
+            if len(self._tables) >= self.KEEP:
+                self._tables.pop(next(iter(self._tables)))
+            entry = self._tables[key] = (weakref.ref(spec.inv_freq), angles.cos(), angles.sin())
+        return entry[1][start:stop], entry[2][start:stop]
+
+
+_ANGLES = _AngleTable()
+
+
+def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RotarySpec) -> torch.Tensor:
+    """``x`` with every rotary channel pair turned by the angles whose ``cos`` / ``sin`` are given per pair
+    (broadcast to ``(B, H, T, R/2)``): ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``."""
     r = spec.rotary_dim
     rot, rest = x[..., :r].float(), x[..., r:]
     if spec.interleaved:
         x1, x2 = rot[..., ::2], rot[..., 1::2]
-        turned = torch.stack([-x2, x1], dim=-1).flatten(-2)
     else:
         x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
-        turned = torch.cat([-x2, x1], dim=-1)
-    out = (rot * cos + turned * sin).to(x.dtype)
+    first, second = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    if spec.interleaved:
+        out = torch.stack([first, second], dim=-1).flatten(-2).to(x.dtype)
+    else:
+        out = torch.cat([first, second], dim=-1).to(x.dtype)
     return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
 
 

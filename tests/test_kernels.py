@@ -233,16 +233,23 @@ def test_paged_kernel_with_padding_blocks_and_any_block_size(block_size):
 
 
 def test_reference_scratch_is_bounded_by_its_chunk(monkeypatch):
-    """The reference never dequantizes more than REFERENCE_CHUNK tokens at a time."""
+    """The reference reads at most REFERENCE_SCRATCH_BYTES of float32 keys, values and scores per chunk (at least
+    REFERENCE_CHUNK tokens), and a small history in one chunk."""
     from hf_kvcache.kernels import reference
 
     query, seg, _, _, mask = _case("int8", 2000)
     widths = []
-    for name in ("read", "read_folded"):  # one int8 scale per token: the codes are read, the scales folded
-        real = getattr(Int8Segment, name)
-        monkeypatch.setattr(Int8Segment, name, lambda self, a, b, real=real: widths.append(b - a) or real(self, a, b))
+    real = Int8Segment.scores  # one int8 scale per token: codes read, scales folded into the scores and weights
+    monkeypatch.setattr(Int8Segment, "scores", lambda self, q, a, b: widths.append(b - a) or real(self, q, a, b))
     partial(query, seg, mask, 0.125, 0.0, 1)
-    assert max(widths) <= reference.REFERENCE_CHUNK and sum(widths) == 2000
+    assert widths == [2000]  # 2 rows x 2 heads x 64 channels: 2,000 tokens are far below the budget
+    widths.clear()
+    monkeypatch.setattr(reference, "REFERENCE_SCRATCH_BYTES", 2**20)
+    chunk = reference.chunk_tokens(query, 2, 64, 64, minimum=64)
+    b, hq, q, _ = query.shape
+    assert 4 * b * (2 * 128 + 2 * hq * q) * chunk <= 2**20 and chunk % 64 == 0
+    partial(query, seg, mask, 0.125, 0.0, 1, chunk=chunk)
+    assert max(widths) == chunk < 2000 and sum(widths) == 2000
 
 
 @pytest.mark.parametrize("inner", ["int8", "kivi4", "kivi3", "kivi2"])

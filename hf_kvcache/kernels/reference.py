@@ -15,8 +15,10 @@ The contract every implementation (this one, the Triton one) follows, for one se
 
 :func:`combine` merges the partials of all segments (and a learned sink logit per head, as GPT-OSS has) into the
 attention output ``(B, q, Hq, Dv)``. Splits are what lets a GPU spread one long row over many programs
-(flash-decoding); here they only fix the shape of the contract. The reference walks each split in chunks of
-``REFERENCE_CHUNK`` tokens with an online softmax, so its scratch is bounded by the chunk, not the history.
+(flash-decoding); here they only fix the shape of the contract. The reference walks each split in chunks with an
+online softmax, each chunk's float32 reads and scores within ``REFERENCE_SCRATCH_BYTES`` (at least
+``REFERENCE_CHUNK`` tokens), so its scratch is bounded, not the history's size; a small model's history is one chunk,
+so a decode step costs a few operations per segment, not a few per 512 tokens.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "REFERENCE_CHUNK",
+    "REFERENCE_SCRATCH_BYTES",
+    "chunk_tokens",
     "combine",
     "fold_rotation",
     "num_splits",
@@ -40,7 +44,11 @@ __all__ = [
     "split_bounds",
 ]
 
-REFERENCE_CHUNK = 512  # tokens dequantized at a time by the reference
+REFERENCE_CHUNK = 512  # tokens dequantized at a time by the reference, at least
+# Bytes of float32 reads and scores per chunk: one chunk for SmolLM2's history at 8k tokens (3 KV heads x 64 channels),
+# 512 tokens at Llama-3-8B's attention shape with 8 rows. Few large operations instead of many small ones is what the
+# CPU needs (each torch call costs microseconds of dispatch whatever its size).
+REFERENCE_SCRATCH_BYTES = 32 * 2**20
 MIN_SPLIT_TOKENS = 256  # a split below this is not worth a program
 MAX_SPLITS = 64
 TARGET_PROGRAMS = 528  # about four waves of programs on a 132-SM GPU
@@ -52,23 +60,17 @@ def num_splits(length: int, batch_heads: int) -> int:
     return max(1, min(MAX_SPLITS, -(-length // MIN_SPLIT_TOKENS), wanted))
 
 
+def chunk_tokens(query: torch.Tensor, heads: int, key_dim: int, value_dim: int, minimum: int = REFERENCE_CHUNK) -> int:
+    """Tokens per chunk of the reference for this query: float32 keys, values and scores of a chunk within
+    :data:`REFERENCE_SCRATCH_BYTES` (a multiple of 64 tokens, so chunks stay aligned to KIVI's key groups)."""
+    b, hq, q, _ = query.shape
+    per_token = 4 * b * (heads * (key_dim + value_dim) + 2 * hq * q)  # reads, scores and weights
+    return max(minimum, REFERENCE_SCRATCH_BYTES // per_token // 64 * 64)
+
+
 def split_bounds(length: int, splits: int) -> list[tuple[int, int]]:
     per = -(-length // splits) if length else 0
     return [(min(s * per, length), min((s + 1) * per, length)) for s in range(splits)]
-
-
-def _scores(
-    query: torch.Tensor, keys: torch.Tensor, scaling: float, softcap: float, key_scales: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``(B, Hkv, G, q, n)`` scores of grouped queries ``(B, Hkv, G, q, D)`` against keys ``(B, Hkv, n, D)``;
-    ``key_scales`` ``(B, Hkv, n)``: the keys are codes whose per-token scales multiply the scores instead."""
-    scores = torch.einsum("bhgqd,bhnd->bhgqn", query, keys)
-    if key_scales is not None:
-        scores = scores * key_scales[:, :, None, None, :]
-    scores = scores * scaling
-    if softcap:
-        scores = softcap * torch.tanh(scores / softcap)
-    return scores
 
 
 def rotate_query(query: torch.Tensor, segment: RotatedSegment) -> torch.Tensor:
@@ -90,7 +92,7 @@ def partial(
     scaling: float,
     softcap: float,
     splits: int,
-    chunk: int = REFERENCE_CHUNK,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The contract in the module docstring, in pure torch: :func:`partial_from_reads` over the segment's tokens, or
     the segment's own reading of it (a rotated segment folds its rotation around its inner segment's)."""
@@ -104,14 +106,15 @@ def partial_from_reads(
     scaling: float,
     softcap: float,
     splits: int,
-    chunk: int = REFERENCE_CHUNK,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`partial` from ``segment.read`` (or ``read_folded``: codes and per-token scales), ``chunk`` tokens at a
-    time with an online softmax."""
+    """:func:`partial` from the segment's ``scores`` and ``weighted_values`` (its reads, or its folded scales),
+    ``chunk`` tokens at a time (default :func:`chunk_tokens`) with an online softmax."""
     b, hq, q, d = query.shape
     hkv = segment.heads
     g = hq // hkv
     dv = segment.value_dim
+    chunk = chunk or chunk_tokens(query, hkv, d, dv)
     grouped = query.float().reshape(b, hkv, g, q, d)  # query head j = kv head j // g
     ms, ls, accs = [], [], []
     for start, stop in split_bounds(segment.length, splits):
@@ -120,14 +123,9 @@ def partial_from_reads(
         acc = torch.zeros((b, hkv, g, q, dv), device=query.device)
         for a in range(start, stop, chunk):
             z = min(a + chunk, stop)
-            # One int8 scale per token and head: read codes, fold the scales into scores and weights (as the Triton
-            # kernel does), which on CPU is the difference between 0.45x and about sdpa's speed at 4k x 4 tokens.
-            folded = segment.read_folded(a, z)
-            if folded is not None:
-                keys, key_scales, values, value_scales = folded
-            else:
-                (keys, values), key_scales, value_scales = segment.read(a, z), None, None
-            scores = _scores(grouped, keys, scaling, softcap, key_scales)
+            scores = segment.scores(grouped, a, z) * scaling  # the format's own arithmetic (folded scales)
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
             if mask is not None:
                 scores = scores.masked_fill(~mask[:, None, None, :, a:z], float("-inf"))
             new_m = torch.maximum(m, scores.amax(-1))
@@ -135,8 +133,7 @@ def partial_from_reads(
             weights = torch.exp(scores - safe.unsqueeze(-1))
             rescale = torch.exp(m - safe)
             l_ = l_ * rescale + weights.sum(-1)
-            weighted = weights if value_scales is None else weights * value_scales[:, :, None, None, :]
-            acc = acc * rescale.unsqueeze(-1) + torch.einsum("bhgqn,bhnd->bhgqd", weighted, values)
+            acc = acc * rescale.unsqueeze(-1) + segment.weighted_values(weights, a, z)
             m = new_m
         ms.append(m)
         ls.append(l_)

@@ -15,6 +15,7 @@ Lifecycle contract (every layer, every cache kind):
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable
 
 import torch
@@ -32,6 +33,14 @@ __all__ = [
     "check_same_state",
     "tokens_to_crop",
 ]
+
+
+# Where the kernels are the pure-torch reference (not CUDA), reading a layer's storage in place beats dequantizing it
+# into a workspace for sdpa only once the history is long: the layers' CPU_HANDLE_TOKENS say from how many stored
+# tokens x rows. "always" hands the storage over whatever the length (no workspace: the least memory; the test suite
+# runs so), "never" keeps sdpa's path on CPU. Read at every forward, from HF_KVCACHE_CPU_HANDLES at import.
+CPU_HANDLES_CHOICES = ("auto", "always", "never")
+CPU_HANDLES = os.environ.get("HF_KVCACHE_CPU_HANDLES", "auto")
 
 
 def tokens_to_crop(tokens_to_remove: int) -> int:
@@ -133,6 +142,9 @@ class KVLayer(BatchOpsMixin, CacheLayerMixin):
     """
 
     is_croppable = True
+    # Tokens x rows of stored history from which, off CUDA, a forward under the hf_kvcache attention gets a storage
+    # handle (the reference kernels) instead of materialized K/V (sdpa); None: never off CUDA (see CPU_HANDLES).
+    CPU_HANDLE_TOKENS: int | None = 0
 
     def __init__(self, spec: LayerSpec, layer_idx: int, owner: str, mode: AttentionMode | None = None):
         super().__init__()
@@ -192,6 +204,21 @@ class KVLayer(BatchOpsMixin, CacheLayerMixin):
                 f"{tuple(key_states.shape)} and values {tuple(value_states.shape)}. Build the cache from this "
                 "model's config."
             )
+
+    def _hands_storage(self, new_tokens: int, past_tokens: int) -> bool:
+        """Whether this forward gets a storage handle: the hf_kvcache attention, a decode-sized forward and stored
+        history (:meth:`AttentionMode.handles`); off CUDA also a history of at least :attr:`CPU_HANDLE_TOKENS`
+        tokens x rows (under :data:`CPU_HANDLES` ``"auto"``), where the reference kernels pay off."""
+        if not self.mode.handles(new_tokens, past_tokens):
+            return False
+        if self.device.type == "cuda":
+            return True
+        choice = CPU_HANDLES
+        if choice not in CPU_HANDLES_CHOICES:
+            raise ValueError(f"HF_KVCACHE_CPU_HANDLES must be one of {', '.join(CPU_HANDLES_CHOICES)}, got {choice!r}")
+        if choice != "auto":
+            return choice == "always"
+        return self.CPU_HANDLE_TOKENS is not None and past_tokens * self.batch_size >= self.CPU_HANDLE_TOKENS
 
     def _set_batch(self, batch: int | None) -> None:
         if self.is_initialized:

@@ -366,6 +366,8 @@ class PagedLayer(KVLayer):
     """A full-attention layer whose K/V live in the blocks of a :class:`PagedState`."""
 
     is_sliding = False
+    # SmolLM2, one CPU thread, reference vs gather + sdpa: 0.75x at 4k x 4, 1.0x at 16k x 1, 1.5x at 8k x 4.
+    CPU_HANDLE_TOKENS = 32768
 
     def __init__(
         self,
@@ -418,7 +420,7 @@ class PagedLayer(KVLayer):
         state = self.state
         q, total = key_states.shape[-2], state.tables.num_tokens
         # The forward's own tokens are attended exactly, as the quantized cache does (int8 pages store them rounded).
-        if self.mode.handles(q, total - q):
+        if self._hands_storage(q, total - q):
             pages = self.storage.segment(table, state.block_size, total - q)
             handle = KVHandle((pages, DenseSegment(key_states, value_states)), self.mode.model_type)
             return handle, handle

@@ -68,6 +68,9 @@ class QuantizedLayer(KVLayer):
     """Full-attention layer with quantized storage. See the module docstring for the layout."""
 
     is_sliding = False
+    # SmolLM2 on one CPU thread, a layer's decode step, reference vs dequantize + sdpa: int8 / int4 0.75-0.89x at
+    # 4k x 1, 0.95x at 8k x 1, 1.04-1.12x at 4k x 2, 1.13-1.21x at 4k x 4 and 16k x 1, 1.25-1.41x at 8k x 4.
+    CPU_HANDLE_TOKENS = 8192
 
     def __init__(
         self,
@@ -123,7 +126,7 @@ class QuantizedLayer(KVLayer):
         self._begin_update(key_states, value_states)
         visible = self._visible_past()
         n = key_states.shape[-2]
-        if not self.mode.handles(n, visible):
+        if not self._hands_storage(n, visible):
             keys, values = self._attended(key_states, value_states, visible)
             self._append(key_states, value_states)
         elif self._joins_residual(n):

@@ -6,7 +6,8 @@ A format module (:mod:`.dense`, :mod:`.int8`, :mod:`.kivi`, :mod:`.paged`, and t
 * its codec, where a cache layer encodes tokens into it (``encode`` / ``decode`` / ``segment`` /
   ``bytes_per_token``);
 * its segment: the frozen view of the stored tensors a layer hands the attention, with ``length``, ``heads``,
-  ``value_dim`` and ``read`` (float32 tokens, what the pure-torch reference computes from);
+  ``value_dim``, ``read_keys`` / ``read_values`` (float32 tokens) and ``scores`` / ``weighted_values`` (what the
+  pure-torch reference computes from; a format folds its scales there, as its kernel does);
 * its ``hf_kvcache::partial_*`` custom op (:func:`register_partial`; the segment's :meth:`partial` calls it with its
   own arguments);
 * its branch of the Triton kernel, described by :meth:`kernel_storage` (the tensors, strides and compile-time switches
@@ -110,16 +111,32 @@ class SegmentFormat:
     ROTATIONS_IN_LAUNCH = False  # its op reads Hadamard-rotated codes in place (the query and output rotated inside)
     ROPE_IN_LAUNCH = False  # its op turns keys stored before RoPE to their positions inside the launch
 
-    def read_folded(self, a: int, b: int) -> tuple[torch.Tensor, ...] | None:
-        """Codes and ``(B, H, n)`` per-token scales of tokens ``a:b`` when the scales fold into scores and weights
-        (the reference reads them so, as the kernel does); None otherwise."""
-        return None
+    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens ``a:b`` as float32 keys ``(B, H, n, Dk)`` and values ``(B, H, n, Dv)``."""
+        return self.read_keys(a, b), self.read_values(a, b)
+
+    def read_keys(self, a: int, b: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def read_values(self, a: int, b: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def scores(self, query: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """``(B, Hkv, G, q, n)`` dot products of the grouped float32 query ``(B, Hkv, G, q, Dk)`` with keys ``a:b``
+        (unscaled). A format may fold its scales into the query instead of dequantizing every key, as its kernel
+        does."""
+        return torch.einsum("bhgqd,bhnd->bhgqn", query, self.read_keys(a, b))
+
+    def weighted_values(self, weights: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """``(B, Hkv, G, q, Dv)``: ``weights`` ``(B, Hkv, G, q, n)`` times values ``a:b`` (a format may fold its
+        scales into the weights)."""
+        return torch.einsum("bhgqn,bhnd->bhgqd", weights, self.read_values(a, b))
 
     def kernel_storage(self) -> KernelStorage | None:
         """What the Triton kernel reads of this segment; None: the kernel does not read it (the reference serves)."""
         return None
 
-    def reference_partial(self, query, mask, scaling, softcap, splits, chunk=reference.REFERENCE_CHUNK) -> Partials:
+    def reference_partial(self, query, mask, scaling, softcap, splits, chunk=None) -> Partials:
         """The contract of :func:`hf_kvcache.kernels.reference.partial` in pure torch, from :meth:`read`."""
         return reference.partial_from_reads(query, self, mask, scaling, softcap, splits, chunk)
 

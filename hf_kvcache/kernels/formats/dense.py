@@ -25,8 +25,11 @@ class DenseSegment(SegmentFormat):
     def length(self) -> int:
         return self.k.shape[2]
 
-    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[:, :, a:b].float(), self.v[:, :, a:b].float()
+    def read_keys(self, a: int, b: int) -> torch.Tensor:
+        return self.k[:, :, a:b].float()
+
+    def read_values(self, a: int, b: int) -> torch.Tensor:
+        return self.v[:, :, a:b].float()
 
     def partial(self, query, mask, scaling, softcap, splits) -> Partials:
         return _OP(query, self.k, self.v, mask, scaling, softcap, splits)

@@ -36,20 +36,28 @@ class Int8Segment(SegmentFormat):
     @property
     def per_token_scales(self) -> bool:
         """One scale per token and head (int8's default): the scales fold into scores and weights, in the reference
-        (:meth:`read_folded`) and the Triton kernel alike."""
+        (:meth:`scores`, :meth:`weighted_values`) and the Triton kernel alike."""
         return self.ks.shape[-1] == 1 and self.vs.shape[-1] == 1
 
-    def read_folded(self, a: int, b: int) -> tuple[torch.Tensor, ...] | None:
-        """Codes and ``(B, H, n)`` scales of tokens ``a:b`` when :attr:`per_token_scales`, else None."""
-        if not self.per_token_scales:
-            return None
-        k, v = self.k[:, :, a:b].float(), self.v[:, :, a:b].float()
-        return k, self.ks[:, :, a:b, 0].float(), v, self.vs[:, :, a:b, 0].float()
+    def read_keys(self, a: int, b: int) -> torch.Tensor:
+        return self.k[:, :, a:b].float() * group_expand(self.ks[:, :, a:b], self.k.shape[-1])
 
-    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self.k[:, :, a:b].float() * group_expand(self.ks[:, :, a:b], self.k.shape[-1])
-        v = self.v[:, :, a:b].float() * group_expand(self.vs[:, :, a:b], self.v.shape[-1])
-        return k, v
+    def read_values(self, a: int, b: int) -> torch.Tensor:
+        return self.v[:, :, a:b].float() * group_expand(self.vs[:, :, a:b], self.v.shape[-1])
+
+    def scores(self, query: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        if not self.per_token_scales:
+            return super().scores(query, a, b)
+        # q . (code_t x scale_t) = (q . code_t) x scale_t
+        codes = torch.einsum("bhgqd,bhnd->bhgqn", query, self.k[:, :, a:b].float())
+        return codes * self.ks[:, :, None, None, a:b, 0].float()
+
+    def weighted_values(self, weights: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        if not self.per_token_scales:
+            return super().weighted_values(weights, a, b)
+        # sum_t w_t (code_t x scale_t) = sum_t (w_t x scale_t) code_t
+        scaled = weights * self.vs[:, :, None, None, a:b, 0].float()
+        return torch.einsum("bhgqn,bhnd->bhgqd", scaled, self.v[:, :, a:b].float())
 
     def partial(self, query, mask, scaling, softcap, splits, rotations=(None, None)) -> Partials:
         """``rotations``: the ``(H_k, H_v)`` the codes were stored rotated by, read in the same launch."""

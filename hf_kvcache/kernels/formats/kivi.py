@@ -26,7 +26,6 @@ from ._base import (
     Parts,
     SegmentFormat,
     channel_groups,
-    group_expand,
     register_partial,
     triton_available,
 )
@@ -47,15 +46,30 @@ def kivi_scale_dtype(scale_dtype: torch.dtype | None, kv_dtype: torch.dtype) -> 
 
 
 def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """``(..., D * bits / 8)`` uint8 -> ``(..., D)`` float32 codes (3 bits: a 2-bit plane, then a 1-bit plane; see
-    :func:`hf_kvcache.quant.pack`)."""
-    if bits == 3:
-        low = packed.shape[-1] * 2 // 3  # D / 4 bytes of low 2 bits, then D / 8 of high bits
-        return _unpack(packed[..., :low], 2) + 4 * _unpack(packed[..., low:], 1)
-    per_byte = 8 // bits
-    shifts = torch.arange(per_byte, device=packed.device, dtype=torch.uint8) * bits
-    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # (..., D / k, k)
-    return codes.flatten(-2).float()
+    """``(..., D * bits / 8)`` uint8 -> ``(..., D)`` float32 codes (:func:`hf_kvcache.quant.unpack`, written straight
+    into the float tensor)."""
+    out = torch.empty((*packed.shape[:-1], packed.shape[-1] * 8 // bits), dtype=torch.float32, device=packed.device)
+    return quant.unpack(packed, bits, out)
+
+
+def _token_groups_read(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Tokens quantized per token over groups of channels (KIVI's values): ``(B, H, n, D)`` float32."""
+    codes = _unpack(packed, bits)  # (B, H, n, D)
+    groups = codes.view(*codes.shape[:-1], scale.shape[-1], -1)  # (B, H, n, D / G, G)
+    return torch.addcmul(zero.float().unsqueeze(-1), groups, scale.float().unsqueeze(-1)).flatten(-2)
+
+
+def _token_groups_weighted(weights: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                           bits: int) -> torch.Tensor:  # fmt: skip
+    """``weights`` ``(B, H, G, q, n)`` times tokens quantized per token over channel groups, the scales folded into
+    the weights: ``sum_t w_t (code_t x s_t + z_t) = sum_t (w_t s_t) code_t + sum_t w_t z_t`` per channel group, so
+    no value is dequantized. ``(B, H, G, q, D)`` float32."""
+    codes = _unpack(packed, bits)  # (B, H, n, D)
+    groups = codes.view(*codes.shape[:-1], scale.shape[-1], -1)  # (B, H, n, D / G, G)
+    scaled = weights.unsqueeze(-1) * scale.float()[:, :, None, None]  # (B, H, G, q, n, D / G)
+    out = torch.einsum("bhgqnj,bhnjc->bhgqjc", scaled, groups)
+    out = out + torch.einsum("bhgqn,bhnj->bhgqj", weights, zero.float()).unsqueeze(-1)
+    return out.flatten(-2)
 
 
 @dataclass(frozen=True)
@@ -78,13 +92,35 @@ class KiviSegment(SegmentFormat):
     def value_dim(self) -> int:
         return self.v.shape[-1] * 8 // self.bits
 
-    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _key_groups(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, slice]:
+        """The whole key groups covering tokens ``a:b``: codes ``(B, H, groups, G, Dk)``, their channel scales and
+        zero points ``(B, H, groups, Dk)`` in float32, and where ``a:b`` sits in the groups' tokens."""
         a, b = a + self.start, b + self.start
-        groups = torch.arange(a, b, device=self.k.device) // self.group
-        k = _unpack(self.k[:, :, a:b], self.bits) * self.ks[:, :, groups].float() + self.kz[:, :, groups].float()
-        width = self.value_dim
-        v = _unpack(self.v[:, :, a:b], self.bits) * group_expand(self.vs[:, :, a:b], width)
-        return k, v + group_expand(self.vz[:, :, a:b], width)
+        g, g0, g1 = self.group, a // self.group, -(-b // self.group)
+        codes = _unpack(self.k[:, :, g0 * g : g1 * g], self.bits)  # (B, H, groups x G, Dk)
+        grouped = codes.view(*codes.shape[:2], g1 - g0, g, codes.shape[-1])
+        return grouped, self.ks[:, :, g0:g1].float(), self.kz[:, :, g0:g1].float(), slice(a - g0 * g, b - g0 * g)
+
+    def read_keys(self, a: int, b: int) -> torch.Tensor:
+        codes, scale, zero, cut = self._key_groups(a, b)
+        return torch.addcmul(zero[:, :, :, None], codes, scale[:, :, :, None]).flatten(2, 3)[:, :, cut]
+
+    def read_values(self, a: int, b: int) -> torch.Tensor:
+        a, b = a + self.start, b + self.start
+        return _token_groups_read(self.v[:, :, a:b], self.vs[:, :, a:b], self.vz[:, :, a:b], self.bits)
+
+    def scores(self, query: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        # q . (code x scale_c + zero_c) = (q x scale) . code + q . zero, with each key group's channel scales (the
+        # Triton kernel's fold): no key is dequantized
+        codes, scale, zero, cut = self._key_groups(a, b)
+        scaled = query[:, :, :, :, None, :] * scale[:, :, None, None]  # (B, H, G, q, groups, Dk)
+        dots = torch.einsum("bhgqjd,bhjtd->bhgqjt", scaled, codes)
+        dots = dots + torch.einsum("bhgqd,bhjd->bhgqj", query, zero).unsqueeze(-1)
+        return dots.flatten(-2)[..., cut]
+
+    def weighted_values(self, weights: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        a, b = a + self.start, b + self.start
+        return _token_groups_weighted(weights, self.v[:, :, a:b], self.vs[:, :, a:b], self.vz[:, :, a:b], self.bits)
 
     def partial(self, query, mask, scaling, softcap, splits, rotations=(None, None), rope=None) -> Partials:
         """``rotations``: the ``(H_k, H_v)`` the codes were stored rotated by; ``rope``: ``(rotary, first)`` of keys
@@ -179,13 +215,14 @@ class KiviTokenSegment(SegmentFormat):
     def value_dim(self) -> int:
         return self.v.shape[-1] * 8 // self.bits
 
-    def _read(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, a: int, b: int) -> torch.Tensor:
-        width = codes.shape[-1] * 8 // self.bits
-        x = _unpack(codes[:, :, a:b], self.bits) * group_expand(scale[:, :, a:b], width)
-        return x + group_expand(zero[:, :, a:b], width)
+    def read_keys(self, a: int, b: int) -> torch.Tensor:
+        return _token_groups_read(self.k[:, :, a:b], self.ks[:, :, a:b], self.kz[:, :, a:b], self.bits)
 
-    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._read(self.k, self.ks, self.kz, a, b), self._read(self.v, self.vs, self.vz, a, b)
+    def read_values(self, a: int, b: int) -> torch.Tensor:
+        return _token_groups_read(self.v[:, :, a:b], self.vs[:, :, a:b], self.vz[:, :, a:b], self.bits)
+
+    def weighted_values(self, weights: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        return _token_groups_weighted(weights, self.v[:, :, a:b], self.vs[:, :, a:b], self.vz[:, :, a:b], self.bits)
 
     def partial(self, query, mask, scaling, softcap, splits) -> Partials:
         s = self

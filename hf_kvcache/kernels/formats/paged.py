@@ -32,17 +32,20 @@ class PagedSegment(SegmentFormat):
         blocks = self.block_table[:, positions // self.block_size].long().clamp_min(0)
         return blocks * self.block_size + positions % self.block_size
 
-    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(self, pool: torch.Tensor, scales: torch.Tensor | None, a: int, b: int) -> torch.Tensor:
         slots = self.slots(a, b)
         batch, n = slots.shape
         flat = slots.flatten()
-        k = self.k.index_select(0, flat).float()  # (B * n, H, Dk)
-        v = self.v.index_select(0, flat).float()
-        if self.ks is not None:
-            k = k * self.ks.index_select(0, flat).float().unsqueeze(-1)
-            v = v * self.vs.index_select(0, flat).float().unsqueeze(-1)
-        # (B * n, H, D) -> (B, H, n, D)
-        return k.view(batch, n, *k.shape[1:]).transpose(1, 2), v.view(batch, n, *v.shape[1:]).transpose(1, 2)
+        x = pool.index_select(0, flat).float()  # (B * n, H, D)
+        if scales is not None:
+            x = x * scales.index_select(0, flat).float().unsqueeze(-1)
+        return x.view(batch, n, *x.shape[1:]).transpose(1, 2)  # (B, H, n, D)
+
+    def read_keys(self, a: int, b: int) -> torch.Tensor:
+        return self._gather(self.k, self.ks, a, b)
+
+    def read_values(self, a: int, b: int) -> torch.Tensor:
+        return self._gather(self.v, self.vs, a, b)
 
     def partial(self, query, mask, scaling, softcap, splits) -> Partials:
         s = self

@@ -26,9 +26,14 @@ class PreRopeSegment(OverSegment):
     rotary: RotarySpec
     first: int  # position (token index in the layer) of the segment's first token
 
-    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.inner.read(a, b)
-        return rotate_positions(k, self.first + a, self.rotary), v
+    def read_keys(self, a: int, b: int) -> torch.Tensor:
+        return rotate_positions(self.inner.read_keys(a, b), self.first + a, self.rotary)
+
+    def read_values(self, a: int, b: int) -> torch.Tensor:
+        return self.inner.read_values(a, b)
+
+    def weighted_values(self, weights: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        return self.inner.weighted_values(weights, a, b)  # values are stored as they are: the inner format's fold
 
     def partial(self, query, mask, scaling, softcap, splits) -> Partials:
         if self.inner.ROPE_IN_LAUNCH:  # turned in the inner format's own launch

@@ -34,9 +34,17 @@ class RotatedSegment(OverSegment):
     def value_dim(self) -> int:
         return self.value_rotation.shape[-1]
 
-    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.inner.read(a, b)
-        return k @ self.key_rotation, v @ self.value_rotation
+    def read_keys(self, a: int, b: int) -> torch.Tensor:
+        return self.inner.read_keys(a, b) @ self.key_rotation
+
+    def read_values(self, a: int, b: int) -> torch.Tensor:
+        return self.inner.read_values(a, b) @ self.value_rotation
+
+    def scores(self, query: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        return self.inner.scores(query @ self.key_rotation, a, b)  # q . (k H) = (q H) . k, H symmetric
+
+    def weighted_values(self, weights: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        return self.inner.weighted_values(weights, a, b) @ self.value_rotation
 
     @property
     def ROPE_IN_LAUNCH(self) -> bool:  # noqa: N802 (the flag every format has)
@@ -61,7 +69,7 @@ class RotatedSegment(OverSegment):
             value_rotation=self.value_rotation.to(device=device, dtype=torch.float32).contiguous(),
         )
 
-    def reference_partial(self, query, mask, scaling, softcap, splits, chunk=reference.REFERENCE_CHUNK) -> Partials:
+    def reference_partial(self, query, mask, scaling, softcap, splits, chunk=None) -> Partials:
         return reference.fold_rotation(reference.partial, query, self, mask, scaling, softcap, splits, chunk)
 
 
