@@ -102,6 +102,10 @@ def _cached_kv_heads(config: PretrainedConfig, layer_config, q_heads: int) -> in
         if config.new_decoder_architecture:
             return q_heads
         return 1 if config.multi_query else (config.num_kv_heads or q_heads)
+    if model_type(config) == "gpt_bigcode":
+        # Its modeling code reads multi_query (StarCoder, SantaCoder: one cached head), not num_key_value_heads, which
+        # a config keeps from its construction even when multi_query is set afterwards.
+        return 1 if config.multi_query else q_heads
     return getattr(layer_config, "num_key_value_heads", None) or q_heads
 
 

@@ -104,9 +104,12 @@ def register_attention() -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    from ._legacy_attention import install
+
     for name in (ATTENTION, PAGED_ATTENTION):
         AttentionInterface.register(name, hf_kvcache_attention)
         AttentionMaskInterface.register(name, _mask)
+        install(name)  # models that pick attention classes from their own dicts refuse the name clearly at load
     return ATTENTION
 
 

@@ -142,12 +142,14 @@ def _add_bench_parser(sub) -> None:
 def _bench(args) -> int:
     from .eval.bench import BenchConfig, default_contexts, run_bench, trained_context
     from .eval.flags import given_fields
-    from .eval.report import format_bench_table, write_bench_report
+    from .eval.report import check_output, format_bench_table, write_bench_report
     from .eval.runner import load_model
     from .registry import make_cache
 
     config = BenchConfig(**given_fields(args, args.names))
     config.validate()  # bad specs, contexts and counts fail before the model loads
+    if args.output:
+        check_output(args.output)  # an unwritable --output fails now, not after every timing
     if config.threads:
         torch.set_num_threads(config.threads)
     model, _ = load_model(config)

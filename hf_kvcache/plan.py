@@ -51,6 +51,7 @@ DEFAULT_PLAN_CACHES = (
     "dynamic",
     "int8",
     "int4",
+    "int3",
     "int2",
     "sink:window=1024:sinks=4",
     "sink:window=4096:sinks=4",
@@ -359,6 +360,11 @@ def plan_memory(
         _plan_spec(spec)
     weights = weight_bytes(config, dtype, weights_bits)
     weights["bytes"] = -(-weights["bytes"] // tp)
+    if reserve_bytes >= memory_bytes:
+        raise ValueError(
+            f"reserve ({_gib(reserve_bytes)}) must be smaller than memory ({_gib(memory_bytes)}): nothing would be "
+            "left for the weights and the KV cache"
+        )
     budget = memory_bytes - weights["bytes"] - reserve_bytes
 
     def need(spec: str, tokens: int, rows: int) -> int:

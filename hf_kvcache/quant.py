@@ -15,7 +15,8 @@ Conventions
   and ``-inf`` are stored as the group's largest and smallest representable values and ``NaN`` as the representable
   value nearest zero. A group with no finite element stores scale 0 and reads back as zeros.
 * Scales are computed in float32, so magnitudes up to about ``1e36`` round-trip within the bound (beyond that the
-  range of a group overflows float32).
+  range of a group overflows float32). Stored in a 16-bit dtype, a scale or zero point beyond that dtype's range
+  saturates at its largest finite value: the group's extreme values are clipped (finite, never inf or NaN).
 """
 
 from __future__ import annotations
@@ -44,14 +45,21 @@ def levels(bits: int) -> int:
     return (1 << bits) - 1
 
 
+def _saturate(y: torch.Tensor) -> torch.Tensor:
+    """Infinities of a 16-bit cast of finite values, back to the dtype's largest finite value (with their sign)."""
+    top = torch.finfo(y.dtype).max
+    return torch.where(torch.isinf(y), torch.sign(y) * top, y).to(y.dtype)
+
+
 def _round_to_dtype(x: torch.Tensor, dtype: torch.dtype, direction: float) -> torch.Tensor:
-    """Cast float32 ``x`` to ``dtype``, rounding toward ``direction`` (+inf or -inf) instead of to nearest."""
+    """Cast float32 ``x`` to ``dtype``, rounding toward ``direction`` (+inf or -inf) instead of to nearest, and
+    saturating at the dtype's largest finite value (``x`` is finite)."""
     y = x.to(dtype)
     if dtype == torch.float32:
         return y
     overshoot = y.float() < x if direction > 0 else y.float() > x
     target = torch.full_like(y, direction)
-    return torch.where(overshoot, torch.nextafter(y, target), y)
+    return _saturate(torch.where(overshoot, torch.nextafter(y, target), y))
 
 
 def _nonzero_scale(scale: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
@@ -65,7 +73,7 @@ def _cover(scale: torch.Tensor, span_over_scale: torch.Tensor, top: int) -> torc
     """Where ``span / scale`` exceeds ``top`` (a scale rounded down: float32 division loses relative precision in
     the subnormal range), step the scale up by one unit in its dtype, so the top code is never saturated by more
     than rounding. One step suffices after a round-to-nearest division."""
-    up = torch.nextafter(scale, torch.full_like(scale, float("inf")))
+    up = _saturate(torch.nextafter(scale, torch.full_like(scale, float("inf"))))
     return torch.where(span_over_scale > top, up, scale)
 
 

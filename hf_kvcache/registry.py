@@ -9,6 +9,7 @@ takes the same strings. Each cache module registers its kinds where the cache is
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -58,17 +59,22 @@ def available_caches() -> dict[str, CacheKind]:
     return dict(_KINDS)
 
 
+_INT = re.compile(r"[+-]?[0-9]+")
+_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
 def _parse_value(text: str):
+    """``true`` / ``false`` / ``none``, a plain decimal integer or float (no ``_`` separators, which Python's
+    ``int("4_0")`` would read as 40), or the text itself."""
     lowered = text.lower()
     if lowered in ("true", "false"):
         return lowered == "true"
     if lowered == "none":
         return None
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
+    if _INT.fullmatch(text):
+        return int(text)
+    if _FLOAT.fullmatch(text):
+        return float(text)
     return text
 
 

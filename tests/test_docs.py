@@ -143,6 +143,8 @@ def test_results_regions_match_saved_harness_output():
         assert not stale, f"{_id(page)}: regions {stale} differ; run python scripts/build_results.py --write"
     saved = {p.stem for p in build_results.SAVED.glob("*.json")}
     assert used and used <= saved, f"regions without a saved run: {used - saved}"
+    # GPU runs are saved by the GPU run's renderer (hf_kvcache.tools.gpu_run.render --save), not by build_results
+    saved = {name for name in saved if build_results.load_run(name)["kind"] != "gpu-run"}
     assert saved <= set(build_results.RUNS), f"saved runs no script produces: {saved - set(build_results.RUNS)}"
     for name in saved:
         record = build_results.load_run(name)
@@ -259,3 +261,34 @@ def test_page_renders_in_headless_chromium(site, page, tmp_path):
     assert image.size == (1280, 2000)
     colors = image.getcolors(maxcolors=1 << 20)
     assert colors is not None and len(colors) > 50, "the screenshot is (nearly) blank"
+
+
+OPTION_TABLES = {
+    "caches/quantized.md": "QuantizedKVCache",
+    "caches/sliding-window.md": "SlidingWindowKVCache",
+    "caches/paged.md": "PagedKVCache",
+}
+
+
+@pytest.mark.parametrize("page, cls", OPTION_TABLES.items())
+def test_option_tables_follow_the_constructors(page, cls):
+    """Each cache page's options table names every constructor argument, and each non-None default as the
+    constructor has it (``"auto"``, ``8``, ``True``...)."""
+    import inspect
+
+    import hf_kvcache
+
+    text = (DOCS / page).read_text()
+    table = text[text.index("| argument | allowed | default | meaning |") :].split("\n\n", 1)[0]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0].strip("`")] = cells[2]
+    params = inspect.signature(getattr(hf_kvcache, cls)).parameters
+    assert list(rows) == list(params), f"{page}: the table's arguments differ from {cls}'s"
+    for name, p in params.items():
+        if p.default is inspect.Parameter.empty or p.default is None:
+            continue
+        literal = f'"{p.default}"' if isinstance(p.default, str) else str(p.default)
+        said = rows[name].replace("`", "")
+        assert literal in said, f"{page}: {name}'s default is {literal}, the table says {said}"

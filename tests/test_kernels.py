@@ -521,3 +521,38 @@ def test_reach_counts_the_largest_offset_of_a_view():
     assert triton_decode._reach(big) == 2
     pool = torch.empty(16, 8, 4)
     assert triton_decode._reach(pool[3:5]) == 16 * 8 * 4  # a view: its whole storage can be addressed from its base
+
+
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
+def test_encoders_saturate_scales_past_a_16_bit_dtype_bit_exactly(bits):
+    """float32 tokens of up to 1e7 with float16 scales: a scale or zero point past float16's range is stored as its
+    largest finite value (the group's extremes clipped, never inf or NaN), by the Triton encoders exactly as by the
+    reference; decoding gives finite values within the clipped range."""
+    from hf_kvcache.kernels.append import _append_reference
+    from hf_kvcache.kernels.triton_append import triton_append, triton_kivi_encode
+
+    g = torch.Generator().manual_seed(bits)
+    k = torch.randn(2, 2, 32, 64, generator=g) * torch.logspace(0, 7, 64)
+    v = torch.randn(2, 2, 32, 64, generator=g) * torch.logspace(0, 7, 32).view(1, 1, 32, 1)
+    if bits == 8:
+        results = []
+        for store in (_append_reference, triton_append):
+            kc, vc = torch.zeros(2, 2, 32, 64, dtype=torch.int8), torch.zeros(2, 2, 32, 64, dtype=torch.int8)
+            ks, vs = torch.zeros(2, 2, 32, 1, dtype=torch.float16), torch.zeros(2, 2, 32, 1, dtype=torch.float16)
+            store(k, v, kc, vc, ks, vs, None, 0, 1)
+            results.append((kc, vc, ks, vs))
+        for ref, tri in zip(*results):
+            assert torch.equal(_tensor_bits(tri), _tensor_bits(ref))
+        scales = results[0][2:]
+    else:
+        codec = KiviCodec(bits, 16, torch.float16)
+        want = codec.encode(k, v)
+        got = {name: torch.empty_like(t) for name, t in want.items()}
+        triton_kivi_encode(k, v, got, bits, 16, False)
+        for name in want:
+            assert torch.equal(_tensor_bits(got[name] + 0), _tensor_bits(want[name] + 0)), name
+        scales = [want[name] for name in ("ks", "kz", "vs", "vz")]
+        keys, values = torch.empty(2, 2, 32, 64), torch.empty(2, 2, 32, 64)
+        codec.decode(want, keys, values)
+        assert torch.isfinite(keys).all() and torch.isfinite(values).all()
+    assert all(torch.isfinite(s).all() for s in scales) and any((s.abs() == 65504).any() for s in scales)

@@ -728,3 +728,37 @@ def test_three_bit_head_widths_must_fill_whole_bytes():
     """3-bit codes pack 8 to 3 bytes: a head width that is not a multiple of 8 is refused by name."""
     with pytest.raises(ValueError, match=r"3-bit codes pack 8 per whole bytes: head widths \[12\] must be multiples"):
         QuantizedKVCache(_config(head_dim=12), bits=3, group_size=4)
+
+
+@pytest.mark.parametrize(
+    "spec, dtype, magnitude",
+    [("int8", torch.float16, 6e4), ("int4", torch.float16, 6e4), ("int3", torch.float16, 3e4),
+     ("int2", torch.float16, 3e4), ("int2:rotate=none:sinks=0:pre_rope=false", torch.float16, 6e4),
+     ("int4:scale_dtype=float16", torch.bfloat16, 1e5)],
+    ids=["int8-fp16", "int4-fp16", "int3-fp16", "int2-fp16", "int2-kivi-fp16", "int4-fp16-scales-bf16"],
+)  # fmt: skip
+@pytest.mark.parametrize("attn", ["sdpa", "hf_kvcache"])
+def test_values_at_the_edge_of_the_16_bit_range_stay_finite(spec, dtype, magnitude, attn):
+    """K/V up to float16's limits (and float16 scales under bfloat16 K/V past them) read back finite on both attention
+    paths: dequantized in float32, rotated in float32 (rotated codes get bfloat16 scales), scales that would not fit
+    their dtype saturate (the group's extremes clipped), never inf or NaN."""
+    from hf_kvcache.kernels import decode_attention
+    from hf_kvcache.prefill import store_prefill
+
+    config = LlamaConfig(
+        num_hidden_layers=1, hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64
+    )
+    g = torch.Generator().manual_seed(0)
+    k, v = ((torch.rand(1, 1, 300, 64, generator=g) * 2 - 1) * magnitude for _ in range(2))
+    cache = store_prefill(make_cache(spec, config), [(k.to(dtype), v.to(dtype))])
+    config._attn_implementation = attn
+    keys, values = cache.update(torch.zeros(1, 1, 1, 64, dtype=dtype), torch.zeros(1, 1, 1, 64, dtype=dtype), 0)
+    if attn == "sdpa":
+        assert torch.isfinite(keys).all() and torch.isfinite(values).all()
+        clipped = max(0.0, 1 - float(torch.finfo(torch.float16).max) / magnitude)  # float16 scales of 1e5 values
+        step = 2 / ((1 << int(spec[3])) - 1)  # a KIVI step over the range [-1, 1] (int8's is far finer)
+        error = float((values[:, :, :300].float() - v).abs().max()) / magnitude
+        assert error <= max(2 * step, step / 2 + clipped + 0.01)  # rotated codes spread a step over a block
+    else:
+        out = decode_attention(torch.randn(1, 2, 1, 64, generator=g).to(dtype) * 1e-2, keys, None, 0.125)
+        assert torch.isfinite(out).all()

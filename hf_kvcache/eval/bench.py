@@ -12,6 +12,7 @@ the tensors the generation creates (:class:`hf_kvcache.memory.PeakTensorBytes`, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -67,8 +68,9 @@ class BenchConfig(ModelOptions):
         check_int("--new-tokens", self.new_tokens, 2)
         check_int("--batch", self.batch, 1)
         check_int("--repeats", self.repeats, 1)
-        if self.memory_budget_gib is not None and self.memory_budget_gib <= 0:
-            raise ValueError(f"--memory-budget-gib must be > 0, got {self.memory_budget_gib}")
+        budget = self.memory_budget_gib
+        if budget is not None and not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
+            raise ValueError(f"--memory-budget-gib must be a finite number of GiB > 0, got {budget}")
 
 
 def trained_context(config) -> int | None:

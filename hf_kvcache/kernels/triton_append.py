@@ -23,11 +23,29 @@ __all__ = ["kivi_encodable", "triton_append", "triton_kivi_encode"]
 
 @triton.jit
 def _next_up(scale):
-    """The next representable value above a non-negative ``scale`` (its bits plus one)."""
+    """The next representable value above a non-negative ``scale`` (its bits plus one), saturating at the dtype's
+    largest finite value (as :func:`hf_kvcache.quant._saturate`)."""
     if scale.dtype == tl.float32:
-        return (scale.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True)
+        bits = scale.to(tl.int32, bitcast=True)
+        return tl.where(bits == 0x7F7FFFFF, bits, bits + 1).to(tl.float32, bitcast=True)
+    elif scale.dtype == tl.float16:
+        bits = scale.to(tl.int16, bitcast=True)
+        return tl.where(bits == 0x7BFF, bits, bits + 1).to(tl.float16, bitcast=True)
     else:
-        return (scale.to(tl.int16, bitcast=True) + 1).to(scale.dtype, bitcast=True)
+        bits = scale.to(tl.int16, bitcast=True)
+        return tl.where(bits == 0x7F7F, bits, bits + 1).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _saturated(x, SDT: tl.constexpr):
+    """Float32 ``x`` cast to 16-bit ``SDT`` to nearest, values past its largest finite value clamped to it (a cast
+    would give inf)."""
+    if SDT == tl.float16:
+        return tl.minimum(tl.maximum(x, -65504.0), 65504.0).to(SDT)
+    elif SDT == tl.bfloat16:
+        return tl.minimum(tl.maximum(x, -3.3895313892515355e38), 3.3895313892515355e38).to(SDT)
+    else:
+        return x.to(SDT)
 
 
 @triton.jit
@@ -51,7 +69,7 @@ def _store_token(
         finite = (x == x) & (tl.abs(x) != float("inf"))
         absmax = tl.max(tl.where(finite & ok, tl.abs(x), 0.0), 1)  # (groups,): max(|min|, |max|) of the finite
         want = tl.math.div_rn(absmax, 127.0)
-        scale = want.to(SDT)  # to nearest, then up one unit where that fell below: the scale covers the range
+        scale = _saturated(want, SDT)  # to nearest, then up one unit where that fell below: covers the range
         scale = tl.where(scale.to(tl.float32) < want, _next_up(scale), scale)
         scale = tl.where((absmax > 0) & (scale == 0), _next_up(tl.zeros_like(scale)), scale)
         positive = tl.where(scale > 0, scale.to(tl.float32), 1.0)
@@ -155,10 +173,11 @@ def _round_down(x, SDT: tl.constexpr):
     """Float32 ``x`` in ``SDT``, rounded toward -inf (to nearest, then one unit down where that rose above ``x``)."""
     if SDT == tl.float32:
         return x
-    y = x.to(SDT)
+    y = _saturated(x, SDT)
     bits = y.to(tl.int16, bitcast=True)
     down = tl.where(y > 0, bits - 1, bits + 1).to(SDT, bitcast=True)  # y <= 0 here only from x < 0: magnitude up
-    return tl.where(y.to(tl.float32) > x, down, y)
+    top = 0x7BFF if SDT == tl.float16 else 0x7F7F  # the largest finite value's magnitude bits: saturated, kept
+    return tl.where((y.to(tl.float32) > x) & ((bits & 0x7FFF) != top), down, y)
 
 
 @triton.jit
@@ -166,7 +185,7 @@ def _round_up(x, SDT: tl.constexpr):
     """Non-negative float32 ``x`` in ``SDT``, rounded toward +inf."""
     if SDT == tl.float32:
         return x
-    y = x.to(SDT)
+    y = _saturated(x, SDT)
     return tl.where(y.to(tl.float32) < x, _next_up(y), y)
 
 

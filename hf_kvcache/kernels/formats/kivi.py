@@ -52,6 +52,20 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return quant.unpack(packed, bits, out)
 
 
+def _float32_arithmetic(decode):
+    """A decoder ``(self, codes, scale, zero, out)`` run on a float32 copy when ``out`` is float16: ``code x scale``
+    of a group spanning most of float16's range overflows it before the zero point brings it back."""
+
+    def run(self, codes, scale, zero, out):
+        if out.dtype != torch.float16:
+            return decode(self, codes, scale, zero, out)
+        wide = torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        decode(self, codes, scale.float(), zero.float(), wide)
+        out.copy_(wide)
+
+    return run
+
+
 def _token_groups_read(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
     """Tokens quantized per token over groups of channels (KIVI's values): ``(B, H, n, D)`` float32."""
     codes = _unpack(packed, bits)  # (B, H, n, D)
@@ -383,19 +397,24 @@ class KiviCodec:
         length = parts["k"].shape[2] - start
         return KiviSegment(self.bits, self.group_size, start, length, *(parts[n] for n in _STORED))
 
+    @_float32_arithmetic
     def _decode_per_token(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out: torch.Tensor):
         quant.unpack(codes, self.bits, out=out)
         g = channel_groups(out, self.group_size)
         g.mul_(scale.unsqueeze(-1)).add_(zero.unsqueeze(-1))
 
+    @_float32_arithmetic
+    def _decode_key_groups(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out: torch.Tensor):
+        b, h, t, dk = out.shape
+        quant.unpack(codes, self.bits, out=out)
+        kg = out.view(b, h, t // self.group_size, self.group_size, dk)
+        kg.mul_(scale.unsqueeze(3)).add_(zero.unsqueeze(3))
+
     def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
         if self.per_token_keys:
             self._decode_per_token(parts["k"], parts["ks"], parts["kz"], k_out)
         else:
-            b, h, t, dk = k_out.shape
-            quant.unpack(parts["k"], self.bits, out=k_out)
-            kg = k_out.view(b, h, t // self.group_size, self.group_size, dk)
-            kg.mul_(parts["ks"].unsqueeze(3)).add_(parts["kz"].unsqueeze(3))
+            self._decode_key_groups(parts["k"], parts["ks"], parts["kz"], k_out)
         self._decode_per_token(parts["v"], parts["vs"], parts["vz"], v_out)
 
     def bytes_per_token(

@@ -121,6 +121,10 @@ class RotatedCodec:
 
     @staticmethod
     def _rotate(x: torch.Tensor) -> torch.Tensor:
+        """``x H``; float16 in float32 and returned as bfloat16: a rotated channel sums a block of channels, which
+        overflows float16 where they are large (codes then get bfloat16 scales, of float32's range)."""
+        if x.dtype == torch.float16:
+            return (x.float() @ hadamard(x.shape[-1], torch.float32, x.device)).to(torch.bfloat16)
         return x @ hadamard(x.shape[-1], x.dtype, x.device)
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
@@ -133,6 +137,13 @@ class RotatedCodec:
         self.inner.encode_into(self._rotate(k), self._rotate(v), out)
 
     def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        if k_out.dtype == torch.float16:  # the rotated tokens may not fit float16: decoded and turned back in float32
+            k_wide = torch.empty(k_out.shape, device=k_out.device)
+            v_wide = torch.empty(v_out.shape, device=v_out.device)
+            self.inner.decode(parts, k_wide, v_wide)
+            k_out.copy_(k_wide @ hadamard(k_out.shape[-1], torch.float32, k_out.device))
+            v_out.copy_(v_wide @ hadamard(v_out.shape[-1], torch.float32, v_out.device))
+            return
         self.inner.decode(parts, k_out, v_out)
         k_out.copy_(self._rotate(k_out))
         v_out.copy_(self._rotate(v_out))

@@ -1,0 +1,113 @@
+"""Configurations users load, not the ones the matrix builds: each works through ``generate()`` or is refused in one
+line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from models import VOCAB, prompt
+from transformers import AutoConfig, AutoModelForCausalLM, GPTBigCodeConfig
+
+from hf_kvcache import make_cache
+from hf_kvcache.cli import main as cli
+from hf_kvcache.plan import kv_bytes, plan_memory
+from hf_kvcache.registry import parse_spec
+
+COMMON = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _generate(model, spec: str, batch: str = "padded", length: int = 12):
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        return model.generate(
+            **prompt(batch, length), past_key_values=make_cache(spec, model), max_new_tokens=4, do_sample=False
+        )
+
+
+def test_multi_query_starcoder_set_after_construction_is_served_and_planned():
+    """StarCoder / SantaCoder: one cached head from multi_query, even where num_key_value_heads kept the value of the
+    config's construction (multi_query set afterwards, or a checkpoint's config that names both)."""
+    config = GPTBigCodeConfig(n_embd=64, n_layer=2, n_head=4, multi_query=False, **COMMON)
+    config.multi_query = True
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    reference = _generate(model, "dynamic")
+    for spec in ("int8", "int4:residual_length=4:group_size=8", "paged", "sink:window=8:sinks=2"):
+        assert _generate(model, spec).shape == reference.shape, spec
+    assert kv_bytes("int8", config, 100) < kv_bytes("dynamic", config, 100) == 2 * 100 * 16 * 2 * 2  # 1 head x 16
+
+
+@pytest.mark.parametrize("model_type", ["bert", "roberta", "electra", "ernie", "xlm-roberta", "camembert"])
+@pytest.mark.parametrize("batch", ["single", "padded"])
+def test_bert_style_decoders_under_a_window_shorter_than_the_prompt(model_type, batch):
+    """Encoder families run as decoders (is_decoder) evicting inside a 13-token prompt, padded or not."""
+    config = AutoConfig.for_model(
+        model_type, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        is_decoder=True, **COMMON,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    out = _generate(model, "sink:window=8:sinks=2", batch, length=13)
+    assert out.shape == (2 if batch == "padded" else 1, 17)
+
+
+LEGACY = {  # modeling files that pick their attention classes from their own dicts
+    "gptj": dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=512),
+    "gpt_neo": dict(hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]]),
+    "falcon": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+                   new_decoder_architecture=False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", list(LEGACY))
+def test_loading_a_model_that_cannot_use_the_hf_kvcache_attention_is_refused_in_one_line(model_type):
+    config = AutoConfig.for_model(model_type, **LEGACY[model_type], **COMMON)
+    with pytest.raises(ValueError, match=f"model_type '{model_type}' builds its attention from its own classes"):
+        AutoModelForCausalLM.from_config(config, attn_implementation="hf_kvcache")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()  # other names untouched
+    assert _generate(model, "int8").shape == (2, 16)
+
+
+def test_the_refusal_reaches_modules_imported_before_hf_kvcache():
+    code = (
+        "import transformers.models.gptj.modeling_gptj as m\n"
+        "import hf_kvcache\n"
+        "from transformers import GPTJConfig, AutoModelForCausalLM\n"
+        "c = GPTJConfig(n_embd=64, n_layer=1, n_head=4, rotary_dim=8, vocab_size=64)\n"
+        "try:\n    AutoModelForCausalLM.from_config(c, attn_implementation='hf_kvcache')\n"
+        "except ValueError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "model_type 'gptj' builds its attention from its own classes" in out.stdout, out.stderr[-2000:]
+
+
+def test_spec_integers_are_parsed_strictly():
+    assert parse_spec("int2:sinks=4_0:group_size=32:x=1e3") == ("int2", {"sinks": "4_0", "group_size": 32, "x": 1e3})
+    with pytest.raises(ValueError, match="sinks must be an integer >= 0 or 'auto', got '4_0'"):
+        make_cache("int2:sinks=4_0", AutoConfig.for_model("llama", num_hidden_layers=1, hidden_size=64,
+                                                          num_attention_heads=4))  # fmt: skip
+
+
+def test_plan_refuses_a_reserve_that_leaves_nothing(capsys):
+    with pytest.raises(ValueError, match="reserve .* must be smaller than memory"):
+        plan_memory(AutoConfig.for_model("llama", num_hidden_layers=2), "8GiB", reserve="9GiB")
+    assert cli(["plan", "--model", "reference", "--memory", "1GiB", "--reserve", "2GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "must be smaller than memory" in err and err.count("\n") == 1
+    assert "int3" in plan_memory(AutoConfig.for_model("llama", num_hidden_layers=2), "8GiB").table()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [(["--memory-budget-gib", "inf"], "--memory-budget-gib must be a finite number of GiB > 0, got inf"),
+     (["--memory-budget-gib", "nan"], "--memory-budget-gib must be a finite number of GiB > 0, got nan"),
+     (["--output", "/proc/no-such-dir"], "--output '/proc/no-such-dir' cannot be written")],
+)  # fmt: skip
+def test_bench_flags_fail_in_one_line_before_any_work(capsys, flags, message):
+    assert cli(["bench", "--model", "reference", "--contexts", "8", "--caches", "dynamic", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
