@@ -598,6 +598,8 @@ def _padded(batch=2, length=20, pad=3, seed=0):
 
 
 def test_sinks_keep_each_rows_first_real_tokens_exact_through_left_padding():
+    """Row r's sinks are its first real tokens, at its own padding p_r; every position (padding included) is quantized
+    once: a padded batch stores what unpadded rows do."""
     model = tiny_model("llama")
     ids, mask = _padded(pad=3)
     ref, cache = DynamicCache(config=model.config), QuantizedKVCache(model, bits=2, group_size=4, residual_length=0,
@@ -606,10 +608,11 @@ def test_sinks_keep_each_rows_first_real_tokens_exact_through_left_padding():
         model(input_ids=ids, attention_mask=mask, past_key_values=ref)
         model(input_ids=ids, attention_mask=mask, past_key_values=cache)
     layer = cache.layers[0]
-    assert layer.sink_length == 2 + 3 and layer.sink.length == 5  # sinks + the batch's largest padding
-    torch.testing.assert_close(layer.sink.view("k"), ref.layers[0].keys[:, :, :5], rtol=0, atol=0)
-    torch.testing.assert_close(layer.sink.view("v"), ref.layers[0].values[:, :, :5], rtol=0, atol=0)
-    assert layer.quantized_tokens == 20 - 5 - (20 - 5) % 4 and layer.stored_tokens == 20
+    assert layer.sink.pads == (0, 3)
+    for row, pad in enumerate((0, 3)):
+        torch.testing.assert_close(layer.sink.k[row], ref.layers[0].keys[row, :, pad : pad + 2], rtol=0, atol=0)
+        torch.testing.assert_close(layer.sink.v[row], ref.layers[0].values[row, :, pad : pad + 2], rtol=0, atol=0)
+    assert layer.quantized_tokens == 20 and layer.stored_tokens == 20
     assert "sinks=2" in repr(cache)
 
 
@@ -625,20 +628,21 @@ def test_sinks_cost_their_full_precision_bytes_and_help_where_the_first_tokens_m
             got = model(input_ids=ids[:, -1:], past_key_values=cache).logits[:, -1]
             sizes[sinks], errors[sinks] = cache.nbytes, (got - want).abs().max().item()
     per_token_fp = 2 * 2 * 16 * 4 * 2  # K and V, 2 KV heads x 16 channels x float32, 2 layers
-    coded = QuantizedKVCache(model, bits=2, group_size=4).bytes_per_token(torch.float32)
-    assert sizes[4] - sizes[0] == pytest.approx(4 * (per_token_fp - coded), abs=16)
+    assert sizes[4] - sizes[0] == 4 * per_token_fp  # exact copies beside codes of every position
     assert errors[4] < errors[0]
 
 
-def test_crop_into_the_sinks_then_continue():
-    model = tiny_model("llama")
+@pytest.mark.parametrize("attn", ["sdpa", "hf_kvcache"])
+def test_crop_into_the_sinks_then_continue(attn):
+    model = tiny_model("llama", attn)
     ids, mask = _padded(batch=2, length=12, pad=2)
     cache = QuantizedKVCache(model, bits=4, group_size=4, residual_length=0, sinks=4)
     fresh = QuantizedKVCache(model, bits=4, group_size=4, residual_length=0, sinks=4)
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, past_key_values=cache)
-        cache.crop(-9)  # keep 3 of the 6 sink slots
-        assert cache.layers[0].sink.length == 3 and cache.layers[0].stored_tokens == 3
+        cache.crop(-9)  # 3 tokens left: 3 of row 0's sinks, 1 of row 1's (padded by 2)
+        assert cache.layers[0].stored_tokens == 3
+        assert cache.layers[0].sink.filled(3).tolist() == [[True] * 3 + [False], [True] + [False] * 3]
         model(input_ids=ids[:, 3:8], attention_mask=mask[:, :8], past_key_values=cache)  # refill the sinks, go on
         got = model(input_ids=ids[:, 8:], attention_mask=mask, past_key_values=cache).logits
         model(input_ids=ids[:, :8], attention_mask=mask[:, :8], past_key_values=fresh)
@@ -652,7 +656,28 @@ def test_sinks_validation_and_a_cache_built_from_a_config():
     cache = QuantizedKVCache(_config(), bits=2, group_size=4, residual_length=0, sinks=2)
     k = torch.randn(2, 2, 10, 16)
     cache.update(k, k.clone(), 0)
-    assert cache.layers[0].sink_length == 2  # no model: rows count as unpadded
+    assert cache.layers[0].sink.pads == (0, 0)  # no model: rows count as unpadded
+
+
+@pytest.mark.parametrize("spec", ["int2", "int3", "int2:sinks=16", "int4:sinks=4"])
+def test_a_ragged_padded_batch_stores_what_plan_says(spec):
+    """Two prompts of 79 and 1,000 tokens (the shorter left-padded by 921): every position is encoded once and each
+    row keeps its own sinks, so the batch holds plan's bytes for 2 rows of 1,000 tokens, not DynamicCache's."""
+    from hf_kvcache import load_reference_model
+    from hf_kvcache.plan import kv_bytes
+
+    model, _ = load_reference_model()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (2, 1000), generator=g)
+    mask = torch.ones_like(ids)
+    ids[0, :921], mask[0, :921] = 0, 0
+    cache, dense = make_cache(spec, model), DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        model(input_ids=ids, attention_mask=mask, past_key_values=dense)
+    assert cache.nbytes == kv_bytes(spec, model, 1000, batch=2, dtype=torch.float32) < cache_nbytes(dense) / 3
+    assert all(layer.quantized_tokens >= 1000 - 128 - 63 for layer in cache.layers)
+    assert cache.layers[0].sink.pads == (921, 0)
 
 
 @pytest.mark.parametrize("batch, materialized", [("single", False), ("padded", True)])

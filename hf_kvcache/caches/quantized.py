@@ -88,9 +88,10 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             with the rotation folded into the query and the output (two small products per layer and step).
         sinks: the first ``sinks`` real tokens of every row kept in full precision on full-attention layers
             (attention sinks, as KVQuant and StreamingLLM observe: most heads put much attention on the first tokens).
-            Built from a model, the cache reads each row's left padding from the prefill's attention mask, and keeps
-            ``sinks`` plus the batch's largest padding positions exact (a padded row's extra positions are padding);
-            built from a config, rows count as unpadded. Default ``"auto"`` (:data:`MEASURED_DEFAULTS`).
+            Built from a model, the cache reads each row's left padding from the prefill's attention mask and keeps
+            each row's own first real tokens, beside the codes of every position (which are computed without them:
+            sinks and padding never set a group's range); built from a config, rows count as unpadded. A padded
+            batch stores what unpadded rows do. Default ``"auto"`` (:data:`MEASURED_DEFAULTS`).
         pre_rope: quantize keys as they were before RoPE (KVQuant, https://arxiv.org/abs/2401.18079): RoPE turns each
             channel pair by a different angle every token, smearing an outlier channel over its pair, which
             per-channel key groups cannot follow; un-rotated, the channel is steady across tokens. Keys are turned

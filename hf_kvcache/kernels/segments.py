@@ -50,6 +50,11 @@ class KVHandle:
 
     segments: tuple[Segment, ...]
     model_type: str | None = field(default=None, compare=False)
+    # Per segment, a (B, n) bool of the tokens attention may read (AND-ed with the attention mask's columns), or None;
+    # empty: every token. A quantized layer's exact sinks mask the codes' copies of them out this way.
+    keep: tuple = field(default=(), compare=False)
+    # Leading segments outside the attention mask's columns (a row's exact sinks), read under their keep only.
+    extra: int = field(default=0, compare=False)
 
     def _refuse(self, use: str):
         raise ValueError(
@@ -70,7 +75,8 @@ class KVHandle:
 
     @property
     def length(self) -> int:
-        return sum(s.length for s in self.segments)
+        """Tokens of the attention mask's columns (extra segments have none)."""
+        return sum(s.length for s in self.segments[self.extra :])
 
     @property
     def value_dim(self) -> int:

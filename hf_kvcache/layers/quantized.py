@@ -23,6 +23,7 @@ from .._config import LayerSpec
 from ..kernels import DenseSegment, KVHandle, PreRopeSegment
 from ..rope import RotarySpec, rotate_positions
 from ._common import AttentionMode, KVLayer, PaddingTracker, tokens_to_crop
+from ._sinks import RowSinks
 from ._storage import TokenBuffers, Workspace
 
 
@@ -97,28 +98,25 @@ class QuantizedLayer(KVLayer):
         self.workspace = workspace
         self.sinks = sinks  # first real tokens of every row kept in full precision (attention sinks)
         self.padding = padding
-        self.sink_length = 0  # sink slots of the current batch: sinks + the batch's largest left padding
-        self.store: TokenBuffers | None = None
-        self.residual: TokenBuffers | None = None
-        self.sink: TokenBuffers | None = None
+        self.store: TokenBuffers | None = None  # codes of every position from `dropped` on
+        self.residual: TokenBuffers | None = None  # the most recent tokens, exact
+        self.sink: RowSinks | None = None  # each row's first `sinks` real tokens, exact (beside their codes)
 
     # -- CacheLayerMixin ------------------------------------------------------------------------------------------
 
     def _initialize(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.store = TokenBuffers(self.codec.units)
         self.residual = TokenBuffers({"k": 1, "v": 1})
-        self.sink = TokenBuffers({"k": 1, "v": 1})
-        # Row r's first real token is at its left padding p_r: the first sinks + max(p) slots hold every row's first
-        # `sinks` real tokens (a padded row's extra slots are padding, masked by attention).
-        pads = self.padding.pads(self.batch_size) if (self.sinks and self.padding is not None) else (0,)
-        self.sink_length = self.sinks + max(pads) if self.sinks else 0
+        if self.sinks:  # row r's first real token sits at its left padding p_r (zeros where none was observed)
+            pads = self.padding.pads(self.batch_size) if self.padding is not None else (0,) * self.batch_size
+            self.sink = RowSinks(self.sinks, pads, key_states, value_states)
         self.dropped = 0
         if self.key_rope is not None:  # on the layer's device once, not copied there by every read
             self.key_rope = dataclasses.replace(self.key_rope, inv_freq=self.key_rope.inv_freq.to(self.device))
 
     def _release(self) -> None:
         self.store = self.residual = self.sink = None
-        self.sink_length = self.dropped = 0
+        self.dropped = 0
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -131,6 +129,7 @@ class QuantizedLayer(KVLayer):
             self._append(key_states, value_states)
         elif self._joins_residual(n):
             # The new tokens only join the residual: stored first and read with it, one segment (one launch) fewer.
+            self._take_sinks(key_states, value_states)
             self.residual.append_kv(key_states, value_states)
             keys = values = self._handle(key_states, value_states, visible, joined=True)
         else:
@@ -171,19 +170,23 @@ class QuantizedLayer(KVLayer):
 
     def offload(self) -> None:
         if self.is_initialized:
-            for buffers in (self.store, self.residual, self.sink):
+            for buffers in self._parts():
                 buffers.to("cpu", non_blocking=True)
 
     def prefetch(self) -> None:
         if self.is_initialized:
-            for buffers in (self.store, self.residual, self.sink):
+            for buffers in self._parts():
                 buffers.to(self.device, non_blocking=True)
+
+    def _parts(self) -> tuple:
+        return (self.store, self.residual) + ((self.sink,) if self.sink is not None else ())
 
     # -- reporting -----------------------------------------------------------------------------------------------
 
     @property
     def stored_tokens(self) -> int:
-        return (self.sink.length + self.store.length + self.residual.length) if self.is_initialized else 0
+        """Positions held (each row's exact sinks are copies of some of them)."""
+        return (self.store.length + self.residual.length) if self.is_initialized else 0
 
     @property
     def quantized_tokens(self) -> int:
@@ -191,25 +194,27 @@ class QuantizedLayer(KVLayer):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of live storage: codes, scales, zero points and the residual."""
-        return (self.sink.nbytes + self.store.nbytes + self.residual.nbytes) if self.is_initialized else 0
+        """Bytes of live storage: codes, scales, zero points, the residual and the rows' exact sinks."""
+        return sum(part.nbytes for part in self._parts()) if self.is_initialized else 0
 
     @property
     def reserved_nbytes(self) -> int:
-        """Bytes allocated, including growth headroom."""
+        """Bytes allocated, including growth headroom (the sinks have none)."""
         if not self.is_initialized:
             return 0
-        return self.sink.reserved_nbytes + self.store.reserved_nbytes + self.residual.reserved_nbytes
+        sinks = self.sink.nbytes if self.sink is not None else 0
+        return self.store.reserved_nbytes + self.residual.reserved_nbytes + sinks
 
     def planned_nbytes(self, tokens: int, dtype: torch.dtype, prompt: int | None = None) -> float:
         """Bytes one row stores after ``tokens`` tokens of ``dtype`` K/V, ``prompt`` of them in the first forward
-        (default: all) and the rest one per forward (:mod:`hf_kvcache.plan`)."""
-        sinks = min(self.sinks, tokens)  # no left padding in a plan
+        (default: all) and the rest one per forward (:mod:`hf_kvcache.plan`): codes, the residual, and ``sinks``
+        exact tokens from the first token on (padding changes none of it)."""
         prompt = tokens if prompt is None else prompt
-        encoded, residual = self._planned_split(tokens - sinks, max(prompt - sinks, 0))
+        encoded, residual = self._planned_split(tokens, prompt)
         spec = self.spec
         coded = self.codec.bytes_per_token(spec.num_kv_heads, spec.key_dim, spec.value_dim, dtype)
-        return encoded * coded + (residual + sinks) * spec.bytes_per_token_factor * dtype.itemsize
+        exact = residual + (self.sinks if tokens else 0)
+        return encoded * coded + exact * spec.bytes_per_token_factor * dtype.itemsize
 
     def _planned_split(self, tokens: int, prompt: int) -> tuple[int, int]:
         return encoded_split(tokens, self.residual_length, self.codec.unit)
@@ -222,60 +227,77 @@ class QuantizedLayer(KVLayer):
 
     def _attended(self, k_new: torch.Tensor, v_new: torch.Tensor, visible: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[last `visible` stored tokens ; new tokens]``, built in the shared workspace."""
-        ns, nq, nr, n = self.sink.length, self.store.length, self.residual.length, k_new.shape[-2]
-        if ns + nq + nr == 0:
+        nq, nr, n = self.store.length, self.residual.length, k_new.shape[-2]
+        if nq + nr == 0:
             return k_new, v_new
         # Decode the whole stored sequence (at most unit - 1 tokens more than needed on a sliding layer).
-        keys, values = self.workspace.take(k_new, v_new, ns + nq + nr + n)
-        if ns:
-            keys[:, :, :ns].copy_(self.sink.view("k"))
-            values[:, :, :ns].copy_(self.sink.view("v"))
+        keys, values = self.workspace.take(k_new, v_new, nq + nr + n)
         if nq:
-            self.codec.decode(self.store.views(), keys[:, :, ns : ns + nq], values[:, :, ns : ns + nq])
-            self._to_positions(keys[:, :, ns : ns + nq])
+            self.codec.decode(self.store.views(), keys[:, :, :nq], values[:, :, :nq])
+            self._to_positions(keys[:, :, :nq])
         if nr:
-            keys[:, :, ns + nq : ns + nq + nr].copy_(self.residual.view("k"))
-            values[:, :, ns + nq : ns + nq + nr].copy_(self.residual.view("v"))
-        keys[:, :, ns + nq + nr :].copy_(k_new)
-        values[:, :, ns + nq + nr :].copy_(v_new)
-        skip = ns + nq + nr - visible
+            keys[:, :, nq : nq + nr].copy_(self.residual.view("k"))
+            values[:, :, nq : nq + nr].copy_(self.residual.view("v"))
+        keys[:, :, nq + nr :].copy_(k_new)
+        values[:, :, nq + nr :].copy_(v_new)
+        if self.sink is not None:  # each row's exact sinks over their codes' copies
+            self.sink.patch(keys, values, self.dropped, self.cumulative_length)
+        skip = nq + nr - visible
         return keys[:, :, skip:], values[:, :, skip:]
 
     def _joins_residual(self, n: int) -> bool:
-        """Whether :meth:`_append` would put all ``n`` new tokens in the residual: the sinks are full and the residual
-        does not overflow by a whole unit (it encodes ``unit`` tokens at a time)."""
+        """Whether :meth:`_append` would put all ``n`` new tokens in the residual: it does not overflow by a whole
+        unit (it encodes ``unit`` tokens at a time)."""
         overflow = self.residual.length + n - self.residual_length
-        return self.sink.length >= self.sink_length and overflow < self.codec.unit
+        return overflow < self.codec.unit
 
     def _handle(self, k_new: torch.Tensor, v_new: torch.Tensor, visible: int, joined: bool = False) -> KVHandle:
         """``[last `visible` stored tokens ; new tokens]`` as views for the kernels. Taken before the new tokens are
         stored (a later append writes past these views or into fresh tensors, never over them), or, ``joined``, right
-        after they joined the residual: then the residual's segment ends with them."""
+        after they joined the residual: then the residual's segment ends with them. Each row's exact sinks: the first
+        segment, the codes read from after them, where no row is padded; else one more segment, outside the mask's
+        columns, with the codes' copies of them masked out per row."""
         n = k_new.shape[-2] if joined else 0
-        ns, nq, nr = self.sink.length, self.store.length, self.residual.length - n
-        skip = ns + nq + nr - visible  # tokens out of a sliding layer's window (there are no sinks there)
-        segments = []
-        if ns:  # full-attention layers only: the sinks are always visible
-            segments.append(DenseSegment(self.sink.view("k"), self.sink.view("v")))
+        nq, nr = self.store.length, self.residual.length - n
+        held = self.cumulative_length + n  # tokens stored, the joined ones included
+        skip = nq + nr - visible  # tokens out of a sliding layer's window (there are no sinks there)
+        segments, keep, extra = [], [], 0
+        sinks = self.sink
+        if sinks is not None and sinks.aligned(held):  # the sinks are positions 0 .. S - 1 of every row
+            skip = self.sinks
+            segments.append(DenseSegment(sinks.k, sinks.v))
+            keep.append(None)
+            sinks = None
+        elif sinks is not None:
+            segments.append(DenseSegment(sinks.k, sinks.v))
+            keep.append(sinks.filled(held))
+            extra = 1
         if skip < nq:
             segment = self.codec.segment(self.store.views(), skip)
             if self.key_rope is not None:
                 segment = PreRopeSegment(segment, self.key_rope, self._store_position() + skip)
             segments.append(segment)
-        if self.residual.length:  # with the new tokens at its end when they joined it
+            keep.append(sinks.keep(self.dropped + skip, nq - skip, held) if sinks is not None else None)
+        if self.residual.length > max(skip - nq, 0):  # with the new tokens at its end when they joined it
             r0 = max(skip - nq, 0)
             segments.append(DenseSegment(self.residual.view("k")[:, :, r0:], self.residual.view("v")[:, :, r0:]))
+            first = self.dropped + nq + r0
+            keep.append(sinks.keep(first, self.residual.length - r0, held) if sinks is not None else None)
         if not joined:
             segments.append(DenseSegment(k_new, v_new))
-        return KVHandle(tuple(segments), self.mode.model_type)
+            keep.append(None)
+        keep = tuple(keep) if any(k is not None for k in keep) else ()
+        return KVHandle(tuple(segments), self.mode.model_type, keep, extra)
+
+    def _take_sinks(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Each row's sinks among a forward's tokens (positions from :attr:`cumulative_length`), kept exact."""
+        if self.sink is not None:
+            self.sink.fill(k, v, self.dropped + self.cumulative_length)
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Add new tokens: the first ``sink_length`` of a row to the sinks, then the residual; encode the oldest
+        """Add new tokens to the residual (each row's sinks among them also to the exact sinks); encode the oldest
         residual tokens, ``unit`` at a time, while it exceeds its length."""
-        room = self.sink_length - self.sink.length
-        if room > 0:
-            self.sink.append_kv(k[:, :, :room], v[:, :, :room])
-            k, v = k[:, :, room:], v[:, :, room:]
+        self._take_sinks(k, v)
         unit = self.codec.unit
         overflow = self.residual.length + k.shape[-2] - self.residual_length
         n_encode = max(overflow, 0) // unit * unit
@@ -286,8 +308,11 @@ class QuantizedLayer(KVLayer):
             if from_res:  # the residual's oldest tokens (read in place when no new token joins them)
                 kr, vr = self.residual.view("k")[:, :, :from_res], self.residual.view("v")[:, :, :from_res]
                 ke, ve = (torch.cat([kr, ke], dim=2), torch.cat([vr, ve], dim=2)) if from_new else (kr, vr)
-            if self.key_rope is not None:  # the chunk's first token follows the stored codes
-                ke = rotate_positions(ke, self._store_position() + self.store.length, self.key_rope, inverse=True)
+            first = self._store_position() + self.store.length  # the chunk's first token follows the stored codes
+            if self.key_rope is not None:
+                ke = rotate_positions(ke, first, self.key_rope, inverse=True)
+            if self.sink is not None:  # padding and sinks never set a group's range (they are read exactly)
+                ke, ve = self.sink.exclude(ke, first), self.sink.exclude(ve, first)
             encode_into = getattr(self.codec, "encode_into", None)
             if encode_into is not None:  # int8, KIVI: encoded straight into the storage, one launch on CUDA
                 self.store.append_written(
@@ -306,12 +331,6 @@ class QuantizedLayer(KVLayer):
     def _remove_tail(self, n: int) -> None:
         if n > self.stored_tokens:
             raise ValueError(self._crop_limit_message(n))
-        into_sinks = max(n - self.store.length - self.residual.length, 0)
-        if into_sinks:  # everything after the sinks goes, then the sinks' tail
-            self.residual.clear()
-            self.store.clear()
-            self.sink.truncate(into_sinks)
-            return
         from_res = min(n, self.residual.length)
         self.residual.truncate(from_res)
         rest = n - from_res
@@ -344,7 +363,7 @@ class QuantizedLayer(KVLayer):
 
     def _store_position(self) -> int:
         """Position (token index in the layer) of the first quantized token."""
-        return self.dropped + self.sink.length
+        return self.dropped
 
     def _to_positions(self, keys: torch.Tensor) -> None:
         """Decoded pre-RoPE keys of the quantized tokens, rotated in place to their positions."""
@@ -356,7 +375,7 @@ class QuantizedLayer(KVLayer):
 
     def _map_batch(self, fn, batch: int | None) -> None:
         if self.is_initialized:
-            for buffers in (self.store, self.residual, self.sink):
+            for buffers in self._parts():
                 buffers.map_batch(fn)
         self._set_batch(batch)
 

@@ -1,0 +1,113 @@
+"""Attention sinks per row: each row's first real tokens, kept in full precision beside a quantized layer's codes.
+
+A left-padded batch puts row ``r``'s first real token at position ``p_r`` (its padding). The layer's codes hold every
+position, padding and sinks included, so that every row shares one token axis (mask column ``t`` is position ``t``);
+this buffer holds each row's ``count`` sink tokens exactly, at positions ``p_r .. p_r + count - 1``:
+
+* encoding: the padding and sink positions of a chunk are replaced, before their group's range is taken, by the
+  row's first token after its sinks (:meth:`RowSinks.exclude`): the outliers sinks typically are never stretch a
+  key group, and padding never does (neither is ever read from the codes);
+* reading: materialized K/V get the exact tokens written over those positions (:meth:`patch`); a storage handle gets
+  them as one more segment, with the codes' copies masked out per row (:meth:`keep`), or, in the common case of no
+  padding, as the first segment with the codes read from position ``count`` on (:meth:`aligned`).
+
+Row ``r`` holds ``clamp(tokens - p_r, 0, count)`` sinks after ``tokens`` tokens: nothing else to track, through
+``crop`` too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["RowSinks"]
+
+
+class RowSinks:
+    def __init__(self, count: int, pads: tuple[int, ...], keys: torch.Tensor, values: torch.Tensor):
+        """``keys`` / ``values``: a forward's ``(B, H, n, D)`` states (dtype, device and widths of the buffers)."""
+        b, h = keys.shape[:2]
+        self.count = count
+        self.k = keys.new_zeros((b, h, count, keys.shape[-1]))  # (B, H, S, Dk)
+        self.v = values.new_zeros((b, h, count, values.shape[-1]))
+        self._set_pads(pads)
+
+    def _set_pads(self, pads: tuple[int, ...]) -> None:
+        self.pads = tuple(pads)
+        self.starts = torch.tensor(self.pads, device=self.k.device)  # (B,) each row's first real token
+
+    def complete(self, tokens: int) -> bool:
+        """Every row holds all its sinks once ``tokens`` tokens are stored."""
+        return tokens >= max(self.pads) + self.count
+
+    def aligned(self, tokens: int) -> bool:
+        """No padding and every sink held: the sinks are positions ``0 .. count - 1`` of every row."""
+        return not any(self.pads) and tokens >= self.count
+
+    def _slots(self, first: int) -> torch.Tensor:
+        """``(B, S)``: where each row's sink ``j`` sits among positions counted from ``first``."""
+        return self.starts[:, None] + torch.arange(self.count, device=self.starts.device) - first
+
+    def filled(self, tokens: int) -> torch.Tensor:
+        """``(B, S)`` bool: the sinks held after ``tokens`` tokens."""
+        return self._slots(0) < tokens
+
+    def fill(self, keys: torch.Tensor, values: torch.Tensor, first: int) -> None:
+        """Take the sinks among a forward's tokens (positions ``first ..``)."""
+        n = keys.shape[2]
+        if first >= max(self.pads) + self.count or n == 0:
+            return
+        slots = self._slots(first)
+        take = (slots >= 0) & (slots < n)
+        index = slots.clamp(0, n - 1)[:, None, :, None]  # (B, 1, S, 1)
+        for mine, new in ((self.k, keys), (self.v, values)):
+            picked = new.gather(2, index.expand(*new.shape[:2], -1, new.shape[-1]))
+            mine.copy_(torch.where(take[:, None, :, None], picked, mine))
+
+    def exclude(self, x: torch.Tensor, first: int) -> torch.Tensor:
+        """A chunk of positions ``first ..`` about to be encoded, its padding and sink positions replaced by each
+        row's first token after its sinks (when in the chunk): they never set a group's range."""
+        n = x.shape[2]
+        ends = [p + self.count - first for p in self.pads]  # each row's first ordinary position, from first
+        if all(e <= 0 for e in ends):
+            return x
+        end = torch.tensor(ends, device=x.device)
+        excluded = torch.arange(n, device=x.device)[None, :] < end[:, None]  # (B, n)
+        fill = x.gather(2, end.clamp(0, n - 1)[:, None, None, None].expand(*x.shape[:2], 1, x.shape[-1]))
+        return torch.where(excluded[:, None, :, None], fill, x)
+
+    def patch(self, keys: torch.Tensor, values: torch.Tensor, first: int, tokens: int) -> None:
+        """Materialized K/V ``(B, H, L, D)`` of positions ``first ..``: the sinks held among the first ``tokens``
+        positions written over their codes' copies."""
+        slots = self._slots(first)
+        held = self.filled(tokens) & (slots >= 0) & (slots < keys.shape[2])
+        if not bool(held.any()):
+            return
+        index = slots.clamp(0, keys.shape[2] - 1)[:, None, :, None]
+        for out, exact in ((keys, self.k), (values, self.v)):
+            at = index.expand(*out.shape[:2], -1, out.shape[-1])
+            out.scatter_(2, at, torch.where(held[:, None, :, None], exact.to(out.dtype), out.gather(2, at)))
+
+    def keep(self, first: int, n: int, tokens: int) -> torch.Tensor | None:
+        """``(B, n)``: which of positions ``first .. first + n - 1`` a handle reads from the codes (not the sinks
+        held after ``tokens`` tokens, which it reads exactly); None where no sink falls among them."""
+        lo = [p - first for p in self.pads]
+        if all(p + self.count <= 0 or p >= n for p in lo) or tokens <= min(self.pads):
+            return None
+        positions = torch.arange(n, device=self.starts.device)[None, :]
+        start = self.starts[:, None] - first
+        held = (positions >= start) & (positions < start + self.count) & (positions + first < tokens)
+        return ~held
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.k, self.v = fn(self.k).contiguous(), fn(self.v).contiguous()
+        self._set_pads(tuple(fn(self.starts).tolist()))
+
+    def to(self, device, non_blocking: bool = False) -> None:
+        self.k, self.v = self.k.to(device, non_blocking=non_blocking), self.v.to(device, non_blocking=non_blocking)
+        self.starts = self.starts.to(device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
