@@ -74,21 +74,22 @@ def decode_attention(
     """Attention ``(B, q, Hq, Dv)`` of ``query`` ``(B, Hq, q, D)`` over a cache layer's storage handle.
 
     ``mask``: the ``(B, 1, q, T)`` boolean mask of the ``hf_kvcache`` mask function (True attends), whose columns
-    follow the handle's segments in order (its ``extra`` leading segments have none); a segment's ``keep`` narrows
-    its columns further. On CUDA each segment is split across programs (flash-decoding); elsewhere
+    follow the handle's segments in order (its ``extra`` leading segments have none, and their own masks); the
+    handle's ``columns`` narrow them further. On CUDA each segment is split across programs (flash-decoding); elsewhere
     one split each."""
     partials, col = [], 0
     b, _, q, _ = query.shape
-    keeps = handle.keep or (None,) * len(handle.segments)
-    for i, (segment, keep) in enumerate(zip(handle.segments, keeps)):
-        if i < handle.extra:  # outside the attention mask's columns: its own keep only
-            part_mask = None
+    if handle.columns is not None:  # one AND over every column, the segments' masks views of it
+        kept = handle.columns[:, None, None, :]
+        mask = kept.expand(b, 1, q, handle.length) if mask is None else mask & kept
+    extra = len(handle.extra)
+    for i, segment in enumerate(handle.segments):
+        if i < extra:  # outside the attention mask's columns: its own mask only
+            own = handle.extra[i]
+            part_mask = None if own is None else own[:, None, :].expand(b, q, segment.length)
         else:
             part_mask = None if mask is None else mask[:, 0, :, col : col + segment.length]
             col += segment.length
-        if keep is not None:
-            kept = keep[:, None, :].expand(b, q, segment.length)
-            part_mask = kept if part_mask is None else part_mask & kept
         splits = reference.num_splits(segment.length, query.shape[0] * segment.heads) if query.is_cuda else 1
         partials.append(segment_partial(query, segment, part_mask, scaling, softcap, splits))
     m, l_, acc = (list(x) for x in zip(*partials))

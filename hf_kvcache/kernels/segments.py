@@ -50,11 +50,12 @@ class KVHandle:
 
     segments: tuple[Segment, ...]
     model_type: str | None = field(default=None, compare=False)
-    # Per segment, a (B, n) bool of the tokens attention may read (AND-ed with the attention mask's columns), or None;
-    # empty: every token. A quantized layer's exact sinks mask the codes' copies of them out this way.
-    keep: tuple = field(default=(), compare=False)
-    # Leading segments outside the attention mask's columns (a row's exact sinks), read under their keep only.
-    extra: int = field(default=0, compare=False)
+    # (B, T): the mask columns attention may read (AND-ed with the attention mask), or None: all. A quantized layer's
+    # exact sinks mask the codes' copies of them out this way.
+    columns: object = field(default=None, compare=False)
+    # Leading segments outside the attention mask's columns (each row's exact sinks), with their own (B, n) masks (or
+    # None: every token), read under those only.
+    extra: tuple = field(default=(), compare=False)
 
     def _refuse(self, use: str):
         raise ValueError(
@@ -76,7 +77,7 @@ class KVHandle:
     @property
     def length(self) -> int:
         """Tokens of the attention mask's columns (extra segments have none)."""
-        return sum(s.length for s in self.segments[self.extra :])
+        return sum(s.length for s in self.segments[len(self.extra) :])
 
     @property
     def value_dim(self) -> int:

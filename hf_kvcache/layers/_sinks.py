@@ -8,8 +8,8 @@ this buffer holds each row's ``count`` sink tokens exactly, at positions ``p_r .
   row's first token after its sinks (:meth:`RowSinks.exclude`): the outliers sinks typically are never stretch a
   key group, and padding never does (neither is ever read from the codes);
 * reading: materialized K/V get the exact tokens written over those positions (:meth:`patch`); a storage handle gets
-  them as one more segment, with the codes' copies masked out per row (:meth:`keep`), or, in the common case of no
-  padding, as the first segment with the codes read from position ``count`` on (:meth:`aligned`).
+  them as one more segment, with the codes' copies masked out per row (:meth:`columns`), or, in the common case of
+  no padding, as the first segment with the codes read from position ``count`` on (:meth:`aligned`).
 
 Row ``r`` holds ``clamp(tokens - p_r, 0, count)`` sinks after ``tokens`` tokens: nothing else to track, through
 ``crop`` too.
@@ -36,6 +36,7 @@ class RowSinks:
     def _set_pads(self, pads: tuple[int, ...]) -> None:
         self.pads = tuple(pads)
         self.starts = torch.tensor(self.pads, device=self.k.device)  # (B,) each row's first real token
+        self._kept: torch.Tensor | None = None  # columns() once every sink is held, for the positions so far
 
     def complete(self, tokens: int) -> bool:
         """Every row holds all its sinks once ``tokens`` tokens are stored."""
@@ -89,16 +90,21 @@ class RowSinks:
             at = index.expand(*out.shape[:2], -1, out.shape[-1])
             out.scatter_(2, at, torch.where(held[:, None, :, None], exact.to(out.dtype), out.gather(2, at)))
 
-    def keep(self, first: int, n: int, tokens: int) -> torch.Tensor | None:
-        """``(B, n)``: which of positions ``first .. first + n - 1`` a handle reads from the codes (not the sinks
-        held after ``tokens`` tokens, which it reads exactly); None where no sink falls among them."""
-        lo = [p - first for p in self.pads]
-        if all(p + self.count <= 0 or p >= n for p in lo) or tokens <= min(self.pads):
-            return None
-        positions = torch.arange(n, device=self.starts.device)[None, :]
-        start = self.starts[:, None] - first
-        held = (positions >= start) & (positions < start + self.count) & (positions + first < tokens)
-        return ~held
+    def columns(self, first: int, n: int, tokens: int) -> torch.Tensor:
+        """``(B, n)``: which of positions ``first .. first + n - 1`` a handle reads from the codes and the residual:
+        not the sinks held after ``tokens`` tokens, which it reads exactly. Once every row holds all its sinks the
+        mask of the positions so far is kept, so a decode step takes a view of it (no launch)."""
+        if not self.complete(tokens):
+            return self._columns(first, first + n, tokens)
+        stop = first + n
+        if self._kept is None or self._kept.shape[1] < stop:  # grown geometrically: rebuilt once in many steps
+            self._kept = self._columns(0, max(2 * stop, 256), tokens)
+        return self._kept[:, first:stop]
+
+    def _columns(self, start: int, stop: int, tokens: int) -> torch.Tensor:
+        positions = torch.arange(start, stop, device=self.starts.device)[None, :]
+        held = (positions >= self.starts[:, None]) & (positions < self.starts[:, None] + self.count)
+        return ~(held & (positions < tokens))
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.k, self.v = fn(self.k).contiguous(), fn(self.v).contiguous()
@@ -107,6 +113,7 @@ class RowSinks:
     def to(self, device, non_blocking: bool = False) -> None:
         self.k, self.v = self.k.to(device, non_blocking=non_blocking), self.v.to(device, non_blocking=non_blocking)
         self.starts = self.starts.to(device)
+        self._kept = None
 
     @property
     def nbytes(self) -> int:

@@ -261,33 +261,27 @@ class QuantizedLayer(KVLayer):
         nq, nr = self.store.length, self.residual.length - n
         held = self.cumulative_length + n  # tokens stored, the joined ones included
         skip = nq + nr - visible  # tokens out of a sliding layer's window (there are no sinks there)
-        segments, keep, extra = [], [], 0
+        segments, columns, extra = [], None, ()
         sinks = self.sink
         if sinks is not None and sinks.aligned(held):  # the sinks are positions 0 .. S - 1 of every row
             skip = self.sinks
             segments.append(DenseSegment(sinks.k, sinks.v))
-            keep.append(None)
-            sinks = None
-        elif sinks is not None:
+        elif sinks is not None and held > min(sinks.pads):  # a sink held: read exactly, the codes' copies masked out
             segments.append(DenseSegment(sinks.k, sinks.v))
-            keep.append(sinks.filled(held))
-            extra = 1
+            extra = (None if sinks.complete(held) else sinks.filled(held),)
+            total = nq + self.residual.length - skip + (0 if joined else k_new.shape[-2])  # the mask's columns
+            columns = sinks.columns(self.dropped + skip, total, held)
         if skip < nq:
             segment = self.codec.segment(self.store.views(), skip)
             if self.key_rope is not None:
                 segment = PreRopeSegment(segment, self.key_rope, self._store_position() + skip)
             segments.append(segment)
-            keep.append(sinks.keep(self.dropped + skip, nq - skip, held) if sinks is not None else None)
         if self.residual.length > max(skip - nq, 0):  # with the new tokens at its end when they joined it
             r0 = max(skip - nq, 0)
             segments.append(DenseSegment(self.residual.view("k")[:, :, r0:], self.residual.view("v")[:, :, r0:]))
-            first = self.dropped + nq + r0
-            keep.append(sinks.keep(first, self.residual.length - r0, held) if sinks is not None else None)
         if not joined:
             segments.append(DenseSegment(k_new, v_new))
-            keep.append(None)
-        keep = tuple(keep) if any(k is not None for k in keep) else ()
-        return KVHandle(tuple(segments), self.mode.model_type, keep, extra)
+        return KVHandle(tuple(segments), self.mode.model_type, columns, extra)
 
     def _take_sinks(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Each row's sinks among a forward's tokens (positions from :attr:`cumulative_length`), kept exact."""
