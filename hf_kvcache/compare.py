@@ -45,6 +45,7 @@ __all__ = [
     "StepClock",
     "generation_peak_bytes",
     "time_decode",
+    "time_decode_interleaved",
     "timed_generate",
     "tiny_llama",
 ]
@@ -189,35 +190,62 @@ def time_decode(
     step), the decode rate the tokens of the following steps, all rows, over those steps' own time. Nothing is
     derived from the difference of two separately timed runs. Peak memory: CUDA's ``max_memory_allocated`` of a
     timed run; elsewhere (``measure_memory``) :func:`generation_peak_bytes` on one more, untimed run."""
+    timings = time_decode_interleaved(
+        model, inputs, {"cache": make_cache}, new_tokens, repeats, measure_memory, **generate_kwargs
+    )
+    return timings["cache"]
+
+
+def time_decode_interleaved(
+    model,
+    inputs: dict,
+    caches: dict[str, Callable[[], Cache]],
+    new_tokens: int,
+    repeats: int = 3,
+    measure_memory: bool = True,
+    **generate_kwargs,
+) -> dict[str, DecodeTiming]:
+    """:func:`time_decode` for several caches side by side: every cache warmed up, then ``repeats`` rounds of one
+    timed generation per cache in turn (A B C A B C ...), so a slow spell of a shared machine falls on all of them
+    and their ratios hold. ``caches``: label -> zero-argument factory; a factory may also switch the model's
+    attention implementation before it builds (``hf-kvcache bench --attn``)."""
     if new_tokens < 2:
         raise ValueError(f"new_tokens must be >= 2 (decode speed needs a token after the first), got {new_tokens}")
     generate_kwargs = {"do_sample": False, "min_new_tokens": new_tokens} | generate_kwargs
     rows = inputs["input_ids"].shape[0] * generate_kwargs.get("num_return_sequences", 1)
     device = model.device
-    timed_generate(model, inputs, make_cache(), 2, **(generate_kwargs | {"min_new_tokens": 2}))
-    ttft, rates, peak = [], [], None
+    for factory in caches.values():
+        timed_generate(model, inputs, factory(), 2, **(generate_kwargs | {"min_new_tokens": 2}))
+    ttft: dict[str, list[float]] = {label: [] for label in caches}
+    rates: dict[str, list[float]] = {label: [] for label in caches}
+    last: dict[str, tuple] = {}
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        cache, clock = make_cache(), StepClock(device)
-        criteria = StoppingCriteriaList([*generate_kwargs.get("stopping_criteria", []), clock])
-        synchronize(device)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(
-                **inputs,
-                past_key_values=cache,
-                max_new_tokens=new_tokens,
-                **(generate_kwargs | {"stopping_criteria": criteria}),
-            )
-        if device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(device)
-        times = clock.times
-        ttft.append(times[0] - start)
-        rates.append(rows * (len(times) - 1) / (times[-1] - times[0]))
-    if device.type != "cuda" and measure_memory:
-        peak = generation_peak_bytes(model, inputs, make_cache, new_tokens, **generate_kwargs)
-    return DecodeTiming(statistics.median(ttft), rates, cache, out, peak)
+        for label, factory in caches.items():
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            cache, clock = factory(), StepClock(device)
+            criteria = StoppingCriteriaList([*generate_kwargs.get("stopping_criteria", []), clock])
+            synchronize(device)
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(
+                    **inputs,
+                    past_key_values=cache,
+                    max_new_tokens=new_tokens,
+                    **(generate_kwargs | {"stopping_criteria": criteria}),
+                )
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+            times = clock.times
+            ttft[label].append(times[0] - start)
+            rates[label].append(rows * (len(times) - 1) / (times[-1] - times[0]))
+            last[label] = (cache, out, peak)
+    timings = {}
+    for label, factory in caches.items():
+        cache, out, peak = last[label]
+        if device.type != "cuda" and measure_memory:
+            peak = generation_peak_bytes(model, inputs, factory, new_tokens, **generate_kwargs)
+        timings[label] = DecodeTiming(statistics.median(ttft[label]), rates[label], cache, out, peak)
+    return timings
 
 
 def generation_peak_bytes(model, inputs: dict, make_cache: Callable[[], Cache], new_tokens: int, **kwargs) -> int:

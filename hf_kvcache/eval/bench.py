@@ -1,13 +1,14 @@
 """``hf-kvcache bench``: time to first token and decode speed at several context lengths, side by side.
 
-Per context length and cache: a random prompt of that length, one warm-up generation, then ``repeats`` generations
-of ``new_tokens`` tokens with every step timed as it happens (synchronized on CUDA;
-:func:`hf_kvcache.compare.time_decode`). TTFT is the time to the first token; decode tokens/s is the tokens of the
-following steps, all rows together, over those steps' own time. Medians and spread ((max - min) / median) over the
-repeats. Peak memory of a generation: CUDA's ``max_memory_allocated``; on CPU the model's bytes plus the peak of
-the tensors the generation creates (:class:`hf_kvcache.memory.PeakTensorBytes`, on an untimed run). With
-``memory_budget``, per cache, the largest context whose generation peaks within it, found by running
-(:func:`largest_context`), next to what ``hf-kvcache plan`` predicts.
+Per context length: a random prompt of that length, one warm-up generation per cache, then ``repeats`` rounds of one
+generation of ``new_tokens`` tokens per cache in turn (interleaved, so a slow spell falls on every cache), every step
+timed as it happens (synchronized on CUDA; :func:`hf_kvcache.compare.time_decode_interleaved`). TTFT is the time to
+the first token; decode tokens/s is the tokens of the following steps, all rows together, over those steps' own
+time. Medians and spread ((max - min) / median) over the repeats. Peak memory of a generation: CUDA's
+``max_memory_allocated``; on CPU the model's bytes plus the peak of the tensors the generation creates
+(:class:`hf_kvcache.memory.PeakTensorBytes`, on an untimed run). With ``memory_budget``, per cache, the largest
+context whose generation peaks within it, found by running (:func:`largest_context`), next to what
+``hf-kvcache plan`` predicts.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._validate import check_int
-from ..compare import time_decode
+from ..compare import time_decode_interleaved
 from .config import ModelOptions
 
 __all__ = ["BenchConfig", "default_contexts", "run_bench"]
@@ -174,13 +175,22 @@ def run_bench(
     gen = torch.Generator().manual_seed(0)
     rows = []
     runs = [(attn, spec) for attn in (attns or [None]) for spec in caches]
+
+    def factory(attn: str | None, spec: str):
+        def make():
+            if attn is not None:
+                model.set_attn_implementation(attn)
+            return make_cache(spec, model)
+
+        return make
+
     for context in contexts:
         ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=gen).to(device)
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        factories = {(attn, spec): factory(attn, spec) for attn, spec in runs}
+        timings = time_decode_interleaved(model, inputs, factories, new_tokens, repeats)
         for attn, spec in runs:
-            if attn is not None:
-                model.set_attn_implementation(attn)
-            timing = time_decode(model, inputs, lambda spec=spec: make_cache(spec, model), new_tokens, repeats)
+            timing = timings[(attn, spec)]
             rows.append(
                 {
                     "cache": spec if attn is None else f"{spec} [{attn}]",
