@@ -1,8 +1,9 @@
 """MkDocs hooks: keep the results regions of the pages equal to the harness output, and draw its plots.
 
 A page region ``<!-- results:NAME -->`` must equal the rendering of ``docs/results/NAME.json`` (see
-``scripts/build_results.py``); the build stops otherwise. The plots of every saved run are drawn at build time
-into ``results/NAME/*.png`` of the site, from the same files, so no generated image is committed.
+``scripts/build_results.py``, :mod:`hf_kvcache.tools.results`); the build stops otherwise. The plots of every
+saved run are drawn at build time into ``results/NAME/*.png`` of the site, from the same files, so no generated
+image is committed.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from build_results import SAVED, stale_regions
 from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File
+
+from hf_kvcache.tools.results import SAVED, stale_regions
 
 
 def on_files(files, config):
@@ -25,7 +27,7 @@ def on_files(files, config):
         with tempfile.TemporaryDirectory() as tmp:
             if record["kind"] == "bench":
                 write_bench_report(record["results"], tmp)
-            elif record["kind"] == "eval":
+            elif record["kind"] == "eval":  # (bench-cpu and gpu-run runs have tables only)
                 write_report(record["results"], tmp)
             for png in sorted(Path(tmp).glob("*.png")):
                 files.append(File.generated(config, f"results/{saved.stem}/{png.name}", content=png.read_bytes()))

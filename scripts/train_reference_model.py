@@ -16,7 +16,8 @@ It uses only the project's own dependencies (torch, transformers, tokenizers) pl
     tokens after a few epochs).
 
 ``--stage context`` (from the prose model, ``--init``)
-    The curriculum of :mod:`reference_context`: periodic random segments to bootstrap copying (induction), then
+    The curriculum of ``hf_kvcache.tools.reference_context``:
+    periodic random segments to bootstrap copying (induction), then
     documents with passages written twice at random distances, passkey documents and training prose, at sequence
     lengths 128, 256, 512 and 2048; the trained context becomes 2048 tokens. Afterwards the model card's targets are
     measured on the held-out novel with the harness's own code and written to ``training.json``.
@@ -285,9 +286,18 @@ def train_prose(args) -> None:
 
 
 def train_context(args) -> None:
-    """Stage 2: from the prose model at ``--init``, the curriculum of :mod:`reference_context`, then the targets."""
-    from reference_context import EXPERIMENTS, PHASES, DocumentMaker, measure_targets, targets_met, train_phase
+    """Stage 2: from the prose model at ``--init``, the curriculum of ``hf_kvcache.tools.reference_context``, then
+    the targets."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_kvcache.tools.reference_context import (
+        EXPERIMENTS,
+        PHASES,
+        DocumentMaker,
+        measure_targets,
+        targets_met,
+        train_phase,
+    )  # fmt: skip
 
     if not args.init:
         raise SystemExit("--stage context needs --init, the prose model folder to start from")

@@ -9,8 +9,6 @@ search, sampling, continuation, continuous batching), the test asserts that too,
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +20,7 @@ from transformers.cache_utils import Cache
 from hf_kvcache import PagedKVCache, QuantizedKVCache, SlidingWindowKVCache
 
 # The observations are the ones benchmarks/compare_builtin.py prints, so the table and these assertions cannot differ.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from compare_builtin import count_quantized, crop_observables, random_kv, row0_error  # noqa: E402
+from hf_kvcache.tools.peers import count_quantized, crop_observables, random_kv, row0_error
 
 GROUP, RESIDUAL = 16, 16  # head_dim 16: one group spans a head; the residual fills several times in 64 tokens
 NEW = 24

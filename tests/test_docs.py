@@ -36,8 +36,7 @@ PAGES = [*sorted(DOCS.rglob("*.md")), ROOT / "README.md"]
 FENCE = re.compile(r"^```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 SKIP = re.compile(r"<!-- snippet: skip (?P<reason>[^>]*\S)\s*-->\s*$")
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import build_results  # noqa: E402
+from hf_kvcache.tools import results as build_results  # noqa: E402
 
 
 def blocks(page: Path, lang: str) -> list[tuple[int, str, str | None]]:
@@ -148,7 +147,7 @@ def test_results_regions_match_saved_harness_output():
     assert saved <= set(build_results.RUNS), f"saved runs no script produces: {saved - set(build_results.RUNS)}"
     for name in saved:
         record = build_results.load_run(name)
-        assert record["command"] == "hf-kvcache " + shlex.join(build_results.RUNS[name]), name
+        assert record["command"] == build_results.command_of(name), name
 
 
 def test_stale_region_is_detected():

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import tiny_model
+
+from hf_kvcache import make_cache
+from hf_kvcache.tools.gpu_report import aot
+from hf_kvcache.tools.gpu_report import report as gpu_report
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import _gpu_aot as aot  # noqa: E402
-import gpu_report  # noqa: E402
 
 
 def _toolchain_reason() -> str | None:
@@ -93,12 +94,15 @@ def test_launches_are_counted(reports):
 def test_threshold_launches_within_sdpa_plus_two(reports):
     """Per layer and decode step, with a quantized history, sinks and a residual where the cache has them (the step
     counted has all of its segments), every cache under hf_kvcache launches at most DynamicCache + sdpa's + 2
-    kernels: each segment one launch, the split reduction one, the append one (int8 encoded in it)."""
+    kernels: each segment one launch, the split reduction one, the append one (int8 encoded in it); in a padded
+    batch, a cache with sinks one more (each row's exact sinks mask their codes' copies out of the attention mask)."""
     rows = {(r["cache"], r["padded"]): r for r in reports[0]["launches"]}
     for padded in (False, True):
         base = rows[("DynamicCache", padded)]["launches_per_layer"]
-        for kind in gpu_report.KINDS:
-            assert rows[(kind, padded)]["launches_per_layer"] <= base + 2, (kind, padded, rows[(kind, padded)])
+        for kind, spec in gpu_report.KINDS.items():
+            sinks = padded and getattr(make_cache(spec, tiny_model("llama")).layers[0], "sinks", 0) > 0
+            allowed = base + 2 + sinks
+            assert rows[(kind, padded)]["launches_per_layer"] <= allowed, (kind, padded, rows[(kind, padded)])
 
 
 @needs_ptxas
@@ -144,7 +148,7 @@ def test_threshold_no_spills_at_one_and_four_query_tokens():
     (the whole grid is the report's: its findings list any variant that spills)."""
     grid = [dict(kind=k, head_dim=d, q_len=q, padded=p) for k, d, q, p in ONCE_SPILLING]
     code = (
-        "import json, sys; sys.path.insert(0, 'benchmarks'); import gpu_report; "
+        "import json; from hf_kvcache.tools.gpu_report import report as gpu_report; "
         f"rows, findings = gpu_report.compile_variants({grid!r}, lambda *a: None); "
         "print(json.dumps({'rows': rows, 'findings': findings}))"
     )

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import kivi_ablation  # noqa: E402
+from hf_kvcache.tools import kivi_ablation  # noqa: E402
 
 
 @pytest.mark.parametrize("axis", ["token", "channel"])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -60,8 +59,13 @@ def test_trained_context_is_recorded_in_the_config(reference):
 
 def test_model_card_targets_are_remeasured_from_the_shipped_files(reference):
     """Copy ratio and passkey accuracy, measured by the training script's own protocol, equal training.json's."""
-    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
-    from reference_context import COPY_PROTOCOL, PASSKEY_PROTOCOL, TARGETS, copy_ratio, passkey_accuracy
+    from hf_kvcache.tools.reference_context import (
+        COPY_PROTOCOL,
+        PASSKEY_PROTOCOL,
+        TARGETS,
+        copy_ratio,
+        passkey_accuracy,
+    )
 
     model, tokenizer = reference
     recorded = reference_training_summary()["targets"]

@@ -1,0 +1,207 @@
+"""Produce the docs' results from the harness, and keep the pages in step with them.
+
+The docs quote harness output in *results regions*::
+
+    <!-- results:eval-default -->
+    ...the command and its table(s), written by this script...
+    <!-- /results -->
+
+Each region names a run in ``RUNS``. ``--run`` runs the CLI for the named runs (all by default), writes the full
+report under ``results/NAME/`` (not committed) and saves ``docs/results/NAME.json`` (committed on purpose: the
+command, the kind of run and the harness's results). ``--write`` rewrites every region from those files. The docs
+build (``scripts/mkdocs_hooks.py``) fails when a region differs from its file, and draws the plots from the same
+files, so a page can never quote numbers the harness did not produce.
+
+Usage::
+
+    python scripts/build_results.py --run            # every run (about 15 minutes on a 2-core CPU), then --write
+    python scripts/build_results.py --run eval-default
+    python scripts/build_results.py --write          # only re-render the regions
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository (a checkout: tools read and write its docs)
+DOCS = ROOT / "docs"
+SAVED = DOCS / "results"
+REGION = re.compile(r"(<!-- results:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.DOTALL)
+
+# Every published run is on the real model (SmolLM2-135M-Instruct, `--model smollm2`), with 1 thread.
+REAL = ["--model", "smollm2", "--threads", "1"]
+EVAL_CACHES = "dynamic,int8,int4,int2,sink:window=256:sinks=4"
+LONG_CACHES = "dynamic,int4,int2,sink:window=1024:sinks=4"
+STREAM_CACHES = "dynamic,sink:window=1024:sinks=0,sink:window=1024:sinks=4"
+# KVQuant / QuaRot options at 4, 3 and 2 bits, each named in full so the specs mean the same whatever the defaults:
+# KIVI's layout, each option alone, the rotation with sinks, and all three.
+ABLATION_OPTIONS = (
+    "rotate=none:sinks=0:pre_rope=false",
+    "rotate=hadamard:sinks=0:pre_rope=false",
+    "rotate=none:sinks=0:pre_rope=true",
+    "rotate=none:sinks=4:pre_rope=false",
+    "rotate=hadamard:sinks=4:pre_rope=false",
+    "rotate=hadamard:sinks=4:pre_rope=true",
+)
+_ROT_SINKS = "int2:rotate=hadamard:sinks=4:pre_rope=false"
+ABLATION_CACHES = ",".join(f"int{b}:{o}" for b in (4, 3, 2) for o in ABLATION_OPTIONS)
+BENCH = [
+    *"--new-tokens 8 --repeats 1 --caches".split(),
+    "dynamic,int8,int4,int2,sink:window=1024:sinks=4,paged:block_size=16",
+]
+RUNS: dict[str, list[str]] = {
+    "eval-default": [
+        "eval",
+        *REAL,
+        *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
+        *["--caches", EVAL_CACHES],
+    ],
+    "eval-passkey": [
+        "eval",
+        *REAL,
+        *"--task passkey --lengths 1024,2048,4096,8000 --depths 0,0.5,1 --samples 1".split(),
+        *["--caches", LONG_CACHES],
+    ],
+    "eval-passkey-chat": [
+        "eval",
+        *REAL,
+        *"--task passkey --chat-template --lengths 1024,2048,4096,8000 --depths 0,0.5,1 --samples 1".split(),
+        *["--caches", "dynamic"],
+    ],
+    "eval-repeat": ["eval", *REAL, *"--task repeat --distances 0,1000,3000,7000".split(), "--caches", LONG_CACHES],
+    "eval-ablation": [
+        "eval",
+        *REAL,
+        *"--task perplexity --max-tokens 2048 --context 1024 --prefill 512".split(),
+        *["--caches", "dynamic," + ABLATION_CACHES],
+    ],
+    "eval-lowbit-passkey": [
+        "eval",
+        *REAL,
+        *"--task passkey --lengths 1024,2048 --depths 0.1,0.3,0.5,0.7,0.9 --samples 2".split(),
+        *["--caches", "dynamic,int4,int3,int2,int2:rotate=none:sinks=0:pre_rope=false," + _ROT_SINKS],
+    ],
+    # CPU speed and memory on the real model (2 cores, one thread each; 1 repeat: read ratios, not spreads).
+    "bench-cpu": ["bench", *REAL, *BENCH, "--contexts", "1024,4096", "--attn", "sdpa,hf_kvcache"],
+    "bench-cpu-8k": ["bench", *REAL, *BENCH, "--contexts", "8000"],
+    "bench-cpu-batch4": ["bench", *REAL, *BENCH, "--contexts", "4096", "--batch", "4"],
+    "bench-cpu-budget": [
+        "bench",
+        *REAL,
+        *"--new-tokens 4 --repeats 1 --contexts 1024 --caches dynamic,int8,int4,int2 --memory-budget-gib 0.75".split(),
+    ],
+    "eval-stream": [
+        "eval",
+        *REAL,
+        *"--task stream --stream-tokens 16384 --bucket 1024 --stream-chunk 16".split(),
+        "--caches",
+        STREAM_CACHES,
+    ],
+    # Not the CLI: benchmarks/bench_cpu.py (hf_kvcache.tools.bench_cpu), decode paths and 16-token chunks on CPU.
+    "bench-cpu-paths": ["bench-cpu", "--model", "smollm2", "--threads", "1"],
+}
+TOOLS = {"bench-cpu": "python benchmarks/bench_cpu.py"}  # RUNS whose first word names a tool, not a CLI command
+
+
+def command_of(name: str) -> str:
+    """The command line a saved run came from."""
+    argv = RUNS[name]
+    if argv[0] in TOOLS:
+        return f"{TOOLS[argv[0]]} {shlex.join(argv[1:])}"
+    return "hf-kvcache " + shlex.join(argv)
+
+
+def load_run(name: str) -> dict:
+    path = SAVED / f"{name}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no saved run {name!r} ({path}); run: python scripts/build_results.py --run {name}")
+    return json.loads(path.read_text())
+
+
+def render(name: str) -> str:
+    record = load_run(name)
+    if record["kind"] == "gpu-run":  # saved by `python -m hf_kvcache.tools.gpu_run.render RUN_DIR --save NAME`
+        from .gpu_run.render import render as render_gpu_run
+
+        return render_gpu_run(record)
+    if record["kind"] == "bench-cpu":
+        from .bench_cpu import render as render_bench_cpu
+
+        return "\n".join(["```bash", record["command"], "```", "", render_bench_cpu(record["results"])])
+    from hf_kvcache.eval.report import render_saved_run
+
+    return render_saved_run(record)
+
+
+def regions(text: str):
+    """``(name, body)`` of every results region in a page."""
+    return [(m["name"], m["body"]) for m in REGION.finditer(text)]
+
+
+def stale_regions(text: str) -> list[str]:
+    """Names of the regions whose body is not the rendering of their saved run."""
+    return [name for name, body in regions(text) if body.strip() != render(name).strip()]
+
+
+def rewrite(text: str) -> str:
+    return REGION.sub(lambda m: m.group(1) + render(m["name"]) + "\n" + m.group(4), text)
+
+
+def run(name: str) -> None:
+    from hf_kvcache.cli import main as cli
+
+    argv = RUNS[name]
+    out = ROOT / "results" / name
+    print(f"== {name}: {command_of(name)}", flush=True)
+    kind = argv[0]
+    if kind == "bench-cpu":
+        from .bench_cpu import main as bench_cpu
+
+        if bench_cpu([*argv[1:], "--output", str(out)]) != 0:
+            raise SystemExit(f"{name} failed")
+        results = json.loads((out / "bench-cpu.json").read_text())
+    else:
+        if cli([*argv, "--output", str(out)]) != 0:
+            raise SystemExit(f"{name} failed")
+        results = json.loads((out / ("bench.json" if kind == "bench" else "results.json")).read_text())
+    SAVED.mkdir(exist_ok=True)
+    record = {"command": command_of(name), "kind": kind, "results": results}
+    (SAVED / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+
+
+def write_pages() -> list[Path]:
+    changed = []
+    for page in sorted(DOCS.rglob("*.md")):
+        text = page.read_text()
+        new = rewrite(text)
+        if new != text:
+            page.write_text(new)
+            changed.append(page)
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", nargs="*", metavar="NAME", help=f"runs to (re)produce: {', '.join(RUNS)} (all)")
+    parser.add_argument("--write", action="store_true", help="re-render the results regions of docs/*.md")
+    args = parser.parse_args(argv)
+    if args.run is None and not args.write:
+        parser.error("nothing to do: give --run [NAME ...] and/or --write")
+    if args.run is not None:
+        unknown = [n for n in args.run if n not in RUNS]
+        if unknown:
+            parser.error(f"--run: unknown run(s) {unknown}; known: {', '.join(RUNS)}")
+        for name in args.run or RUNS:
+            run(name)
+    for page in write_pages():
+        print(f"updated {page.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
