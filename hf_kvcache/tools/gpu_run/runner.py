@@ -184,6 +184,10 @@ def stage_main(argv: list[str]) -> int:
     parser.add_argument("--device", required=True)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
+    if args.smoke:  # tiny shapes: several threads only contend (with each other and with a test run beside it)
+        import torch
+
+        torch.set_num_threads(1)
     module = importlib.import_module(f"{__package__}.{args.stage}")
     record = StageRecord(args.output / f"{args.stage}.json", args.stage, time.monotonic() + args.box_s)
     record.info |= {"device": args.device, "smoke": args.smoke, "box_s": args.box_s}
