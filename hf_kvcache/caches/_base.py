@@ -1,4 +1,5 @@
-"""What every hf_kvcache cache shares: memory reporting, reset, and the hook that tells a cache about its forwards."""
+"""What every hf_kvcache cache shares: reading the model it serves, memory reporting, reset, and the hook that tells a
+cache about its forwards."""
 
 from __future__ import annotations
 
@@ -8,10 +9,18 @@ import weakref
 import torch
 from transformers.cache_utils import Cache
 
+from .._config import LayerSpec, is_latent_attention, layer_specs, resolve_config, tensor_parallel_size
 from .._hooks import ForwardObserver, observe_forwards
-from ..layers._common import PaddingTracker
+from ..layers._common import AttentionMode, PaddingTracker
 
-__all__ = ["KVCacheReportMixin", "PaddingObserverMixin"]
+__all__ = ["KVCacheReportMixin", "PaddingObserverMixin", "split_model"]
+
+
+def split_model(config_or_model) -> tuple[torch.nn.Module | None, object]:
+    """A cache's first argument as ``(model or None, its config)``: built from a model, a cache also reads its RoPE,
+    tensor-parallel plan and attention implementation, and observes its forwards."""
+    model = config_or_model if isinstance(config_or_model, torch.nn.Module) else None
+    return model, resolve_config(config_or_model)
 
 
 class KVCacheReportMixin:
@@ -73,6 +82,15 @@ class PaddingObserverMixin(ForwardObserver):
     forward they are passed (one shared hook per model, :mod:`hf_kvcache._hooks`)."""
 
     padding: PaddingTracker
+
+    def _bind_model(self, model: torch.nn.Module | None, config) -> list[LayerSpec]:
+        """What every cache takes from the model it serves once its own arguments are checked: each layer's spec
+        (``layer_specs``, refusing what no cache can serve), the attention mode, an empty padding tracker."""
+        specs = layer_specs(config, type(self).__name__, tensor_parallel_size(model), model)
+        self.layer_specs = specs
+        self.padding = PaddingTracker()
+        self.attention_mode = AttentionMode(config, fusable=not is_latent_attention(config), model=model)
+        return specs
 
     def _observe_model(self, model: torch.nn.Module | None) -> None:
         self._observed_model = None if model is None else weakref.ref(model)

@@ -6,13 +6,11 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
-from .._config import is_latent_attention, layer_specs, resolve_config, tensor_parallel_size
 from .._validate import check_int
-from ..layers._common import AttentionMode, PaddingTracker
 from ..layers.paged import PagedLayer, PagedState, page_bytes_per_token
 from ..layers.window import ModelSlidingWindowLayer
 from ..registry import register_cache
-from ._base import KVCacheReportMixin, PaddingObserverMixin
+from ._base import KVCacheReportMixin, PaddingObserverMixin, split_model
 
 __all__ = ["PagedKVCache"]
 
@@ -69,20 +67,16 @@ class PagedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         grow_blocks: int = 64,
         bits: int | None = None,
     ):
-        model = config if isinstance(config, torch.nn.Module) else None
-        config = resolve_config(config)
+        model, config = split_model(config)
         check_int("block_size", block_size, 1)
         if num_blocks is not None:
             check_int("num_blocks", num_blocks, 1)
         check_int("grow_blocks", grow_blocks, 1)
         if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int) or bits != 8):
             raise ValueError(f"bits must be None (pages in the model's dtype) or 8 (int8 pages), got {bits!r}")
-        specs = layer_specs(config, type(self).__name__, tensor_parallel_size(model), model)
+        specs = self._bind_model(model, config)
         self.block_size, self.num_blocks, self.grow_blocks, self.bits = block_size, num_blocks, grow_blocks, bits
-        self.layer_specs = specs
-        self.padding = PaddingTracker()
         self.state = PagedState(block_size, num_blocks, grow_blocks, self.padding, bits)
-        self.attention_mode = AttentionMode(config, fusable=not is_latent_attention(config), model=model)
         owner, layers, rank = type(self).__name__, [], 0
         for i, spec in enumerate(specs):
             if spec.layer_type == "full_attention":

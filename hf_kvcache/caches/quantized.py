@@ -8,15 +8,14 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
 from .. import quant
-from .._config import LayerSpec, is_latent_attention, layer_specs, resolve_config, tensor_parallel_size
+from .._config import LayerSpec, is_latent_attention
 from .._validate import check_choice, check_int, dtype_from_name
-from ..kernels.formats import KEY_AXES, ROTATIONS, Int8Codec, KiviCodec, RotatedCodec
-from ..layers._common import AttentionMode, PaddingTracker
+from ..kernels.formats import KEY_AXES, ROTATIONS, codec_for
 from ..layers._storage import Workspace
 from ..layers.quantized import QuantizedLayer, QuantizedSlidingWindowLayer
 from ..registry import register_cache
 from ..rope import RotarySpec, rotary_spec
-from ._base import KVCacheReportMixin, PaddingObserverMixin
+from ._base import KVCacheReportMixin, PaddingObserverMixin, split_model
 
 __all__ = ["MEASURED_DEFAULTS", "QuantizedKVCache"]
 
@@ -126,8 +125,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         sinks: int | str = AUTO,
         pre_rope: bool | str = AUTO,
     ):
-        model = config if isinstance(config, torch.nn.Module) else None
-        config = resolve_config(config)
+        model, config = split_model(config)
         check_choice("bits", bits, quant.SUPPORTED_BITS)
         if key_axis is not None:
             check_choice("key_axis", key_axis, KEY_AXES)
@@ -156,7 +154,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
                 import bitsandbytes  # noqa: F401
             except ImportError as err:
                 raise ImportError("backend='bitsandbytes' needs bitsandbytes: pip install 'hf-kvcache[bnb]'") from err
-        specs = layer_specs(config, type(self).__name__, tensor_parallel_size(model), model)
+        specs = self._bind_model(model, config)
         widths = sorted({d for s in specs for d in (s.key_dim, s.value_dim)})
         if group_size is None and bits != 8:
             group_size = next(g for g in (64, 32, 16, 8, 4, 2, 1) if all(d % g == 0 for d in widths))
@@ -191,20 +189,14 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
                 if not auto_pre_rope:
                     raise
                 self.pre_rope = False  # "auto" applies it where the model has a RoPE to undo
-        self.padding = PaddingTracker()
-        self.layer_specs = specs
         self.workspace = Workspace()
-        self.attention_mode = AttentionMode(config, fusable=not is_latent_attention(config), model=model)
         super().__init__(layers=[self._make_layer(i, spec) for i, spec in enumerate(specs)])
         if sinks:  # the sinks are each row's first real tokens: read the left padding of the prefill's mask
             self._observe_model(model)
 
     def _codec(self):
-        if self.bits == 8:
-            codec = Int8Codec(self._codec_group, self.scale_dtype or torch.float32, self.backend)
-        else:
-            codec = KiviCodec(self.bits, self.group_size, self.scale_dtype, self.key_axis)
-        return RotatedCodec(codec) if self.rotate else codec
+        group = self._codec_group if self.bits == 8 else self.group_size
+        return codec_for(self.bits, group, self.scale_dtype, self.key_axis, self.rotate, self.backend)
 
     def _make_layer(self, layer_idx: int, spec: LayerSpec) -> QuantizedLayer:
         owner, codec = type(self).__name__, self._codec()

@@ -10,22 +10,18 @@ from transformers.cache_utils import Cache
 from .._config import (
     LayerSpec,
     is_latent_attention,
-    layer_specs,
     model_type,
-    resolve_config,
-    tensor_parallel_size,
     uses_alibi,
 )
 from .._validate import check_bool, check_int
-from ..kernels.formats import Int8Codec
-from ..layers._common import AttentionMode, PaddingTracker
+from ..kernels.formats import codec_for
 from ..layers._storage import Workspace
 from ..layers.quantized import QuantizedSlidingWindowLayer
 from ..layers.sliding import SinkWindowLayer
 from ..layers.window import ModelSlidingWindowLayer
 from ..registry import register_cache
 from ..rope import rotary_spec
-from ._base import KVCacheReportMixin, PaddingObserverMixin
+from ._base import KVCacheReportMixin, PaddingObserverMixin, split_model
 
 __all__ = ["SlidingWindowKVCache"]
 
@@ -110,8 +106,7 @@ class SlidingWindowKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         rerotate: bool = True,
         bits: int | None = None,
     ):
-        model = config if isinstance(config, torch.nn.Module) else None
-        config = resolve_config(config)
+        model, config = split_model(config)
         check_int("window", window, 1)
         check_int("sinks", sinks, 0)
         check_bool("rerotate", rerotate)
@@ -121,12 +116,9 @@ class SlidingWindowKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
                 "of tokens, which a window that evicts one token at a time cannot keep"
             )
         _refuse_unservable(config, rerotate, sinks)
-        specs = layer_specs(config, type(self).__name__, tensor_parallel_size(model), model)
+        specs = self._bind_model(model, config)
         self.window, self.sinks, self.rerotate, self.bits = window, sinks, rerotate, bits
-        self.layer_specs = specs
-        self.padding = PaddingTracker()
         self.workspace = Workspace()
-        self.attention_mode = AttentionMode(config, fusable=not is_latent_attention(config), model=model)
         self.rotary = None
         if rerotate and sinks and any(s.layer_type == "full_attention" and s.uses_rope for s in specs):
             self.rotary = rotary_spec(model if model is not None else config, config, "full_attention")
@@ -148,7 +140,7 @@ class SlidingWindowKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
 
     def _make_layer(self, layer_idx: int, spec: LayerSpec):
         owner = type(self).__name__
-        int8 = Int8Codec(None, torch.float32) if self.bits == 8 else None
+        int8 = codec_for(self.bits)
         if spec.layer_type == "full_attention":
             rotary = self.rotary if spec.uses_rope else None
             return SinkWindowLayer(
@@ -169,8 +161,8 @@ class SlidingWindowKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
 
     def bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> float:
         """Stored bytes per token, summed over layers, while the window is filling (it stops at the cap)."""
-        if self.bits == 8:
-            codec = Int8Codec(None, torch.float32)
+        codec = codec_for(self.bits)
+        if codec is not None:
             return sum(codec.bytes_per_token(s.num_kv_heads, s.key_dim, s.value_dim) for s in self.layer_specs)
         return sum(s.bytes_per_token_factor * dtype.itemsize for s in self.layer_specs)
 

@@ -37,7 +37,7 @@ import torch
 from .._config import LayerSpec
 from ..kernels import DenseSegment, KVHandle, PagedSegment
 from ..kernels.append import append_kv
-from ..kernels.formats import Int8Codec
+from ..kernels.formats import Int8Codec, codec_for
 from ..paging import PAD_BLOCK, BlockAllocator, BlockTables
 from ._common import AttentionMode, KVLayer, PaddingTracker, as_index, tokens_to_crop
 
@@ -56,7 +56,7 @@ def _weak_method(method):
 def page_codec(bits: int | None) -> Int8Codec | None:
     """How pages store K/V: ``None`` (the model's dtype) or int8 codes with one float32 scale per token and head, as
     the int8 cache encodes them."""
-    return Int8Codec(None, torch.float32) if bits == 8 else None
+    return codec_for(bits)
 
 
 def page_bytes_per_token(spec: LayerSpec, bits: int | None, dtype: torch.dtype) -> float:

@@ -22,7 +22,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from ...kernels import KVHandle, decode_attention, reference
-from ...kernels.formats import Int8Codec, KiviCodec
+from ...kernels.formats import codec_for
 from ...registry import make_cache
 from .kernels import decode_handle, triton_status
 from .record import StageRecord
@@ -86,7 +86,7 @@ def _decode_checks(record: StageRecord, dev, dtypes, smoke: bool) -> None:
 
 
 def _encode_checks(record: StageRecord, dev, dtypes) -> None:
-    codecs = {"int8": Int8Codec(None, torch.float32)} | {f"int{b}": KiviCodec(b, 64, None) for b in (4, 3, 2)}
+    codecs = {f"int{b}": codec_for(b, 64 if b < 8 else None) for b in (8, 4, 3, 2)}
     for dtype in dtypes:
         g = torch.Generator(device=dev).manual_seed(2)
         # 12 decades of magnitude across rows and channels: scales at every exponent, codes at rounding ties
