@@ -38,11 +38,14 @@ class TokenBuffers:
 
     A key scale stored once per group of G tokens has unit G; packed codes have unit 1. The buffer holds the
     live tokens ``[start, start + length)`` of its allocation; appends, tail truncation and front drops move only
-    bookkeeping, except for the occasional grow / compaction copy.
+    bookkeeping, except for the occasional grow / compaction copy. ``shrink``: a buffer that drops tokens from the
+    front (a sliding window) also moves to a right-sized allocation at an append once it holds more than twice what
+    it needs (a long prompt's, evicted), instead of keeping the prompt's allocation for good.
     """
 
-    def __init__(self, units: dict[str, int]):
+    def __init__(self, units: dict[str, int], shrink: bool = False):
         self.units = units
+        self.shrink = shrink
         self.align = max(units.values())
         self.tensors: dict[str, torch.Tensor] = {}
         self.capacity = 0  # tokens
@@ -109,12 +112,13 @@ class TokenBuffers:
                 for name, t in like().items()
             }
             self.capacity = cap
-        elif self.start + self.length + n > self.capacity:
-            needed = self.length + n
-            # Compact instead of growing when dropped front slots leave enough headroom (sliding layers); the
-            # headroom keeps compactions amortized.
-            grown = _grown_capacity(needed, self.align)
-            self._reallocate(self.capacity if grown <= self.capacity else grown)
+        else:
+            grown = _grown_capacity(self.length + n, self.align)
+            oversized = self.shrink and self.capacity > 2 * grown
+            if oversized or self.start + self.length + n > self.capacity:
+                # Compact instead of growing when dropped front slots leave enough headroom (sliding layers); the
+                # headroom keeps compactions amortized.
+                self._reallocate(grown if oversized or grown > self.capacity else self.capacity)
         end = self.start + self.length
         return {name: self._slot(name, end, end + n) for name in self.tensors}
 

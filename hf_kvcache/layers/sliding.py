@@ -19,8 +19,10 @@ Positions. Cached keys keep their RoPE rotation. With re-rotation on, the sink k
 by ``delta = real tokens - stored`` so that they sit right before the window (the stored sinks keep their original
 rotation; each forward rotates a fresh copy, so nothing drifts over a long stream).
 
-Storage is a dict of tensors per part: the keys and values themselves, or the int8 codes and scales of the quantized
-cache's :class:`~hf_kvcache.kernels.formats.Int8Codec`; a token is encoded once, when it arrives.
+Storage: the window's slots are a :class:`~hf_kvcache.layers._storage.TokenBuffers` (eviction drops tokens from its
+front, a crop truncates its tail), of the keys and values themselves or of the int8 codes and scales of the quantized
+cache's :class:`~hf_kvcache.kernels.formats.Int8Codec`; a token is encoded once, when it arrives, straight into its
+slot. The sink slots, once eviction has begun, are a small dict of tensors of the same parts.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from ..kernels.formats import IdentityCodec
 from ..kernels.formats._base import Parts
 from ..rope import RotarySpec, rerotate
 from ._common import AttentionMode, KVLayer, PaddingTracker, tokens_to_crop
-from ._storage import Workspace, _grown_capacity, _nbytes
+from ._storage import TokenBuffers, Workspace, _nbytes
 
 
 def _cat(a: Parts | None, b: Parts) -> Parts:
@@ -95,18 +97,15 @@ class SinkWindowLayer(KVLayer):
         self.codec = codec or IdentityCodec()
         self.workspace = workspace or Workspace()
         self.head: Parts | None = None  # the sink slots once eviction has begun (original rotation)
-        # The slots after them, oldest first: tokens [_start, _end) of _alloc, an allocation with headroom after
-        # them for new tokens (see the body property).
-        self._alloc: Parts | None = None
-        self._start = self._end = 0
+        self.store = TokenBuffers(self.codec.units, shrink=True)  # the slots after them, oldest first
         self.record_past = False
         self._pad_tensor: tuple[tuple, torch.Tensor] | None = None  # (pads, (B,) tensor on the layer's device)
 
     # -- CacheLayerMixin ------------------------------------------------------------------------------------------
 
     def _release(self) -> None:
-        self.head = self._alloc = None
-        self._start = self._end = 0
+        self.head = None
+        self.store.release()
         self._pad_tensor = None
 
     def activate_past_recording(self) -> None:
@@ -163,7 +162,7 @@ class SinkWindowLayer(KVLayer):
                     "cache.activate_past_recording() before forwards you may undo (generate() does this for "
                     "assisted decoding), or crop fewer tokens."
                 )
-            self._end -= n
+            self.store.truncate(n)
             self.cumulative_length -= n
         self._evict()
 
@@ -198,43 +197,22 @@ class SinkWindowLayer(KVLayer):
 
     @property
     def reserved_nbytes(self) -> int:
-        """Bytes of the allocations behind the stored slots (a window is a view of its last forward's tensor)."""
-        seen, total = set(), 0
-        for parts in (self.head, self.body):
-            for t in (parts or {}).values():
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    total += storage.nbytes()
-        return total
+        """Bytes of the allocations behind the stored slots: the sinks' and the window's, with its headroom."""
+        return _parts_nbytes(self.head) + self.store.reserved_nbytes
 
     # -- internals ------------------------------------------------------------------------------------------------
 
     @property
     def body(self) -> Parts | None:
-        """The window's slots, oldest first: views of the allocation (None before the first token)."""
-        if self._alloc is None:
-            return None
-        return {name: t[:, :, self._start : self._end] for name, t in self._alloc.items()}
+        """The window's slots, oldest first: views of the storage (None before the first token)."""
+        return self.store.views() if self.store.tensors else None
 
     def _extend_body(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new tokens after the window, in place: the window is a view of an allocation with headroom after
-        it, eviction only moves the view's start, and the new tokens are encoded straight into the slots after its
-        end (one launch on CUDA). Only when the headroom is used up (or the allocation holds far more than the
-        window: a long prompt's, once evicted) are the live slots moved to a fresh allocation, amortized over the
-        headroom's steps, instead of the whole window concatenated anew every step."""
-        n, live = k.shape[2], self._end - self._start
-        capacity = _grown_capacity(live + n, 1)
-        held = next(iter(self._alloc.values())).shape[2] if self._alloc is not None else 0
-        if self._end + n > held or held > 2 * capacity:
-            like = self.codec.like(k, v)
-            fresh = {name: t.new_empty((t.shape[0], t.shape[1], capacity, *t.shape[3:])) for name, t in like.items()}
-            if live:
-                for name, t in self.body.items():
-                    fresh[name][:, :, :live].copy_(t)
-            self._alloc, self._start, self._end = fresh, 0, live
-        self.codec.encode_into(k, v, {name: t[:, :, self._end : self._end + n] for name, t in self._alloc.items()})
-        self._end += n
+        """Store new tokens after the window, encoded straight into their slots (one launch on CUDA); eviction drops
+        slots from the front, so the window is never concatenated anew (the buffer compacts once its headroom is
+        used up, amortized)."""
+        n = k.shape[2]
+        self.store.append_written(n, lambda: self.codec.like(k, v), lambda out: self.codec.encode_into(k, v, out))
 
     def _real_tokens(self) -> list[int]:
         return self.padding.real_tokens(self.cumulative_length, self.batch_size)
@@ -276,7 +254,7 @@ class SinkWindowLayer(KVLayer):
     def _evict(self) -> None:
         if self.stored_tokens > self.capacity:
             self.head, body = self._select(self.capacity)
-            self._start = self._end - _length(body)  # the window's last slots: its view's start moves
+            self.store.drop_front(self.store.length - _length(body))  # the window keeps its last slots
 
     def _rotate_sinks(self, keys: torch.Tensor, stored: int) -> None:
         """Re-rotate decoded sink keys in place to sit right before the window (see the module docstring)."""
@@ -325,9 +303,7 @@ class SinkWindowLayer(KVLayer):
 
     def _map_parts(self, fn) -> None:
         self.head = None if self.head is None else {name: fn(t) for name, t in self.head.items()}
-        if self._alloc is not None:  # the live slots only, into a fresh tensor (no headroom until the next token)
-            self._alloc = {name: fn(t) for name, t in self.body.items()}
-            self._start, self._end = 0, self._end - self._start
+        self.store.map_batch(fn)  # the live slots only, into a fresh tensor (no headroom until the next token)
 
     def _map_batch(self, fn, batch: int | None) -> None:
         self._map_parts(fn)

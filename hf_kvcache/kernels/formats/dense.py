@@ -63,6 +63,7 @@ class IdentityCodec:
     """Stores keys and values as they are (a sliding layer's full-precision window)."""
 
     unit = 1
+    units = {"k": 1, "v": 1}
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
         return {"k": k, "v": v}
