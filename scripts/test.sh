@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
 # Quickstart command 2: set up (first run only) and run the test suite. .ci/run calls this same script.
+#   scripts/test.sh           the full run (what CI runs)
+#   scripts/test.sh --fast    the package's unit and equivalence tests only (-m "not slow"), for a change's first check
+# Other arguments go to pytest (a file, -k EXPR, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 export HF_HUB_OFFLINE=1
+args=()
+for arg in "$@"; do
+  if [ "$arg" = "--fast" ]; then args+=(-m "not slow"); else args+=("$arg"); fi
+done
 # One worker per core (pytest-xdist); each worker runs torch with one thread (tests/conftest.py).
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -n auto "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n auto "${args[@]}"

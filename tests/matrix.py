@@ -212,7 +212,9 @@ def matrix(batches=BATCHES, modes=tuple(MODES)) -> list:
     speculative modes across its attention x batch combinations without the full product: the cache operations a
     mode exercises - reorder, repeat, crop - are the cache's, tested in full on the first family). Left out:
     assisted / prompt-lookup decoding with a padded batch (transformers supports batch size 1 only there), and a case
-    with its own attention implementation under anything but the sdpa reference it is compared with."""
+    with its own attention implementation under anything but the sdpa reference it is compared with. Marked slow (the
+    full run only): the modes other than greedy outside sdpa, and on the other families all but a padded batch, greedy
+    under sdpa."""
     params = []
     for case in CACHE_CASES:
         families = case.families or FAMILY_IDS
@@ -229,7 +231,13 @@ def matrix(batches=BATCHES, modes=tuple(MODES)) -> list:
                         turn[batch] += 1
                     for mode in allowed:
                         parts = [case.id, family, attn] + [batch] * (len(batches) > 1) + [mode] * (len(modes) > 1)
-                        params.append(pytest.param(case, family, attn, batch, mode, id="-".join(parts)))
+                        # the fast tier: on the first family every attention greedy and every mode under sdpa; on
+                        # the others a padded batch, greedy under sdpa
+                        first = family == families[0]
+                        fast = (mode == "greedy" or attn == "sdpa") if first else (mode, attn) == ("greedy", "sdpa")
+                        slow = not fast or not first and batch != batches[-1]
+                        marks = (pytest.mark.slow,) if slow else ()
+                        params.append(pytest.param(case, family, attn, batch, mode, id="-".join(parts), marks=marks))
     return params
 
 

@@ -54,6 +54,7 @@ def test_eval_writes_results_report_and_plots(tmp_path, capsys):
     assert (out / "perplexity_bytes.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_the_cache_matters_on_the_reference_model(reference):
     model, tokenizer = reference
     config = EvalConfig(
@@ -71,6 +72,7 @@ def test_the_cache_matters_on_the_reference_model(reference):
     assert abs(ppl["int8"] / ppl["dynamic"] - 1) < 1e-3
 
 
+@pytest.mark.slow
 def test_long_stream_mode_reports_buckets(reference, tmp_path):
     model, tokenizer = reference
     config = EvalConfig(
@@ -83,6 +85,7 @@ def test_long_stream_mode_reports_buckets(reference, tmp_path):
     assert sink[-1] == sink[-2]  # flat once the window is full
 
 
+@pytest.mark.slow
 def test_sharded_windows_merge_to_the_single_process_result(reference):
     model, tokenizer = reference
     config = EvalConfig(
@@ -141,12 +144,13 @@ def test_accelerate_two_cpu_processes_equal_one(tmp_path):
         assert a["perplexity"]["perplexity"] == pytest.approx(b["perplexity"]["perplexity"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_evaluate_metric_loads_by_path(reference):
     import evaluate
 
     metric = evaluate.load(metric_path())
     text = load_text()[:3000]
-    got = metric.compute(predictions=[text], cache="int8", context=256, prefill=64, device="cpu")
+    got = metric.compute(predictions=[text], cache="int8", context=256, prefill=64, chunk=16, device="cpu")
     assert got["tokens_scored"] > 0 and 1 < got["perplexity"] < 1000
 
 

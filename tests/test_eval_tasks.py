@@ -63,6 +63,7 @@ def test_repeat_through_dynamic_cache_equals_a_full_forward(reference, ids, chun
     torch.testing.assert_close(second, nll[:, n + g : n + g + n - 1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_int2_costs_more_than_int8_on_repeat(reference):
     model, tokenizer = reference
     config = EvalConfig(

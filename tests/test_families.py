@@ -50,6 +50,7 @@ def _generate(model, cache, batch):
     )
 
 
+@pytest.mark.slow  # breadth over more families: the full run (the matrix's own families are in the fast tier)
 @pytest.mark.parametrize("batch", ["single", "padded"])
 @pytest.mark.parametrize("spec, lossless, bound", KINDS, ids=[k[0] for k in KINDS])
 @pytest.mark.parametrize("family", list(EXTRA_FAMILIES))

@@ -87,6 +87,13 @@ def _case(kind, length=300, q_len=1, gqa=4, head_dim=64, dtype=torch.float32, pa
     return query, seg, keys, values, mask
 
 
+SLOW = pytest.mark.slow  # the full run only (tests/conftest.py: the fast tier)
+
+
+def _slow_unless(fast: bool) -> tuple:
+    return () if fast else (SLOW,)
+
+
 # The interpreter cannot run bfloat16 (see the module docstring); compiled kernels on CUDA are checked in it too.
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 DTYPE_IDS = ["fp32", "fp16"] + (["bf16"] if DEVICE == "cuda" else [])
@@ -134,7 +141,7 @@ SHAPES = {  # id: (tokens, query tokens, query heads per KV head, head_dim)
 @pytest.mark.parametrize(
     "kind, length, q_len, gqa, head_dim",
     [
-        pytest.param(kind, *shape, id=f"{kind}-{name}")
+        pytest.param(kind, *shape, id=f"{kind}-{name}", marks=_slow_unless(shape[0] <= 1000))
         for kind in ("dense", "int8", "kivi4", "paged")
         for name, shape in SHAPES.items()
         if not (kind == "kivi4" and shape[0] < 16)  # a KIVI segment holds whole key groups of 16 tokens
@@ -192,7 +199,9 @@ def test_kivi_segment_starting_inside_a_key_group():
 @pytest.mark.parametrize(
     "bits, group, head_dim, dtype",
     [
-        pytest.param(bits, group, head_dim, dtype, id=f"{bits}-{group}-{head_dim}-{name}")
+        pytest.param(
+            bits, group, head_dim, dtype, id=f"{bits}-{group}-{head_dim}-{name}", marks=_slow_unless(group in (16, 64))
+        )
         for bits in (4, 3, 2)
         for group, head_dim in ((16, 64), (32, 96), (64, 64), (128, 128), (8, 64), (24, 96))
         # the 16-bit path (codes and values dequantized in the model's dtype) for every group size at 4 bits and
@@ -438,7 +447,12 @@ def _awkward_tokens(dtype, n, head_dim, gen):
 
 @pytest.mark.parametrize(
     "bits, group, head_dim, key_axis",
-    [(4, 16, 64, "channel"), (3, 8, 64, "channel"), (2, 24, 96, "channel"), (3, 8, 64, "token")],
+    [
+        (4, 16, 64, "channel"),
+        pytest.param(3, 8, 64, "channel", marks=SLOW),
+        pytest.param(2, 24, 96, "channel", marks=SLOW),
+        (3, 8, 64, "token"),
+    ],
 )
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_kivi_encode_kernel_is_bit_exact(bits, group, head_dim, key_axis, dtype):
@@ -523,6 +537,7 @@ def test_reach_counts_the_largest_offset_of_a_view():
     assert triton_decode._reach(pool[3:5]) == 16 * 8 * 4  # a view: its whole storage can be addressed from its base
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [8, 4, 3, 2])
 def test_encoders_saturate_scales_past_a_16_bit_dtype_bit_exactly(bits):
     """float32 tokens of up to 1e7 with float16 scales: a scale or zero point past float16's range is stored as its

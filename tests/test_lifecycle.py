@@ -135,7 +135,6 @@ def test_dynamic_cache_also_refuses_a_smaller_batch():
 def test_a_dropped_cache_frees_its_storage_at_once(case, family):
     """No reference cycles: with the cycle collector off, dropping the last reference frees every tensor."""
     model = _model(case, family)
-    gc.collect()
     gc.disable()
     try:
         cache = make_cache(case.spec, model)

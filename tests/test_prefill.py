@@ -25,7 +25,7 @@ def _spec(case) -> str:
     return case if isinstance(case, str) else "dynamic" if case is None else case.spec
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("gemma3", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("batch", ["single", "padded"])
 @pytest.mark.parametrize("case", CASES)
 def test_stored_prefill_equals_prefill_through_the_cache(case, batch, family):

@@ -47,6 +47,7 @@ def _feed(cache, k, v, chunks=(None,)):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("bits", "limit"), [(8, 0.52), (4, 0.30), (3, 0.25), (2, 0.19)])
 def test_storage_ratio_at_head_dim_128_bf16(bits, limit):
     """Stored bytes vs DynamicCache on a head_dim-128 bf16 model shape, 8k context (much longer than the residual)."""

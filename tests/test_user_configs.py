@@ -72,6 +72,7 @@ def test_loading_a_model_that_cannot_use_the_hf_kvcache_attention_is_refused_in_
     assert _generate(model, "int8").shape == (2, 16)
 
 
+@pytest.mark.slow
 def test_the_refusal_reaches_modules_imported_before_hf_kvcache():
     code = (
         "import transformers.models.gptj.modeling_gptj as m\n"
