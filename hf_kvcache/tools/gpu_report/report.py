@@ -796,6 +796,19 @@ def render(report: dict) -> str:
 
 
 def build(quick: bool, count_steps: int, variant_steps: int, log=print, command: str = "") -> dict:
+    """The report. Off CUDA the layers hand the hf_kvcache attention their storage at every length here, as on a
+    GPU (``HF_KVCACHE_CPU_HANDLES=always``): the launches intercepted and counted are the ones a GPU's decode step
+    makes, not CPU's choice of sdpa's path for short histories."""
+    from ...layers import _common
+
+    before, _common.CPU_HANDLES = _common.CPU_HANDLES, "always"
+    try:
+        return _build(quick, count_steps, variant_steps, log, command)
+    finally:
+        _common.CPU_HANDLES = before
+
+
+def _build(quick: bool, count_steps: int, variant_steps: int, log, command: str) -> dict:
     import triton
 
     tools = aot.toolchain()
