@@ -371,13 +371,8 @@ def _ragged_cell(model, model_type: str) -> dict:
             model(input_ids=ids, attention_mask=mask, past_key_values=cache)
         held = cache.nbytes
         planned = kv_bytes(RAGGED_SPEC, model, tokens=max(long, cache.get_seq_length()), batch=2, dtype=model.dtype)
-    except ValueError as error:
-        names = (model_type, model.config.get_text_config().model_type)
-        if "\n" in str(error).strip() or not model_type_named(error, *names):
-            return {"status": "FAIL", "detail": "unclear refusal: " + _line(error)}
-        return {"status": "refused", "detail": _line(error)}
     except Exception as error:  # noqa: BLE001
-        return {"status": "FAIL", "detail": _line(error)}
+        return _failure(error, model, model_type)
     if planned != held:
         return {"status": "FAIL", "detail": f"planned {planned} bytes, the padded batch holds {held}"}
     return {"status": "equal", "detail": ""}
@@ -402,16 +397,22 @@ def _plan_cell(model, model_type: str) -> dict:
     batch, tokens = inputs["input_ids"].shape[0], max(inputs["input_ids"].shape[1], cache.get_seq_length())
     try:
         planned = kv_bytes("dynamic", model, tokens=tokens, batch=batch, dtype=model.dtype)
-    except ValueError as error:
+    except Exception as error:  # noqa: BLE001
+        return _failure(error, model, model_type)
+    if planned != held:
+        return {"status": "FAIL", "detail": f"planned {planned} bytes, DynamicCache holds {held}"}
+    return {"status": "equal", "detail": ""}
+
+
+def _failure(error: Exception, model, model_type: str) -> dict:
+    """The cell of a cache or plan that raised: a one-line ``ValueError`` naming the model's type (or its text
+    config's) is a refusal; anything else, or a refusal that does not say which model, is a FAIL."""
+    if isinstance(error, ValueError):
         names = (model_type, model.config.get_text_config().model_type)
         if "\n" in str(error).strip() or not model_type_named(error, *names):
             return {"status": "FAIL", "detail": "unclear refusal: " + _line(error)}
         return {"status": "refused", "detail": _line(error)}
-    except Exception as error:  # noqa: BLE001
-        return {"status": "FAIL", "detail": _line(error)}
-    if planned != held:
-        return {"status": "FAIL", "detail": f"planned {planned} bytes, DynamicCache holds {held}"}
-    return {"status": "equal", "detail": ""}
+    return {"status": "FAIL", "detail": _line(error)}
 
 
 def model_type_named(error: BaseException, *model_types: str) -> bool:
@@ -422,14 +423,8 @@ def model_type_named(error: BaseException, *model_types: str) -> bool:
 def _cell(model, model_type, spec, lossless, bound, ref, make_cache) -> dict:
     try:
         out = _generate(model, make_cache(spec, model))
-    except ValueError as error:
-        text = str(error)
-        names = (model_type, model.config.get_text_config().model_type)
-        if "\n" in text.strip() or not model_type_named(error, *names):
-            return {"status": "FAIL", "detail": "unclear refusal: " + _line(error)}
-        return {"status": "refused", "detail": _line(error)}
     except Exception as error:  # noqa: BLE001
-        return {"status": "FAIL", "detail": _line(error)}
+        return _failure(error, model, model_type)
     if lossless is None:
         return {"status": "runs", "detail": ""}
     wrong, ratio = _compare(ref, out, lossless)
