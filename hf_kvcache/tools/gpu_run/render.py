@@ -30,9 +30,11 @@ def load_run(folder: Path) -> dict:
         path = folder / f"{stage}.json"
         if path.exists():
             results[stage] = json.loads(path.read_text())
-    if "run" not in results:
-        raise ValueError(f"{folder} holds no run.json: not the output folder of a GPU run")
-    return {"command": results["run"].get("command", "gpu_run"), "kind": "gpu-run", "results": results}
+    if not results:
+        raise ValueError(f"{folder} holds no run.json or stage JSON: not the output folder of a GPU run")
+    # A run whose run.json did not come back (a transfer's limits) still has its stages' own records.
+    command = results.get("run", {}).get("command", "gpu_run (its run.json did not come back)")
+    return {"command": command, "kind": "gpu-run", "results": results}
 
 
 def _table(headers: list[str], rows: list[list]) -> str:
@@ -69,11 +71,21 @@ def _fallbacks(run: dict) -> list[str]:
 
 def _stages(run: dict) -> str:
     rows = []
-    for s in run["run"].get("stages", []):
+    stages = run.get("run", {}).get("stages")
+    if stages is None:  # no run.json: each stage's record says how it ended and how long it ran
+        stages = [{"stage": st, "status": run[st].get("status", "?"), "wall_s": run[st].get("elapsed_s", 0)}
+                  for st in STAGES if st in run]  # fmt: skip
+    for s in stages:
         record = run.get(s["stage"], {})
         extra = f"{len(record.get('errors', []))} errors, {len(record.get('skipped', []))} skipped for time"
         rows.append([s["stage"], s["status"], f"{s.get('box_s', 0):.0f}", f"{s.get('wall_s', 0):.0f}", extra])
     return _table(["stage", "ended", "box s", "wall s", ""], rows)
+
+
+def _ratio(error, tolerance: float) -> float:
+    """An error over its tolerance; a non-finite error (recorded as the string ``"nan"``) ranks worst."""
+    error = float(error)
+    return error / tolerance if error == error else float("inf")
 
 
 def _correctness(record: dict) -> str:
@@ -84,8 +96,8 @@ def _correctness(record: dict) -> str:
         worst = ""
         if check != "encode" and mine:
             key = "max_error" if check == "decode" else "max_error_over_std"
-            top = max(mine, key=lambda i: i[key] / i["tolerance"])
-            worst = f"{top[key]:.2e} ({top['kind']}, {top['dtype'][6:]}; tolerance {top['tolerance']:.0e})"
+            top = max(mine, key=lambda i: _ratio(i[key], i["tolerance"]))
+            worst = f"{float(top[key]):.2e} ({top['kind']}, {top['dtype'][6:]}; tolerance {top['tolerance']:.0e})"
         elif mine:
             low = min(mine, key=lambda i: min(i["identical_bytes"].values()))
             share = min(low["identical_bytes"].values())
@@ -233,7 +245,7 @@ def targets(run: dict) -> list[list[str]]:
         ref = ttft.get(("dynamic", context, batch))
         if kind != "dynamic" and ref and (context, batch) == (32768, 8):
             rows.append([f"TTFT 32k x 8: {kind}", "<= 1.1x", f"{seconds / ref:.2f}x", _met(seconds <= 1.1 * ref)])
-    wall = run["run"].get("wall_s")
+    wall = run.get("run", {}).get("wall_s")
     if wall is not None and not run["run"].get("smoke"):
         rows.append(["the run's wall time", "<= 480 s", f"{wall:.0f} s", "yes" if wall <= 480 else "no"])
     return rows
