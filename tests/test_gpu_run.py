@@ -49,6 +49,9 @@ def test_smoke_run_every_stage_with_the_lent_machines_modules(smoke):
         record = json.loads((smoke_run / f"{stage}.json").read_text())
         assert record["status"] == "done" and record["items"], stage
         assert record["errors"] == [], (stage, record["errors"])
+    # A lent machine brings back at most 8 files: the run writes its records only (the logs' tails inside them).
+    assert sorted(p.name for p in smoke_run.iterdir()) == sorted(["run.json", *(f"{s}.json" for s in STAGES)])
+    assert all("log_tail" in json.loads((smoke_run / f"{s}.json").read_text()) for s in STAGES)
     correctness = json.loads((smoke_run / "correctness.json").read_text())["items"]
     assert {i["check"] for i in correctness} == {"decode", "encode", "model"}
     assert all(i["passed"] for i in correctness)
@@ -71,6 +74,16 @@ def test_smoke_run_renders(smoke):
     assert "int2 KIVI layout" in text and "largest batch" in text.lower()
     rows = targets(record["results"])
     assert all(len(row) == 4 and row[3] in ("yes", "no") for row in rows)
+
+
+@pytest.mark.slow
+def test_a_run_whose_run_json_did_not_come_back_still_renders(smoke, tmp_path):
+    for stage in STAGES:
+        shutil.copy(smoke[0] / f"{stage}.json", tmp_path)
+    record = load_run(tmp_path)
+    assert "did not come back" in record["command"]
+    text = render(record)
+    assert "| correctness | done" in text and "**Decode kernels**" in text
 
 
 def test_a_failing_stage_is_recorded_and_the_next_runs(tmp_path):

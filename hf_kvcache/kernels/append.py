@@ -51,11 +51,11 @@ def append_kv(
     v: torch.Tensor,
     k_out: torch.Tensor,
     v_out: torch.Tensor,
-    k_scales: torch.Tensor | None = None,
-    v_scales: torch.Tensor | None = None,
-    table: torch.Tensor | None = None,
-    start: int = 0,
-    block_size: int = 1,
+    k_scales: torch.Tensor | None,
+    v_scales: torch.Tensor | None,
+    table: torch.Tensor | None,
+    start: int,
+    block_size: int,
 ) -> None:
     """Store a forward's new keys and values ``(B, H, n, D)`` in a cache's storage; with ``*_scales``, as int8 codes
     and scales (:func:`hf_kvcache.quant.quantize_symmetric`, the group ``G`` = ``D / scales.shape[-1]``, the scale
@@ -65,17 +65,21 @@ def append_kv(
     buffers; with ``table`` ``(B, blocks)``, page pools ``(slots, H, D)`` and ``(slots, H)``, token ``i`` of row ``b``
     at position ``start + i`` of the row's blocks (none stored under a padding entry). One launch on CUDA
     (:func:`~hf_kvcache.kernels.triton_append.triton_append`, bit-exact to this reference), the reference
-    elsewhere."""
+    elsewhere.
+
+    Every argument is required: torch 2.11's in-place bookkeeping for a mutating custom op indexes the mutated
+    arguments by position among those passed, so a defaulted, omitted ``k_scales`` raised ``IndexError`` there (on
+    the first GPU run) while newer torch fills the defaults in first."""
     _append_reference(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size)
 
 
 @append_kv.register_fake
-def _(k, v, k_out, v_out, k_scales=None, v_scales=None, table=None, start=0, block_size=1):
+def _(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size):
     return None
 
 
 @append_kv.register_kernel("cuda")
-def _(k, v, k_out, v_out, k_scales=None, v_scales=None, table=None, start=0, block_size=1):
+def _(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size):
     if triton_available():
         from .triton_append import triton_append
 

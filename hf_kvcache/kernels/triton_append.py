@@ -270,13 +270,19 @@ def _kivi_token(
     d = gi * G + wi * PER + j
     ok = (gi < D // G) & (wi < G // PER) & (j < PER)
     x = tl.load(X + x_off + d * d_stride, mask=ok, other=0.0).to(tl.float32)
-    WIDTH: tl.constexpr = BLOCK_W * PER  # a group's channels in one row (reshaped row-major: order kept)
-    mn, mx = _finite_extrema(tl.reshape(x, (BLOCK_G, WIDTH)), tl.reshape(ok, (BLOCK_G, WIDTH)), 1)
+    # A group's extrema reduced over both of its axes in turn, never through a reshape: Triton 3.6 compiled the
+    # earlier (G, W * PER) reshape to a different element order on sm_90 (the interpreter keeps numpy's order), and
+    # the values' scales came out wrong on the first GPU run.
+    finite = ok & (x == x) & (tl.abs(x) != float("inf"))
+    mn = tl.min(tl.min(tl.where(finite, x, float("inf")), 2), 1)
+    mx = tl.max(tl.max(tl.where(finite, x, float("-inf")), 2), 1)
+    empty = mn > mx  # a group with no finite element: both 0, as _finite_extrema
+    mn, mx = tl.where(empty, 0.0, mn), tl.where(empty, 0.0, mx)
     codes, scale, zero = _asymmetric(x, ok, mn[:, None, None], mx[:, None, None], (1 << BITS) - 1, SDT)
     if SCALES:
-        g1 = tl.arange(0, BLOCK_G)
-        tl.store(S + s_off + g1 * s_d, tl.reshape(scale, (BLOCK_G,)), mask=g1 < D // G)
-        tl.store(Z + s_off + g1 * s_d, tl.reshape(zero, (BLOCK_G,)), mask=g1 < D // G)
+        gs = tl.arange(0, BLOCK_G)[:, None, None]
+        tl.store(S + s_off + gs * s_d, scale, mask=gs < D // G)
+        tl.store(Z + s_off + gs * s_d, zero, mask=gs < D // G)
     byte = _pack_plane(codes, j, PER, PLANE)  # (G, W): byte gi * G / PER + wi of the plane
     g2 = tl.arange(0, BLOCK_G)[:, None]
     w2 = tl.arange(0, BLOCK_W)[None, :]
@@ -326,10 +332,10 @@ def _kivi_encode_kernel(
     SDT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_GK: tl.constexpr,
     BLOCK_GV: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(B x H, NK + n)``: items below ``NK`` encode keys (a group of ``G`` tokens per channel, or one token
+    """Grid ``(NK + n, B x H)``: items below ``NK`` encode keys (a group of ``G`` tokens per channel, or one token
     with ``KEY_TOKEN``), the rest one token's values each."""
-    pid = tl.program_id(0)
-    item = tl.program_id(1)
+    item = tl.program_id(0)
+    pid = tl.program_id(1)
     h = (pid % H).to(tl.int64)  # 64-bit offsets: a layer's buffers may pass 2^31 elements
     b = (pid // H).to(tl.int64)
     if item < NK:
@@ -373,7 +379,8 @@ def triton_kivi_encode(k: torch.Tensor, v: torch.Tensor, out: dict[str, torch.Te
     nk = n if per_token_keys else n // group
     if b * h * n == 0:
         return
-    _kivi_encode_kernel[(b * h, nk + n)](
+    # Items on grid axis 0 (up to 2^31 - 1): axis 1 stops at 65,535, which a 64k-token prefill's items passed.
+    _kivi_encode_kernel[(nk + n, b * h)](
         k, v, out["k"], out["ks"], out["kz"], out["v"], out["vs"], out["vz"],
         *k.stride(), *v.stride(), *strides(out["k"]), *strides(out["ks"]), *strides(out["v"]), *strides(out["vs"]),
         h, n, nk,

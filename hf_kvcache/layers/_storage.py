@@ -92,7 +92,11 @@ class TokenBuffers:
     def append_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append full-precision keys and values ``(B, H, n, D)`` to buffers named ``"k"`` and ``"v"`` in one launch
         on CUDA (:func:`~hf_kvcache.kernels.ops.append_kv`; two copies otherwise)."""
-        self.append_written(k.shape[2], lambda: {"k": k, "v": v}, lambda out: append_kv(k, v, out["k"], out["v"]))
+        self.append_written(
+            k.shape[2],
+            lambda: {"k": k, "v": v},
+            lambda out: append_kv(k, v, out["k"], out["v"], None, None, None, 0, 1),
+        )
 
     def append_written(self, n: int, like: Callable[[], Parts], write: Callable[[Parts], None]) -> None:
         """Append ``n`` tokens that ``write`` stores itself into the slot views it is given (an encoder writing

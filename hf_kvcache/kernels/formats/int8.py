@@ -146,7 +146,7 @@ class Int8Codec:
             for name, t in self.encode(k, v).items():
                 out[name].copy_(t)
             return
-        append_kv(k, v, out["k"], out["v"], out["ks"], out["vs"])
+        append_kv(k, v, out["k"], out["v"], out["ks"], out["vs"], None, 0, 1)
 
     def _decode_one(self, codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
         # copy_ then an in-place multiply (not torch.mul(out=)): `out` is often a non-contiguous workspace slice,

@@ -36,6 +36,7 @@ SHARES = {"env": 0.03, "correctness": 0.22, "kernels": 0.2, "generate": 0.42, "q
 DEFAULT_BUDGET_S = 450.0
 GRACE_S = 20.0  # after its box, a stage's process is killed this much later
 MIN_BOX_S = 5.0  # a stage with less than this left is skipped, not started
+LOG_TAIL = 6000  # characters of a stage's output kept in its record
 # What the lent GPU machine lacks (its image: torch, triton, accelerate, pytest, numpy, tabulate, matplotlib, and the
 # transformers wheel we bring): the smoke test hides these so an import of one is found here, not there.
 HIDDEN_FOR_SMOKE = (
@@ -111,9 +112,14 @@ def _run_stage(stage: str, box: float, args, env: dict) -> dict:
     if record is None:  # died before its first write
         record = {"stage": stage, "items": [], "errors": [], "notes": [], "skipped": [], "info": {}}
     record["status"] = ending  # how the process ended; "done" only for a stage that returned normally
+    log = out / f"{stage}.log"
+    tail = log.read_text(errors="replace")[-LOG_TAIL:]
     if ending == "failed":
-        tail = (out / f"{stage}.log").read_text(errors="replace")[-3000:]
         record.setdefault("errors", []).append({"item": "(process)", "error": f"exit code {code}", "trace": tail})
+    # The log's tail goes into the record and the file away: a lent machine brings back at most 8 files, and five
+    # logs beside six records cost the first GPU run its quality stage and run.json.
+    record["log_tail"] = tail
+    log.unlink()
     write_json(path, record)
     return {"stage": stage, "status": record["status"], "box_s": round(box, 1), "wall_s": round(wall, 1)}
 
