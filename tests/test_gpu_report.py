@@ -218,3 +218,25 @@ def test_main_loop_is_the_longest_backward_branch():
     loop = aot.sass_main_loop(sass)
     assert loop["loop_instructions"] == 3 and loop["loops"] == 2
     assert loop["loop_ops"] == {"BRA": 1, "FFMA": 1, "IADD3": 1}
+
+
+def test_measured_times_sit_beside_the_estimate():
+    """A saved GPU run's kernel cells are set beside the sm_90 estimate of the same kind and shape (the layer-step
+    ratio, launches included): measured over estimated says how far the model is off. Cells the estimate has no
+    shape for, the run's host profile and the sdpa baseline are left out."""
+    report = {"estimate": [
+        {"kind": "int8", "gpu": gpu_report.GPUS[90]["name"], "shape": "16k x 8", "layer_step_ratio": 1.5},
+        {"kind": "int8", "gpu": gpu_report.GPUS[80]["name"], "shape": "16k x 8", "layer_step_ratio": 1.9},
+    ]}  # fmt: skip
+    items = [
+        {"context": 16384, "batch": 8, "kind": "sdpa", "median_us": 150.0},
+        {"context": 16384, "batch": 8, "kind": "int8", "median_us": 300.0, "speedup_vs_sdpa": 0.5},
+        {"context": 65536, "batch": 8, "kind": "int8", "median_us": 700.0, "speedup_vs_sdpa": 0.7},
+        {"measure": "host", "context": 4096, "batch": 1, "kind": "int8", "host_us_per_call": 80.0},
+    ]
+    runs = {"gpu-run-x": {"results": {"env": {"info": {"device_name": "NVIDIA H200"}}, "kernels": {"items": items}}}}
+    rows = gpu_report.measured_vs_estimate(report, runs)
+    assert rows == [{"run": "gpu-run-x", "device": "NVIDIA H200", "kind": "int8", "shape": "16k x 8",
+                     "measured_us": 300.0, "measured_vs_sdpa": 0.5, "estimated_vs_sdpa": 1.5,
+                     "measured_over_estimate": 0.33}]  # fmt: skip
+    assert gpu_report.measured_vs_estimate(report, {}) == []

@@ -15,6 +15,7 @@ import torch
 
 from hf_kvcache.kernels import _available
 from hf_kvcache.tools.gpu_run import STAGES, runner
+from hf_kvcache.tools.gpu_run import kernels as kernels_stage
 from hf_kvcache.tools.gpu_run.render import NONE_YET, load_run, render, save_run, targets
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,6 +60,14 @@ def test_smoke_run_every_stage_with_the_lent_machines_modules(smoke):
     decoded = {(i["cache"], i["attn"]) for i in generate if i["measure"] == "decode"}
     assert ("dynamic", "sdpa") in decoded and ("int2", "hf_kvcache") in decoded and ("paged int8", "sdpa") in decoded
     assert {i["measure"] for i in generate} == {"decode", "largest batch", "ttft"}
+    # The host profile: every kind of it timed, its Python functions named, none costing more than the calls took.
+    host = [i for i in json.loads((smoke_run / "kernels.json").read_text())["items"] if i.get("measure") == "host"]
+    assert [i["kind"] for i in host] == list(kernels_stage.HOST_KINDS)
+    for item in host:
+        assert 0 < item["host_us_per_call"] <= item["wall_us_per_call"]
+        functions = item["python_functions"]
+        assert len(functions) == kernels_stage.HOST_TOP
+        assert sum(f["own_us_per_step"] for f in functions) <= 2 * item["wall_us_per_call"] + 1000
     # Each stage's headline reaches the console (a run whose files do not come back still shows its numbers).
     for line in ("copy bandwidth", "decode: 28/28 passed", "triton kernels: yes", "largest batch at 160: int4",
                  "cpu float32 [hf_kvcache]: int8"):  # fmt: skip
@@ -72,6 +81,7 @@ def test_smoke_run_renders(smoke):
     for title in ("Correctness on the device", "Decode kernels", "generate() end to end", "Quality"):
         assert f"**{title}**" in text
     assert "int2 KIVI layout" in text and "largest batch" in text.lower()
+    assert "Where a call's time goes on the host" in text
     rows = targets(record["results"])
     assert all(len(row) == 4 and row[3] in ("yes", "no") for row in rows)
 

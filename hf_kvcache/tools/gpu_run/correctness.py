@@ -187,8 +187,8 @@ def run(record: StageRecord, device: str, smoke: bool) -> None:
     dtypes = [torch.float16, torch.bfloat16] if dev.type == "cuda" else [torch.float32, torch.float16]
     record.info |= {"triton": ok, "triton_error": why, "dtypes": [str(d) for d in dtypes]}
     record.save()
+    _encode_checks(record, dev, dtypes)  # first: seconds, where the decode checks' compiles take a minute or more
     _decode_checks(record, dev, dtypes, smoke)
-    _encode_checks(record, dev, dtypes)
     _model_checks(record, dev, dtypes, smoke)
 
 

@@ -10,9 +10,20 @@ Bytes read: what the layer stores (``nbytes``) plus the query. Per cell: median 
 achieved bandwidth, and the memory roofline (bytes / peak bandwidth) as a fraction of the measured time.
 
 Order: the 16k x 8 cell for every kind first (the targets' shape), then the others, so a short box still measures it.
+
+Then, where the box has time, **where a step's time goes on the host** (``measure: "host"``) for dense, int8, int3
+and KIVI's int2 layout at 4k x 1, the shape where the first GPU runs found every kind 7-35x slower than sdpa: the
+host's time to issue one call without waiting for the device (a step is host-bound when that is close to its device
+time), the device-to-host syncs it makes, and the Python functions that take the host's time (``cProfile``, top
+``HOST_TOP`` by own time).
 """
 
 from __future__ import annotations
+
+import cProfile
+import pstats
+import time
+from pathlib import Path
 
 import torch
 
@@ -28,6 +39,9 @@ __all__ = ["SHAPES", "headline", "run"]
 # (context, batch), the targets' cell first
 SHAPES = ((16384, 8), (4096, 1), (65536, 8), (4096, 8), (16384, 1), (65536, 1))
 SMOKE_SHAPES = ((400, 2), (256, 1))
+HOST_KINDS = ("dense", "int8", "int3", "int2 KIVI layout")  # the host profile's kinds, at the 4k x 1 cell
+HOST_CALLS = 50  # calls issued back to back per host measurement
+HOST_TOP = 12  # Python functions kept per profile
 
 
 def triton_status() -> tuple[bool, str | None]:
@@ -89,19 +103,93 @@ def run(record: StageRecord, device: str, smoke: bool) -> None:
         _cell(record, config, dev, dtype, context, batch, peak)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    context, batch = SMOKE_SHAPES[1] if smoke else (4096, 1)
+    for label in HOST_KINDS:
+        if not record.has_time(5):
+            record.skip(f"host {label}", "the stage's time box ran out")
+            continue
+        try:
+            record.add(_host(config, dev, dtype, context, batch, label))
+        except Exception as err:
+            record.error(f"host {label}", err)
+
+
+def _inputs(config, dev, dtype, context: int, batch: int) -> dict[str, torch.Tensor]:
+    """The cell's random K/V (``k``, ``v``), the decode token's (``k1``, ``v1``) and the query."""
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    g = torch.Generator(device=dev).manual_seed(context + batch)
+    out = {}
+    for name, h, n in (("k", kv_heads, context), ("v", kv_heads, context), ("k1", kv_heads, 1), ("v1", kv_heads, 1),
+                       ("query", heads, 1)):  # fmt: skip
+        out[name] = torch.randn((batch, h, n, dim), generator=g, device=dev, dtype=dtype)
+    return out
+
+
+def _host(config, dev, dtype, context: int, batch: int, label: str) -> dict:
+    """Where one ``decode_attention`` call's host time goes, for one kind (see the module's docstring)."""
+    x = _inputs(config, dev, dtype, context, batch)
+    scaling = config.head_dim**-0.5
+    if label == "dense":
+        kf, vf = torch.cat([x["k"], x["k1"]], 2), torch.cat([x["v"], x["v1"]], 2)
+        handle = KVHandle((DenseSegment(kf, vf),))
+    else:
+        handle = decode_handle(cache_kinds()[label], config, x["k"], x["v"], x["k1"], x["v1"])[0]
+
+    def step():
+        return decode_attention(x["query"], handle, None, scaling)
+
+    step()  # compiled and warm
+    _sync(dev)
+    start = time.perf_counter()
+    for _ in range(HOST_CALLS):
+        step()
+    issued = (time.perf_counter() - start) / HOST_CALLS
+    _sync(dev)
+    waited = (time.perf_counter() - start) / HOST_CALLS
+    syncs = _count_syncs(step, dev)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(HOST_CALLS):
+        step()
+    profile.disable()
+    _sync(dev)
+    stats = pstats.Stats(profile).stats  # {(file, line, name): (calls, primitive, own s, cumulative s, callers)}
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:HOST_TOP]
+    functions = [{"function": f"{Path(f).name}:{line}({name})", "calls_per_step": calls / HOST_CALLS,
+                  "own_us_per_step": 1e6 * own / HOST_CALLS, "cumulative_us_per_step": 1e6 * cum / HOST_CALLS}
+                 for (f, line, name), (calls, _, own, cum, _) in top]  # fmt: skip
+    return {"measure": "host", "context": context, "batch": batch, "kind": label,
+            "host_us_per_call": 1e6 * issued, "wall_us_per_call": 1e6 * waited, "syncs_per_call": syncs,
+            "python_functions": functions}  # fmt: skip
+
+
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _count_syncs(step, dev) -> int | None:
+    """Device-to-host syncs one call makes (CUDA's sync debug mode counts them as warnings), None off CUDA."""
+    if dev.type != "cuda":
+        return None
+    import warnings
+
+    before = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def _cell(record: StageRecord, config, dev, dtype, context: int, batch: int, peak: float | None) -> None:
     """sdpa, our kernel over dense K/V, then every cache kind, at one (context, batch)."""
-    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    scaling = dim**-0.5
-    g = torch.Generator(device=dev).manual_seed(context + batch)
-    shape = (batch, kv_heads, context, dim)
-    k = torch.randn(shape, generator=g, device=dev, dtype=dtype)
-    v = torch.randn(shape, generator=g, device=dev, dtype=dtype)
-    k1 = torch.randn((batch, kv_heads, 1, dim), generator=g, device=dev, dtype=dtype)
-    v1 = torch.randn((batch, kv_heads, 1, dim), generator=g, device=dev, dtype=dtype)
-    query = torch.randn((batch, heads, 1, dim), generator=g, device=dev, dtype=dtype)
+    scaling = config.head_dim**-0.5
+    x = _inputs(config, dev, dtype, context, batch)
+    k, v, k1, v1, query = x["k"], x["v"], x["k1"], x["v1"], x["query"]
     kf, vf = torch.cat([k, k1], 2), torch.cat([v, v1], 2)  # what DynamicCache holds after the step
     sdpa, backend = _sdpa(query, kf, vf, scaling)
     base = bench(sdpa, dev)
@@ -141,6 +229,13 @@ def headline(record: dict) -> list[str]:
     lines = [f"triton kernels: {'yes' if info.get('triton') else 'NO: ' + str(info.get('triton_error'))}"]
     by_cell: dict = {}
     for item in record.get("items", []):
+        if item.get("measure") == "host":
+            top = item["python_functions"][0] if item["python_functions"] else {}
+            lines.append(f"host {item['kind']} {item['context']} x {item['batch']}: issues a call in "
+                         f"{item['host_us_per_call']:.0f}us (with the device {item['wall_us_per_call']:.0f}us), "
+                         f"{item['syncs_per_call']} syncs; top {top.get('function')} "
+                         f"{top.get('own_us_per_step', 0):.0f}us")  # fmt: skip
+            continue
         by_cell.setdefault((item["context"], item["batch"]), []).append(item)
     for (context, batch), items in by_cell.items():
         parts = []

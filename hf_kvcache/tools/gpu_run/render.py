@@ -113,6 +113,8 @@ def _kernels(record: dict) -> str:
     info = record.get("info", {})
     rows = []
     for i in record.get("items", []):
+        if i.get("measure") == "host":
+            continue
         rows.append([
             f"{i['context']:,} x {i['batch']}", i["kind"] + (f" ({i['backend']})" if "backend" in i else ""),
             f"{i['median_us']:.1f}", f"{i['p10_us']:.1f}-{i['p90_us']:.1f}",
@@ -123,7 +125,23 @@ def _kernels(record: dict) -> str:
             f"{info.get('head_dim')}, {str(info.get('dtype', ''))[6:]}; Triton kernels: "
             f"{'yes' if info.get('triton') else 'no (' + str(info.get('triton_error')) + ')'}.\n\n")  # fmt: skip
     table = _table(["context x batch", "kind", "µs (median)", "p10-p90", "x sdpa", "MiB read", "of peak BW"], rows)
-    return head + table
+    return head + table + _host(record)
+
+
+def _host(record: dict) -> str:
+    """The host profile's rows: issue time against device time per call, syncs, the top Python functions."""
+    items = [i for i in record.get("items", []) if i.get("measure") == "host"]
+    if not items:
+        return ""
+    rows = [[f"{i['context']:,} x {i['batch']}", i["kind"], f"{i['host_us_per_call']:.1f}",
+             f"{i['wall_us_per_call']:.1f}", "n/a" if i["syncs_per_call"] is None else str(i["syncs_per_call"]),
+             "; ".join(f"{f['function']} {f['own_us_per_step']:.1f}" for f in i["python_functions"][:4])]
+            for i in items]  # fmt: skip
+    return (
+        "\n\nWhere a call's time goes on the host (a call issued back to back without waiting for the device, µs "
+        "per call; the four Python functions with the most own time, µs per call under cProfile):\n\n"
+        + _table(["context x batch", "kind", "host µs", "with device µs", "syncs", "top Python functions"], rows)
+    )
 
 
 def _generate(record: dict) -> str:
@@ -205,7 +223,7 @@ def targets(run: dict) -> list[list[str]]:
     """The GPU targets of the project (issue: decode on a real GPU) against this run: ``[what, target, measured,
     met]`` rows, for the cells the run measured."""
     rows = []
-    kernels = run.get("kernels", {}).get("items", [])
+    kernels = [i for i in run.get("kernels", {}).get("items", []) if i.get("measure") != "host"]
     want = {"int8": 1.6, "int4": 2.5, "int3": 2.5, "int2": 2.5, "paged": 0.95, "paged int8": 1.6, "dense": 0.9}
     for kind, goal in want.items():
         cell = next((i for i in kernels if i["kind"] == kind and (i["context"], i["batch"]) == (16384, 8)), None)
