@@ -7,6 +7,10 @@ or any per-layer K/V) can be written into another cache without running the mode
 each layer's ``write`` (``update`` without the read that feeds attention: no dequantized history, no gather of pages)
 and gives the cache the prompt's attention mask, as the model's forward hook does, so sinks and pages know each row's
 left padding. The cache's state is then the one a prefill through it leaves.
+
+:class:`SharedPrefill` runs a prompt's forward once and hands its K/V to any number of caches: how the harness scores
+several caches on one document (``hf-kvcache eval``; ``--separate-prefill`` turns it off), and how a user's own loop
+can compare caches on long prompts without paying for the prompt once per cache.
 """
 
 from __future__ import annotations
@@ -14,11 +18,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache
 
 from .layers._common import KVLayer
 
-__all__ = ["store_prefill", "write_tokens"]
+__all__ = ["SharedPrefill", "store_prefill", "write_tokens"]
 
 
 def write_tokens(cache: Cache, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -74,3 +78,48 @@ def store_prefill(
     if layers is not None and count != len(layers):
         raise ValueError(f"store_prefill got the K/V of {count} layers for a cache of {len(layers)} layers")
     return cache
+
+
+class SharedPrefill:
+    """A prompt's prefill, run once through a ``DynamicCache`` (every layer keeps every token), then stored in as many
+    caches as asked (:meth:`into`), each left in the state a prefill through it leaves (tested against one for every
+    cache kind we ship, sliding-window eviction and pages included).
+
+    ``logits``: the prompt's last ``logits_to_keep`` positions' logits ``(B, n, vocab)`` (0: every position), which
+    are the same through every cache (a prefill attends to its own full-precision K/V).
+
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> from hf_kvcache import make_cache
+    >>> model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+    ...                                      num_key_value_heads=2, intermediate_size=64, vocab_size=100))
+    >>> ids = torch.randint(0, 100, (1, 30))
+    >>> prompt = SharedPrefill(model, ids)
+    >>> for spec in ("int8", "int2"):
+    ...     cache = prompt.into(make_cache(spec, model))
+    ...     out = model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    >>> out.shape
+    torch.Size([1, 34])
+    """
+
+    def __init__(
+        self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, logits_to_keep: int = 1
+    ):
+        if input_ids.ndim != 2 or input_ids.shape[1] < 1:
+            raise ValueError(f"input_ids must be (batch, tokens) with at least one token, got {tuple(input_ids.shape)}")
+        once = DynamicCache()  # no config: sliding layers keep every token too, as store_prefill needs
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "past_key_values": once}
+        with torch.no_grad():
+            try:  # the last positions' logits only: a long prompt's full logits can take more memory than its K/V
+                logits = model(**inputs, logits_to_keep=logits_to_keep).logits
+            except TypeError:  # a model whose forward has no logits_to_keep
+                once = inputs["past_key_values"] = DynamicCache()
+                logits = model(**inputs).logits[:, -logits_to_keep:]
+        self.logits = logits
+        self.key_values = [(layer.keys, layer.values) for layer in once.layers]
+        self.attention_mask = attention_mask
+        self.tokens = input_ids.shape[1]
+
+    def into(self, cache: Cache) -> Cache:
+        """Store the prefill in the empty ``cache`` (:func:`store_prefill`); returns it. A ``ValueError`` (a cache
+        that cannot take a handed-over prefill) leaves the cache to be discarded: prefill a fresh one instead."""
+        return store_prefill(cache, self.key_values, self.attention_mask)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -131,3 +133,79 @@ def test_repeat_past_the_model_context_fails_before_the_first_document(capsys, m
     monkeypatch.setattr(repeat, "repeat_nll", lambda *a, **k: pytest.fail("a document ran"))
     assert main(["eval", "--model", "reference", "--quiet", "--task", "repeat", "--distances", "0,2000"]) == 2
     assert "more than the model's context (2048 tokens)" in capsys.readouterr().err
+
+
+SHARED_SPECS = ["dynamic", "int8", "int2", "sink:window=128:sinks=4", "paged:block_size=16", "int4:residual_length=32"]
+
+
+def test_passkey_shares_each_documents_prefill_and_answers_as_each_cache_alone(reference, ids, monkeypatch):
+    """One prefill per document, its K/V handed to every cache (a sliding window evicting inside it, pages, codes):
+    every cache answers exactly what it answers after its own prefill, for one forward over the document instead of
+    one per cache."""
+    from hf_kvcache.eval.tasks import EvalData
+    from hf_kvcache.eval.tasks.passkey import _answers
+
+    model, tokenizer = reference
+    data = EvalData(model, tokenizer, ids)
+    doc = build_passkey_document(tokenizer, ids[3000:], 600, 0.4, "70431")
+    long_forwards = []
+    forward = type(model).forward
+
+    @functools.wraps(forward)  # the signature kept: caches check that the forward takes past_key_values
+    def counting(self, *args, **kwargs):
+        ids_ = kwargs.get("input_ids")
+        if ids_ is not None and ids_.shape[1] >= len(doc.context):
+            long_forwards.append(ids_.shape[1])
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", counting)
+    separate = _answers(data, doc, SHARED_SPECS, separate=True)
+    assert len(long_forwards) == len(SHARED_SPECS)  # the context through each cache (generate forwards the question)
+    long_forwards.clear()
+    shared = _answers(data, doc, SHARED_SPECS, separate=False)
+    assert len(long_forwards) == 1
+    assert shared == separate
+    assert separate[0].strip().startswith("70431")  # the model finds it through DynamicCache: a real comparison
+
+
+def test_a_cache_that_refuses_a_handed_over_prefill_prefills_itself(reference, ids, monkeypatch):
+    from hf_kvcache import prefill
+    from hf_kvcache.eval.tasks import EvalData
+    from hf_kvcache.eval.tasks.passkey import _answers
+
+    model, tokenizer = reference
+    data = EvalData(model, tokenizer, ids)
+    doc = build_passkey_document(tokenizer, ids[1000:], 300, 0.5, "5512")
+    into = prefill.SharedPrefill.into
+
+    def refusing(self, cache):
+        if type(cache).__name__ == "QuantizedKVCache":
+            cache.layers[0].write(*self.key_values[0])  # half-written, then refused: the task must not use it
+            raise ValueError("cannot take a handed-over prefill")
+        return into(self, cache)
+
+    monkeypatch.setattr(prefill.SharedPrefill, "into", refusing)
+    assert _answers(data, doc, ["dynamic", "int8"], separate=False) == _answers(data, doc, ["dynamic", "int8"], True)
+
+
+def test_eval_results_are_the_same_with_a_shared_or_a_separate_prefill(reference):
+    model, tokenizer = reference
+    config = EvalConfig(task=("passkey",), caches=("dynamic", "int2", "sink:window=128:sinks=4"), lengths=(512,),
+                        depths=(0.2, 0.8), samples=2, quiet=True)  # fmt: skip
+    shared = run_eval(config, model, tokenizer)
+    separate = run_eval(config.replace(separate_prefill=True), model, tokenizer)
+    assert [r["passkey"] for r in shared["results"]] == [r["passkey"] for r in separate["results"]]
+    assert shared["config"]["separate_prefill"] is False and separate["config"]["separate_prefill"] is True
+
+
+def test_repeat_shares_each_distances_prefill_with_the_same_numbers(reference):
+    """The passages and the text after them prefilled once per distance for every cache: every number (first copy
+    from the shared logits, second copy through each cache) as with each cache's own prefill."""
+    model, tokenizer = reference
+    config = EvalConfig(task=("repeat",), caches=("dynamic", "int2", "sink:window=128:sinks=4", "paged:block_size=16"),
+                        distances=(0, 300), passage=48, samples=2, quiet=True)  # fmt: skip
+    shared = run_eval(config, model, tokenizer)
+    separate = run_eval(config.replace(separate_prefill=True), model, tokenizer)
+    assert [r["repeat"] for r in shared["results"]] == [r["repeat"] for r in separate["results"]]
+    ratios = [r["repeat"]["summary"]["ratio"] for r in shared["results"]]
+    assert ratios[0] < 0.5 and ratios[2] > ratios[0]  # the model copies; a window shorter than 300 tokens loses it

@@ -108,6 +108,13 @@ class RunOptions:
         metadata={"help": "make_cache specs, comma-separated; the first is the baseline of the change columns"},
     )
     dataset: str | None = field(default=None, metadata={"help": DATASET_HELP})
+    separate_prefill: bool = field(
+        default=False,
+        metadata={
+            "help": "prefill every document through each cache (by default a document's prompt runs once and its "
+            "K/V go to every cache: the same cache states, one forward instead of one per cache)"
+        },
+    )
 
     def validate_run(self) -> None:
         from ..registry import check_spec

@@ -166,11 +166,13 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, shard: tuple[int, i
     data = EvalData(model, tokenizer, tokenize(tokenizer, text[: 16 * limit])[:limit])
     entries = [{"cache": spec} for spec in config.caches]
     for task in tasks:
-        for entry in entries:
-            update, close = _progress(task.units(config), f"{task.name} {entry['cache']}", config.quiet)
-            kwargs = {"shard": shard} if task.shardable else {}
-            entry[task.name] = task.run(data, entry["cache"], config, update, **kwargs)
-            close()
+        units = task.units(config)
+        label = f"{task.name} x {len(entries)} caches"
+        update, close = _progress(units * len(entries) if units is not None else None, label, config.quiet)
+        kwargs = {"shard": shard} if task.shardable else {}
+        for entry, result in zip(entries, task.run_caches(data, list(config.caches), config, update, **kwargs)):
+            entry[task.name] = result
+        close()
         task.finish([entry[task.name] for entry in entries])
     results = {
         "config": config.as_dict()

@@ -27,7 +27,17 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["TASKS", "EvalData", "Task", "get_task", "model_context", "option_fields", "option_owners", "register_task"]
+__all__ = [
+    "TASKS",
+    "EvalData",
+    "Task",
+    "cache_for",
+    "get_task",
+    "model_context",
+    "option_fields",
+    "option_owners",
+    "register_task",
+]
 
 
 @dataclass
@@ -81,6 +91,13 @@ class Task:
         """Score cache ``spec``: ``{"task": name, "summary": {...}, ...per-cell numbers}``."""
         raise NotImplementedError
 
+    def run_caches(self, data: EvalData, specs: list[str], config, progress=None, **kwargs) -> list[dict]:
+        """Score every cache of ``specs`` (``run``'s result for each, in order); ``kwargs`` go to ``run``. The runner
+        calls this: a task whose documents start with a long prompt overrides it to prefill each document once and
+        hand the prompt's K/V to every cache (:class:`~hf_kvcache.prefill.SharedPrefill`) unless
+        ``config.separate_prefill``. Default: ``run`` per cache."""
+        return [self.run(data, spec, config, progress, **kwargs) for spec in specs]
+
     def merge(self, parts: list[dict]) -> dict:
         """One cache's result from the results of disjoint shards (``shardable`` tasks only)."""
         raise NotImplementedError(f"task {self.name!r} is not shardable")
@@ -95,6 +112,22 @@ class Task:
     def plots(self, results: dict, out: Path) -> list[str]:
         """PNG files written into ``out`` (names), none if matplotlib is missing."""
         return []
+
+
+def cache_for(spec: str, model, prefill=None) -> tuple[object, bool]:
+    """A fresh cache ``spec`` for ``model`` and whether it holds ``prefill`` (a
+    :class:`~hf_kvcache.prefill.SharedPrefill`, or None): a cache that refuses a handed-over prefill (``ValueError``)
+    is replaced by a fresh, empty one for the task to prefill itself."""
+    from ...registry import make_cache
+
+    cache = make_cache(spec, model)
+    if prefill is None:
+        return cache, False
+    try:
+        prefill.into(cache)
+    except ValueError:
+        return make_cache(spec, model), False
+    return cache, True
 
 
 TASKS: dict[str, Task] = {}

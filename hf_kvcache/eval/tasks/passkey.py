@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..._validate import check_int
-from .base import EvalData, Task, model_context, register_task
+from .base import EvalData, Task, cache_for, model_context, register_task
 
 __all__ = ["PasskeyOptions", "build_passkey_document"]
 
@@ -124,11 +124,13 @@ def _answer_key(text: str) -> str | None:
 
 
 @torch.inference_mode()
-def passkey_answer(model, tokenizer, document: PasskeyDocument, cache) -> str:
-    """Greedy answer of ``model`` to ``document`` through ``cache`` (see the module docstring)."""
+def passkey_answer(model, tokenizer, document: PasskeyDocument, cache, prefilled: bool = False) -> str:
+    """Greedy answer of ``model`` to ``document`` through ``cache`` (see the module docstring); ``prefilled``: the
+    cache already holds the document's context (:class:`~hf_kvcache.prefill.SharedPrefill`)."""
     device = next(model.parameters()).device
-    context = torch.tensor([document.context], device=device)
-    model(input_ids=context, attention_mask=torch.ones_like(context), past_key_values=cache)
+    if not prefilled:
+        context = torch.tensor([document.context], device=device)
+        model(input_ids=context, attention_mask=torch.ones_like(context), past_key_values=cache)
     full = torch.tensor([document.context + document.question], device=device)
     out = model.generate(
         input_ids=full,
@@ -139,6 +141,21 @@ def passkey_answer(model, tokenizer, document: PasskeyDocument, cache) -> str:
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
     )
     return tokenizer.decode(out[0, full.shape[1] :], skip_special_tokens=True)
+
+
+def _answers(data: EvalData, doc: PasskeyDocument, specs: list[str], separate: bool) -> list[str]:
+    """Each cache's answer to ``doc``: the context prefilled once for all of them unless ``separate``."""
+    from ...prefill import SharedPrefill
+
+    shared = None
+    if not separate:
+        context = torch.tensor([doc.context], device=data.device)
+        shared = SharedPrefill(data.model, context, torch.ones_like(context))
+    answers = []
+    for spec in specs:
+        cache, prefilled = cache_for(spec, data.model, shared)
+        answers.append(passkey_answer(data.model, data.tokenizer, doc, cache, prefilled=prefilled))
+    return answers
 
 
 @register_task
@@ -164,21 +181,25 @@ class PasskeyTask(Task):
     def describe(self, config) -> str:
         return (
             f"passkey: {config.samples} documents per (length, depth), {config.key_digits}-digit keys; the document "
-            "is prefilled, the question goes through the cache, the answer is decoded greedily."
+            "is prefilled (once, its K/V handed to every cache, unless --separate-prefill), the question goes "
+            "through the cache, the answer is decoded greedily."
         )
 
     def tokens_needed(self, config) -> int:
         return max(config.lengths) * config.samples * 2
 
     def run(self, data: EvalData, spec: str, config, progress=None) -> dict:
-        from ...registry import make_cache
+        return self.run_caches(data, [spec], config, progress)[0]
 
+    def run_caches(self, data: EvalData, specs: list[str], config, progress=None) -> list[dict]:
+        """Every cache on the same documents, one document at a time: its context prefilled once and handed to each
+        cache (unless ``config.separate_prefill``, or for a cache that refuses it: then through that cache)."""
         generator = torch.Generator().manual_seed(config.seed)
         span = data.ids.numel() - max(config.lengths)
-        cells = []
+        cells: list[list[dict]] = [[] for _ in specs]
         for length in config.lengths:
             for depth in config.depths:
-                correct = 0
+                correct = [0] * len(specs)
                 for sample in range(config.samples):
                     # The same keys and filler for every cache: the cell's documents depend on the seed only.
                     generator.manual_seed(config.seed + 1000 * length + 10 * round(100 * depth) + sample)
@@ -189,13 +210,19 @@ class PasskeyTask(Task):
                     doc = build_passkey_document(
                         data.tokenizer, data.ids[start:], length, depth, key, chat=config.chat_template
                     )
-                    answer = passkey_answer(data.model, data.tokenizer, doc, make_cache(spec, data.model))
-                    correct += _answer_key(answer) == key
-                    if progress is not None:
-                        progress(1)
-                cells.append({"length": length, "depth": depth, "correct": correct, "samples": config.samples})
-        accuracy = sum(c["correct"] for c in cells) / sum(c["samples"] for c in cells)
-        return {"task": self.name, "cells": cells, "summary": {"accuracy": accuracy}}
+                    for i, answer in enumerate(_answers(data, doc, specs, config.separate_prefill)):
+                        correct[i] += _answer_key(answer) == key
+                        if progress is not None:
+                            progress(1)
+                for i in range(len(specs)):
+                    cells[i].append(
+                        {"length": length, "depth": depth, "correct": correct[i], "samples": config.samples}
+                    )
+        out = []
+        for mine in cells:
+            accuracy = sum(c["correct"] for c in mine) / sum(c["samples"] for c in mine)
+            out.append({"task": self.name, "cells": mine, "summary": {"accuracy": accuracy}})
+        return out
 
     def table(self, results: dict) -> str:
         from ..report import markdown_table

@@ -6,7 +6,8 @@ cache kept of the first.
 
 Protocol, per distance ``d`` and sample: a ``passage``-token passage ``P`` and ``d`` tokens of other text ``G``, both
 from the dataset. ``P + G`` goes into a fresh cache with one forward (the first copy is scored from those logits: no
-cache is read yet); then the second ``P`` is fed ``chunk`` tokens per forward through the cache and scored. Positions
+cache is read yet; that forward runs once for every cache, its K/V handed to each, unless ``--separate-prefill``);
+then the second ``P`` is fed ``chunk`` tokens per forward through the cache and scored. Positions
 ``1 .. passage-1`` of each copy are scored (a copy's first token cannot be predicted from the other copy).
 Reported per distance: first- and second-copy perplexity and their ratio; the summary pools every distance.
 """
@@ -19,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..._validate import check_int
-from .base import EvalData, Task, model_context, register_task
+from ...prefill import SharedPrefill
+from .base import EvalData, Task, cache_for, model_context, register_task
 from .perplexity import token_nll
 
 __all__ = ["RepeatOptions", "repeat_nll"]
@@ -46,15 +48,18 @@ class RepeatOptions:
 
 @torch.inference_mode()
 def repeat_nll(
-    model, passages: torch.Tensor, gaps: torch.Tensor, cache, chunk: int = 1
+    model, passages: torch.Tensor, gaps: torch.Tensor, cache, chunk: int = 1, prefill: SharedPrefill | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token NLL ``(first copy, second copy)``, each ``(B, passage - 1)``, for rows ``P + G + P`` with the second
-    copy scored through ``cache`` after ``P + G`` went into it (see the module docstring)."""
+    copy scored through ``cache`` after ``P + G`` went into it (see the module docstring). ``prefill``: ``P + G``'s
+    prefill (:func:`repeat_prefill`), already stored in ``cache``, whose logits give the first copy's NLL."""
     device = next(model.parameters()).device
     passages, gaps = passages.to(device), gaps.to(device)
     prefix = torch.cat([passages, gaps], dim=1)  # (B, P + G)
-    mask = torch.ones_like(prefix)
-    logits = model(input_ids=prefix, attention_mask=mask, past_key_values=cache).logits
+    if prefill is None:
+        logits = model(input_ids=prefix, attention_mask=torch.ones_like(prefix), past_key_values=cache).logits
+    else:
+        logits = prefill.logits
     n = passages.shape[1]
     first = token_nll(logits[:, : n - 1], passages[:, 1:])
     second = []
@@ -64,6 +69,14 @@ def repeat_nll(
         step = model(input_ids=passages[:, start:stop], attention_mask=mask, past_key_values=cache).logits
         second.append(token_nll(step, passages[:, start + 1 : stop + 1]))
     return first.cpu(), torch.cat(second, dim=1).cpu()
+
+
+def repeat_prefill(model, passages: torch.Tensor, gaps: torch.Tensor) -> SharedPrefill:
+    """The prefill of rows ``P + G`` once, for every cache (:class:`~hf_kvcache.prefill.SharedPrefill`, every
+    position's logits kept: the first copy is scored from them)."""
+    device = next(model.parameters()).device
+    prefix = torch.cat([passages, gaps], dim=1).to(device)
+    return SharedPrefill(model, prefix, torch.ones_like(prefix), logits_to_keep=0)
 
 
 @register_task
@@ -96,10 +109,13 @@ class RepeatTask(Task):
         return (config.passage + max(config.distances)) * config.samples * 2
 
     def run(self, data: EvalData, spec: str, config, progress=None) -> dict:
-        from ...registry import make_cache
+        return self.run_caches(data, [spec], config, progress)[0]
 
+    def run_caches(self, data: EvalData, specs: list[str], config, progress=None) -> list[dict]:
+        """Every cache on the same passages, one distance at a time: the passages and the text after them prefilled
+        once and handed to each cache (unless ``config.separate_prefill``, or for a cache that refuses it)."""
         generator = torch.Generator()
-        cells, first_all, second_all = [], [], []
+        runs = [([], [], []) for _ in specs]  # per cache: cells, first-copy NLLs, second-copy NLLs
         for distance in config.distances:
             span = data.ids.numel() - config.passage - distance
             if span < 1:
@@ -113,27 +129,35 @@ class RepeatTask(Task):
             gaps = torch.stack(
                 [data.ids[s + config.passage : s + config.passage + distance] for s in starts[1].tolist()]
             )
-            first, second = repeat_nll(data.model, passages, gaps, make_cache(spec, data.model), config.repeat_chunk)
-            first_all.append(first)
-            second_all.append(second)
-            cells.append(
-                {
-                    "distance": distance,
-                    "first_copy_perplexity": math.exp(first.mean().item()),
-                    "second_copy_perplexity": math.exp(second.mean().item()),
-                    "ratio": math.exp(second.mean().item() - first.mean().item()),
-                    "tokens": second.numel(),
-                }
-            )
-            if progress is not None:
-                progress(1)
-        first, second = torch.cat(first_all).mean().item(), torch.cat(second_all).mean().item()
-        summary = {
-            "first_copy_perplexity": math.exp(first),
-            "second_copy_perplexity": math.exp(second),
-            "ratio": math.exp(second - first),
-        }
-        return {"task": self.name, "cells": cells, "summary": summary}
+            shared = None if config.separate_prefill else repeat_prefill(data.model, passages, gaps)
+            for spec, (cells, first_all, second_all) in zip(specs, runs):
+                cache, prefilled = cache_for(spec, data.model, shared)
+                first, second = repeat_nll(
+                    data.model, passages, gaps, cache, config.repeat_chunk, shared if prefilled else None
+                )
+                first_all.append(first)
+                second_all.append(second)
+                cells.append(
+                    {
+                        "distance": distance,
+                        "first_copy_perplexity": math.exp(first.mean().item()),
+                        "second_copy_perplexity": math.exp(second.mean().item()),
+                        "ratio": math.exp(second.mean().item() - first.mean().item()),
+                        "tokens": second.numel(),
+                    }
+                )
+                if progress is not None:
+                    progress(1)
+        out = []
+        for cells, first_all, second_all in runs:
+            first, second = torch.cat(first_all).mean().item(), torch.cat(second_all).mean().item()
+            summary = {
+                "first_copy_perplexity": math.exp(first),
+                "second_copy_perplexity": math.exp(second),
+                "ratio": math.exp(second - first),
+            }
+            out.append({"task": self.name, "cells": cells, "summary": summary})
+        return out
 
     def finish(self, entries: list[dict]) -> None:
         base = entries[0]["summary"]["second_copy_perplexity"]
