@@ -3,8 +3,9 @@
 from .base import TASKS, EvalData, Task, get_task, option_owners, register_task
 
 # isort: off
-# Import order is the order tasks are listed in (and the default run's order): perplexity, repeat, passkey, stream.
-from . import perplexity, repeat, passkey, stream  # noqa: F401, E402
+# Import order is the order tasks are listed in (and the default run's order): perplexity, repeat, passkey, stream,
+# ruler.
+from . import perplexity, repeat, passkey, stream, ruler  # noqa: F401, E402
 
 # isort: on
 

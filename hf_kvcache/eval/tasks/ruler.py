@@ -1,0 +1,379 @@
+"""``ruler``: RULER's synthetic retrieval and tracing tasks (Hsieh et al., https://arxiv.org/abs/2404.06654), through
+the cache.
+
+Where one passkey asks the model to find a number, these ask it to tell one fact from its neighbours, which is where a
+compressed cache loses first. Each document is ``length`` tokens: an instruction, filler text from the dataset (the
+"essay" haystack) with the needles at random depths, then the question and an answer prefix. Generated offline from
+the dataset and the seed (the same documents for every cache); needles and questions in RULER's wording:
+
+- ``niah_single``: one needle ``One of the special magic numbers for <key> is: <7-digit number>.``, asked for;
+- ``niah_multikey``: four needles with different keys, one asked for (the others are distractors);
+- ``niah_multivalue``: four needles with the same key and four numbers, all asked for;
+- ``niah_multiquery``: four needles with different keys, all four asked for;
+- ``vt`` (variable tracking): a chain ``VAR A = 12345``, ``VAR B = VAR A``, ... of five variables hidden in the filler
+  (and a second chain as a distractor); asked for every variable that holds the first chain's value.
+
+Keys are adjective-noun pairs (``quiet-harbor``), values 7-digit numbers, variables five capital letters. Scored as
+RULER's ``string_match_all``: the share of the expected strings that appear in the greedy answer (case-insensitive),
+averaged over a cell's documents; a cell reports its 95% interval (Wilson for all-or-nothing scores, else the mean's
+normal interval), so a reader can see which differences the sample count can carry.
+
+Protocol through the cache, as ``passkey``: the document up to the question is prefilled (once for every cache, its
+K/V handed to each, unless ``--separate-prefill``), the question and answer prefix go through the cache, and the
+answer is decoded greedily through it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from ..._validate import check_int
+from .base import EvalData, Task, cache_for, model_context, register_task
+from .passkey import _encode, chat_parts
+
+__all__ = ["RULER_TASKS", "RulerDocument", "RulerOptions", "build_ruler_document", "string_match_all"]
+
+# (needles with distinct keys, values per key, keys asked for, answer tokens); vt is built apart
+NIAH = {
+    "niah_single": (1, 1, 1, 16),
+    "niah_multikey": (4, 1, 1, 16),
+    "niah_multivalue": (1, 4, 1, 48),
+    "niah_multiquery": (4, 1, 4, 48),
+}
+RULER_TASKS = (*NIAH, "vt")
+VT_CHAIN = 5  # variables per chain (RULER's vt: 1 chain of 4 hops)
+VT_ANSWER_TOKENS = 30
+
+ADJECTIVES = (
+    "amber", "ancient", "bitter", "bold", "brave", "bright", "calm", "clever", "cold", "crimson", "curious", "dark",
+    "distant", "eager", "early", "fierce", "gentle", "golden", "grand", "green", "hidden", "hollow", "humble", "icy",
+    "jolly", "keen", "late", "lively", "lonely", "lucky", "mellow", "misty", "noble", "odd", "pale", "proud", "quiet",
+    "rapid", "restless", "rough", "royal", "rusty", "sharp", "silent", "silver", "sleepy", "slow", "smooth", "solemn",
+    "steady", "stormy", "sudden", "swift", "tall", "tender", "tiny", "velvet", "vivid", "wild", "wise",
+)  # fmt: skip
+NOUNS = (
+    "anchor", "arrow", "badger", "banner", "basket", "beacon", "bridge", "brook", "candle", "canyon", "castle", "cedar",
+    "cliff", "comet", "compass", "crane", "crystal", "dagger", "falcon", "feather", "forest", "fountain", "garden",
+    "glacier", "harbor", "hammer", "island", "lantern", "ledger", "meadow", "mirror", "monkey", "needle", "orchard",
+    "otter", "palace", "pebble", "pepper", "pillar", "planet", "quarry", "raven", "ribbon", "river", "saddle",
+    "sparrow", "spindle", "summit", "thicket", "thistle", "tower", "trumpet", "tunnel", "valley", "violin", "walrus",
+    "willow", "window", "wizard", "zephyr",
+)  # fmt: skip
+
+
+def _niah_text(single: bool, query: str) -> tuple[str, str, str]:
+    """RULER's NIAH instruction, question and answer prefix, in the singular where one number is asked for."""
+    if single:
+        intro = (
+            "A special magic number is hidden within the following text. Make sure to memorize it. I will quiz you "
+            "about the number afterwards.\n"
+        )
+        ask, noun, verb = "What is the", "number", "is"
+    else:
+        intro = (
+            "Some special magic numbers are hidden within the following text. Make sure to memorize it. I will quiz "
+            "you about the numbers afterwards.\n"
+        )
+        ask, noun, verb = "What are all the", "numbers", "are"
+    question = f"\n{ask} special magic {noun} for {query} mentioned in the provided text?"
+    prefix = f" The special magic {noun} for {query} mentioned in the provided text {verb}"
+    return intro, question, prefix
+
+
+VT_INSTRUCTION = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+VT_QUESTION = "\nQuestion: Find all variables that are assigned the value {value} in the text above."
+VT_PREFIX = (
+    " Answer: According to the chain(s) of variable assignment in the text above, {n} variables are assigned the "
+    "value {value}, they are:"
+)
+
+
+@dataclass
+class RulerOptions:
+    """Options of the ``ruler`` task."""
+
+    ruler_tasks: tuple[str, ...] = field(
+        default=RULER_TASKS, metadata={"help": f"RULER tasks, comma-separated ({', '.join(RULER_TASKS)})"}
+    )
+    ruler_lengths: tuple[int, ...] = field(
+        default=(1024, 2048), metadata={"help": "RULER document lengths in tokens, comma-separated"}
+    )
+    ruler_samples: int = field(default=10, metadata={"help": "RULER documents per (task, length) cell"})
+    chat_template: bool = field(
+        default=False,
+        metadata={"help": "the document and question as one user turn of the model's chat template"},
+    )
+
+    def validate(self) -> None:
+        if not self.ruler_tasks:
+            raise ValueError(f"--ruler-tasks must name at least one of {', '.join(RULER_TASKS)}")
+        for name in self.ruler_tasks:
+            if name not in RULER_TASKS:
+                raise ValueError(f"--ruler-tasks: unknown task {name!r}; known: {', '.join(RULER_TASKS)}")
+        for length in self.ruler_lengths:
+            check_int("--ruler-lengths", length, 256)
+        check_int("--ruler-samples", self.ruler_samples, 1)
+
+
+@dataclass
+class RulerDocument:
+    """One document: ``context`` (token ids up to the question), ``question`` (the question and the answer prefix),
+    the strings a correct answer contains (``answers``) and the tokens decoded for it."""
+
+    context: list[int]
+    question: list[int]
+    answers: list[str]
+    answer_tokens: int
+
+
+def string_match_all(prediction: str, references: list[str]) -> float:
+    """RULER's score of one answer: the share of ``references`` found in ``prediction``, case-insensitively."""
+    text = prediction.lower()
+    return sum(ref.lower() in text for ref in references) / len(references)
+
+
+def _needles(task: str, rng: random.Random) -> tuple[list[str], str, list[str]]:
+    """``(needle sentences in document order, what the question asks for, the expected answers)``."""
+    if task == "vt":
+        names = rng.sample([_variable(rng) for _ in range(4 * VT_CHAIN)], 2 * VT_CHAIN)
+        first, second = names[:VT_CHAIN], names[VT_CHAIN:]
+        value, other = (str(rng.randint(10000, 99999)) for _ in range(2))
+        chains = []
+        for chain, start in ((first, value), (second, other)):
+            chains.append([f"VAR {chain[0]} = {start}."] + [f"VAR {b} = VAR {a}." for a, b in zip(chain, chain[1:])])
+        # the two chains interleaved, each in its own order (a hop never comes before the one it copies)
+        order = [0] * VT_CHAIN + [1] * VT_CHAIN
+        rng.shuffle(order)
+        positions = [0, 0]
+        sentences = []
+        for which in order:
+            sentences.append(chains[which][positions[which]])
+            positions[which] += 1
+        return sentences, value, first
+    keys_n, values_n, queries_n, _ = NIAH[task]
+    keys: list[str] = []
+    while len(keys) < keys_n:
+        key = f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}"
+        if key not in keys:
+            keys.append(key)
+    values = {key: [str(rng.randint(1_000_000, 9_999_999)) for _ in range(values_n)] for key in keys}
+    sentences = [f"One of the special magic numbers for {k} is: {v}." for k in keys for v in values[k]]
+    rng.shuffle(sentences)
+    asked = rng.sample(keys, queries_n)
+    query = ", ".join(asked[:-1]) + ", and " + asked[-1] if len(asked) > 1 else asked[0]
+    return sentences, query, [v for k in asked for v in values[k]]
+
+
+def _variable(rng: random.Random) -> str:
+    return "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
+
+
+def build_ruler_document(
+    tokenizer, filler: torch.Tensor, task: str, length: int, seed: int, chat: bool = False
+) -> RulerDocument:
+    """A ``length``-token document of RULER task ``task`` (see the module docstring), its needles and keys drawn from
+    ``seed``, its filler read from the start of ``filler`` (a token stream). Raises ``ValueError`` when ``length``
+    leaves no room for filler."""
+    if task not in RULER_TASKS:
+        raise ValueError(f"unknown RULER task {task!r}; known: {', '.join(RULER_TASKS)}")
+    rng = random.Random(seed)
+    sentences, query, answers = _needles(task, rng)
+    if task == "vt":
+        intro, question = VT_INSTRUCTION, VT_QUESTION.format(value=query)
+        prefix, answer_tokens = VT_PREFIX.format(n=len(answers), value=query), VT_ANSWER_TOKENS
+    else:
+        intro, question, prefix = _niah_text(len(answers) == 1, query)
+        answer_tokens = NIAH[task][3]
+    if chat:
+        before, after = chat_parts(tokenizer)
+        head = _encode(tokenizer, before + intro)
+        tail = _encode(tokenizer, question + after + prefix.lstrip())
+    else:
+        head = _encode(tokenizer, intro, special=True)
+        tail = _encode(tokenizer, question + prefix)
+    pieces = [_encode(tokenizer, f" {s} ") for s in sentences]
+    n_fill = length - len(head) - len(tail) - sum(map(len, pieces))
+    if n_fill < len(pieces) + 1:
+        raise ValueError(
+            f"--ruler-lengths {length} is too short for a {task} document: its fixed parts take "
+            f"{length - n_fill} tokens with this tokenizer"
+        )
+    if filler.numel() < n_fill:
+        raise ValueError(f"the dataset has {filler.numel()} tokens, fewer than the {n_fill} of filler needed")
+    fill = filler[:n_fill].tolist()
+    # random depths between sentences, the needles in their order
+    cuts = sorted(rng.sample(_sentence_ends(tokenizer, fill, len(pieces)), len(pieces)))
+    context, last = list(head), 0
+    for cut, piece in zip(cuts, pieces):
+        context += fill[last:cut] + piece
+        last = cut
+    context += fill[last:]
+    return RulerDocument(context, tail, answers, answer_tokens)
+
+
+def _sentence_ends(tokenizer, fill: list[int], needed: int) -> list[int]:
+    """Positions in ``fill`` just after a token ending a sentence (where RULER puts needles, between sentences); every
+    position when the filler has fewer than ``needed``."""
+    unique = sorted(set(fill))
+    texts = dict(zip(unique, tokenizer.convert_ids_to_tokens(unique)))
+    ends = [i + 1 for i, t in enumerate(fill[:-1]) if str(texts[t]).rstrip("\"'\u201d ").endswith((".", "!", "?"))]
+    return ends if len(ends) >= needed else list(range(1, len(fill)))
+
+
+@torch.inference_mode()
+def ruler_answer(model, tokenizer, document: RulerDocument, cache, prefilled: bool = False) -> str:
+    """Greedy answer through ``cache`` (``prefilled``: it holds the document's context already)."""
+    device = next(model.parameters()).device
+    if not prefilled:
+        context = torch.tensor([document.context], device=device)
+        model(input_ids=context, attention_mask=torch.ones_like(context), past_key_values=cache)
+    full = torch.tensor([document.context + document.question], device=device)
+    out = model.generate(
+        input_ids=full,
+        attention_mask=torch.ones_like(full),
+        past_key_values=cache,
+        max_new_tokens=document.answer_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+    )
+    return tokenizer.decode(out[0, full.shape[1] :], skip_special_tokens=True)
+
+
+def interval(scores: list[float], z: float = 1.96) -> tuple[float, float]:
+    """95% interval of the mean of ``scores``: Wilson's for all-or-nothing scores, else the normal interval of the
+    mean (clipped to [0, 1])."""
+    n = len(scores)
+    mean = sum(scores) / n
+    if all(s in (0.0, 1.0) for s in scores):
+        centre = (mean + z * z / (2 * n)) / (1 + z * z / n)
+        half = z * math.sqrt(mean * (1 - mean) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+        return max(0.0, centre - half), min(1.0, centre + half)
+    sd = math.sqrt(sum((s - mean) ** 2 for s in scores) / (n - 1)) if n > 1 else 0.5
+    return max(0.0, mean - z * sd / math.sqrt(n)), min(1.0, mean + z * sd / math.sqrt(n))
+
+
+@register_task
+class RulerTask(Task):
+    name = "ruler"
+    title = "RULER retrieval and tracing through the cache (string_match_all, %)"
+    options = RulerOptions
+    summary_keys = ("score",)
+
+    def units(self, config) -> int:
+        return len(config.ruler_tasks) * len(config.ruler_lengths) * config.ruler_samples
+
+    def check_model(self, config, model_config) -> None:
+        limit = model_context(model_config)
+        beyond = [n for n in config.ruler_lengths if limit and n > limit]
+        if beyond:
+            raise ValueError(
+                f"--ruler-lengths {','.join(map(str, beyond))}: longer than the model's context ({limit} tokens, "
+                "max_position_embeddings)"
+            )
+
+    def describe(self, config) -> str:
+        return (
+            f"ruler: {', '.join(config.ruler_tasks)} at {', '.join(map(str, config.ruler_lengths))} tokens, "
+            f"{config.ruler_samples} documents per cell; the document prefilled (once for every cache unless "
+            "--separate-prefill), the question through the cache, the answer greedy; RULER's string_match_all."
+        )
+
+    def tokens_needed(self, config) -> int:
+        return max(config.ruler_lengths) * 4
+
+    def run(self, data: EvalData, spec: str, config, progress=None) -> dict:
+        return self.run_caches(data, [spec], config, progress)[0]
+
+    def run_caches(self, data: EvalData, specs: list[str], config, progress=None) -> list[dict]:
+        from ...prefill import SharedPrefill
+
+        span = data.ids.numel() - max(config.ruler_lengths)
+        scores: list[dict[tuple[str, int], list[float]]] = [{} for _ in specs]
+        for t, task in enumerate(config.ruler_tasks):
+            for length in config.ruler_lengths:
+                for sample in range(config.ruler_samples):
+                    # the cell's documents depend on the seed only: the same for every cache
+                    seed = config.seed + 100_003 * t + 1009 * length + sample
+                    start = random.Random(seed).randrange(max(span, 1))
+                    doc = build_ruler_document(
+                        data.tokenizer, data.ids[start:], task, length, seed, chat=config.chat_template
+                    )
+                    shared = None
+                    if not config.separate_prefill:
+                        context = torch.tensor([doc.context], device=data.device)
+                        shared = SharedPrefill(data.model, context, torch.ones_like(context))
+                    for i, spec in enumerate(specs):
+                        cache, prefilled = cache_for(spec, data.model, shared)
+                        answer = ruler_answer(data.model, data.tokenizer, doc, cache, prefilled)
+                        scores[i].setdefault((task, length), []).append(string_match_all(answer, doc.answers))
+                        if progress is not None:
+                            progress(1)
+        out = []
+        for mine in scores:
+            cells = []
+            for (task, length), values in mine.items():
+                low, high = interval(values)
+                cells.append({"task": task, "length": length, "score": sum(values) / len(values), "low": low,
+                              "high": high, "samples": len(values), "scores": values})  # fmt: skip
+            score = sum(c["score"] for c in cells) / len(cells)
+            out.append({"task": self.name, "cells": cells, "summary": {"score": score}})
+        return out
+
+    def finish(self, entries: list[dict]) -> None:
+        """Points against the first cache (the baseline), per cell and overall."""
+        base = entries[0]
+        for entry in entries:
+            entry["summary"]["points_vs_first"] = 100 * (entry["summary"]["score"] - base["summary"]["score"])
+            for cell, ref in zip(entry["cells"], base["cells"]):
+                cell["points_vs_first"] = 100 * (cell["score"] - ref["score"])
+
+    def table(self, results: dict) -> str:
+        from ..report import markdown_table
+
+        entries = results["results"]
+        cells = entries[0][self.name]["cells"]
+        headers = ["cache", "average", "vs first", *(f"{c['task']} {c['length']}" for c in cells)]
+        rows = []
+        for entry in entries:
+            mine = entry[self.name]
+            rows.append(
+                [entry["cache"], f"{100 * mine['summary']['score']:.1f}",
+                 f"{mine['summary'].get('points_vs_first', 0.0):+.1f}"]
+                + [f"{100 * c['score']:.0f} [{100 * c['low']:.0f}-{100 * c['high']:.0f}]" for c in mine["cells"]]
+            )  # fmt: skip
+        n = cells[0]["samples"] if cells else 0
+        note = (
+            f"\n\n{n} documents per cell; brackets: the cell's 95% interval. The first cache is the baseline: read a "
+            "cache's loss against it only where the intervals do not overlap."
+        )
+        return markdown_table(headers, rows) + note
+
+    def plots(self, results: dict, out) -> list[str]:
+        from ..report import pyplot
+
+        plt = pyplot()
+        if plt is None:
+            return []
+        entries = results["results"]
+        cells = entries[0][self.name]["cells"]
+        tasks = list(dict.fromkeys(c["task"] for c in cells))
+        lengths = list(dict.fromkeys(c["length"] for c in cells))
+        fig, axes = plt.subplots(1, len(entries), figsize=(2.2 * len(entries) + 1, 0.4 * len(tasks) + 1.6),
+                                 squeeze=False)  # fmt: skip
+        for ax, entry in zip(axes[0], entries):
+            grid = torch.zeros(len(tasks), len(lengths))
+            for c in entry[self.name]["cells"]:
+                grid[tasks.index(c["task"]), lengths.index(c["length"])] = c["score"]
+            image = ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            ax.set_title(entry["cache"], fontsize=8)
+            ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
+            ax.set_yticks(range(len(tasks)), tasks if ax is axes[0][0] else [""] * len(tasks), fontsize=7)
+            ax.set_xlabel("document tokens", fontsize=8)
+        fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="string_match_all")
+        fig.savefig(out / "ruler_heatmap.png", dpi=120, bbox_inches="tight")
+        plt.close(fig)
+        return ["ruler_heatmap.png"]

@@ -1,0 +1,106 @@
+"""RULER's synthetic tasks in the harness: documents of the asked length with the needles where the answers say,
+RULER's scoring, intervals that can fail to separate caches, one prefill per document for every cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_kvcache.cli import main
+from hf_kvcache.eval import EvalConfig, run_eval
+from hf_kvcache.eval.tasks.ruler import RULER_TASKS, build_ruler_document, interval, string_match_all
+from hf_kvcache.reference import load_reference_model, reference_text
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return load_reference_model()
+
+
+@pytest.fixture(scope="module")
+def ids(reference):
+    _, tokenizer = reference
+    return torch.tensor(tokenizer(reference_text(), add_special_tokens=False)["input_ids"])
+
+
+@pytest.mark.parametrize("task", RULER_TASKS)
+@pytest.mark.parametrize("length", [400, 1500])
+def test_documents_have_the_length_and_state_every_answer(reference, ids, task, length):
+    _, tokenizer = reference
+    doc = build_ruler_document(tokenizer, ids[4000:], task, length, seed=3)
+    assert len(doc.context) + len(doc.question) == length
+    context, question = tokenizer.decode(doc.context), tokenizer.decode(doc.question)
+    expected = {"niah_single": 1, "niah_multikey": 1, "niah_multivalue": 4, "niah_multiquery": 4, "vt": 5}[task]
+    assert len(doc.answers) == len(set(doc.answers)) == expected
+    if task == "vt":  # each answer is a variable of the chain that holds the asked value, assigned once
+        value = question.split("assigned the value ")[1].split(" ")[0]
+        assert f"VAR {doc.answers[0]} = {value}." in context
+        for a, b in zip(doc.answers, doc.answers[1:]):
+            assert context.count(f"VAR {b} = VAR {a}.") == 1
+            assert context.index(f"VAR {b} = VAR {a}.") > context.index(f"VAR {a} =")  # hops in order
+        assert context.count(" = ") == 2 * 5  # and a second chain of distractors
+    else:
+        for answer in doc.answers:
+            assert context.count(f"is: {answer}.") == 1
+            key = context.split(f"is: {answer}.")[0].rsplit("numbers for ", 1)[1].rstrip(" ")
+            assert key in question  # the question asks for the key that holds the answer
+        distractors = context.count("One of the special magic numbers") - expected
+        assert distractors == (3 if task == "niah_multikey" else 0)
+    # the same seed, the same document; another seed, another one
+    assert build_ruler_document(tokenizer, ids[4000:], task, length, seed=3) == doc
+    assert build_ruler_document(tokenizer, ids[4000:], task, length, seed=4).answers != doc.answers
+
+
+def test_a_document_too_short_for_its_needles_is_a_clear_error(reference, ids):
+    _, tokenizer = reference
+    with pytest.raises(ValueError, match="--ruler-lengths 120 is too short for a niah_multiquery document"):
+        build_ruler_document(tokenizer, ids, "niah_multiquery", 120, seed=0)
+
+
+def test_string_match_all_counts_the_share_of_expected_strings():
+    assert string_match_all(" 1234567, 7654321 and X", ["1234567", "7654321"]) == 1.0
+    assert string_match_all("VAR abcde", ["ABCDE", "FGHIJ"]) == 0.5  # case-insensitive
+    assert string_match_all("nothing", ["1234567"]) == 0.0
+
+
+def test_intervals_are_wilson_for_all_or_nothing_scores_and_narrow_with_samples():
+    low, high = interval([1.0] * 5 + [0.0] * 5)
+    assert low == pytest.approx(0.2366, abs=1e-4) and high == pytest.approx(0.7634, abs=1e-4)  # Wilson, n = 10
+    assert interval([1.0] * 10)[1] == 1.0 and interval([1.0] * 10)[0] < 0.75  # 10 of 10 still carries doubt
+    wide, narrow = interval([0.5, 0.25, 0.75, 1.0]), interval([0.5, 0.25, 0.75, 1.0] * 25)
+    assert narrow[1] - narrow[0] < (wide[1] - wide[0]) / 4
+
+
+def test_the_suite_scores_every_cache_on_the_same_documents_with_one_prefill(reference):
+    model, tokenizer = reference
+    caches = ("dynamic", "int2", "sink:window=64:sinks=4")
+    config = EvalConfig(task=("ruler",), caches=caches, ruler_tasks=("niah_single", "vt"), ruler_lengths=(512,),
+                        ruler_samples=2, quiet=True)  # fmt: skip
+    shared = run_eval(config, model, tokenizer)
+    separate = run_eval(config.replace(separate_prefill=True), model, tokenizer)
+    assert [r["ruler"] for r in shared["results"]] == [r["ruler"] for r in separate["results"]]
+    first = shared["results"][0]["ruler"]
+    assert [(c["task"], c["length"], c["samples"]) for c in first["cells"]] == [("niah_single", 512, 2), ("vt", 512, 2)]
+    assert first["summary"]["points_vs_first"] == 0.0
+    for entry in shared["results"]:
+        for cell in entry["ruler"]["cells"]:
+            assert cell["low"] <= cell["score"] <= cell["high"]
+
+
+def test_ruler_flags_are_checked_before_the_model_loads(capsys):
+    assert main(["eval", "--task", "ruler", "--ruler-tasks", "niah_single,bogus", "--quiet"]) == 2
+    assert "--ruler-tasks: unknown task 'bogus'" in capsys.readouterr().err
+    assert main(["eval", "--task", "ruler", "--ruler-lengths", "100", "--quiet"]) == 2
+    assert "--ruler-lengths must be an integer >= 256" in capsys.readouterr().err
+
+
+def test_ruler_through_the_cli_writes_its_table_and_heatmap(tmp_path, capsys):
+    code = main(["eval", "--model", "reference", "--task", "ruler", "--ruler-tasks", "niah_multikey",
+                 "--ruler-lengths", "300", "--ruler-samples", "1", "--caches", "dynamic,int4", "--threads", "1",
+                 "--quiet", "--output", str(tmp_path)])  # fmt: skip
+    assert code == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "RULER retrieval and tracing" in report and "niah_multikey 300" in report and "95% interval" in report
+    assert (tmp_path / "ruler_heatmap.png").stat().st_size > 0
