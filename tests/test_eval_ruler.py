@@ -25,7 +25,7 @@ def ids(reference):
     return torch.tensor(tokenizer(reference_text(), add_special_tokens=False)["input_ids"])
 
 
-@pytest.mark.parametrize("task", RULER_TASKS)
+@pytest.mark.parametrize("task", [t for t in RULER_TASKS if t != "cwe"])
 @pytest.mark.parametrize("length", [400, 1500])
 def test_documents_have_the_length_and_state_every_answer(reference, ids, task, length):
     _, tokenizer = reference
@@ -53,10 +53,25 @@ def test_documents_have_the_length_and_state_every_answer(reference, ids, task, 
     assert build_ruler_document(tokenizer, ids[4000:], task, length, seed=4).answers != doc.answers
 
 
+@pytest.mark.parametrize("length", [1024, 2048])
+def test_common_words_lists_ten_words_six_times_and_the_others_once(reference, ids, length):
+    _, tokenizer = reference
+    doc = build_ruler_document(tokenizer, ids[100:], "cwe", length, seed=5)
+    assert length - 32 <= len(doc.context) + len(doc.question) <= length
+    listed = tokenizer.decode(doc.context).split("Question: What are the 10 most common")[-2].split("\n")[-2]
+    words = [w for w in listed.split() if not w.rstrip(".").isdigit()]
+    counts = {w: words.count(w) for w in words}
+    assert sorted(doc.answers) == sorted(w for w, n in counts.items() if n == 6) and len(doc.answers) == 10
+    assert all(n == 1 for w, n in counts.items() if w not in doc.answers) and len(counts) > 40
+    assert "The top 10 words that appear most often in the list are:" in tokenizer.decode(doc.question)
+
+
 def test_a_document_too_short_for_its_needles_is_a_clear_error(reference, ids):
     _, tokenizer = reference
     with pytest.raises(ValueError, match="--ruler-lengths 120 is too short for a niah_multiquery document"):
         build_ruler_document(tokenizer, ids, "niah_multiquery", 120, seed=0)
+    with pytest.raises(ValueError, match="--ruler-lengths 300 is too short for a cwe document"):
+        build_ruler_document(tokenizer, ids, "cwe", 300, seed=0)
 
 
 def test_string_match_all_counts_the_share_of_expected_strings():

@@ -86,6 +86,13 @@ RUNS: dict[str, list[str]] = {
         *"--task passkey --lengths 1024,2048 --depths 0.1,0.3,0.5,0.7,0.9 --samples 2".split(),
         *["--caches", "dynamic,int4,int3,int2,int2:rotate=none:sinks=0:pre_rope=false," + _ROT_SINKS],
     ],
+    # RULER's retrieval and tracing tasks through the default caches (the instruct model in its chat template).
+    "eval-ruler": [
+        "eval",
+        *REAL,
+        *"--task ruler --chat-template --ruler-lengths 1024,2048 --ruler-samples 10".split(),
+        *["--caches", EVAL_CACHES],
+    ],
     # CPU speed and memory on the real model (2 cores, one thread each; 1 repeat: read ratios, not spreads).
     "bench-cpu": ["bench", *REAL, *BENCH, "--contexts", "1024,4096", "--attn", "sdpa,hf_kvcache"],
     "bench-cpu-8k": ["bench", *REAL, *BENCH, "--contexts", "8000"],

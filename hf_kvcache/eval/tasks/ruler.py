@@ -11,7 +11,9 @@ the dataset and the seed (the same documents for every cache); needles and quest
 - ``niah_multivalue``: four needles with the same key and four numbers, all asked for;
 - ``niah_multiquery``: four needles with different keys, all four asked for;
 - ``vt`` (variable tracking): a chain ``VAR A = 12345``, ``VAR B = VAR A``, ... of five variables hidden in the filler
-  (and a second chain as a distractor); asked for every variable that holds the first chain's value.
+  (and a second chain as a distractor); asked for every variable that holds the first chain's value;
+- ``cwe`` (common-words extraction, aggregation): a numbered list of the dataset's words in which ten appear six times
+  and the others once (RULER's setting below 4k tokens), after a one-shot example; asked for the ten.
 
 Keys are adjective-noun pairs (``quiet-harbor``), values 7-digit numbers, variables five capital letters. Scored as
 RULER's ``string_match_all``: the share of the expected strings that appear in the greedy answer (case-insensitive),
@@ -44,9 +46,16 @@ NIAH = {
     "niah_multivalue": (1, 4, 1, 48),
     "niah_multiquery": (4, 1, 4, 48),
 }
-RULER_TASKS = (*NIAH, "vt")
+RULER_TASKS = (*NIAH, "vt", "cwe")
 VT_CHAIN = 5  # variables per chain (RULER's vt: 1 chain of 4 hops)
 VT_ANSWER_TOKENS = 30
+# cwe below 4k tokens, as RULER: 10 common words 6 times each among words listed once; a one-shot example of 20 words
+CWE_COMMON, CWE_REPEATS, CWE_ANSWER_TOKENS = 10, 6, 120
+CWE_TEMPLATE = (
+    "Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones that "
+    "appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?"
+)
+CWE_PREFIX = " Answer: The top 10 words that appear most often in the list are:"
 
 ADJECTIVES = (
     "amber", "ancient", "bitter", "bold", "brave", "bright", "calm", "clever", "cold", "crimson", "curious", "dark",
@@ -181,6 +190,8 @@ def build_ruler_document(
     if task not in RULER_TASKS:
         raise ValueError(f"unknown RULER task {task!r}; known: {', '.join(RULER_TASKS)}")
     rng = random.Random(seed)
+    if task == "cwe":
+        return _common_words(tokenizer, filler, length, rng, chat)
     sentences, query, answers = _needles(task, rng)
     if task == "vt":
         intro, question = VT_INSTRUCTION, VT_QUESTION.format(value=query)
@@ -213,6 +224,58 @@ def build_ruler_document(
         last = cut
     context += fill[last:]
     return RulerDocument(context, tail, answers, answer_tokens)
+
+
+def _word_pool(tokenizer, filler: torch.Tensor) -> list[str]:
+    """Distinct lowercase words of 4 to 10 letters from the dataset's text, in order of first use."""
+    words = tokenizer.decode(filler[:40000].tolist()).lower().split()
+    seen = dict.fromkeys(w for w in words if w.isalpha() and 4 <= len(w) <= 10)
+    return list(seen)
+
+
+def _numbered(words: list[str]) -> str:
+    return " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
+
+
+def _common_words(tokenizer, filler: torch.Tensor, length: int, rng: random.Random, chat: bool) -> RulerDocument:
+    """RULER's common-words extraction (cwe): a numbered list of words, ten of them repeated; the ten asked for. As
+    many words listed once as fit ``length`` tokens (the document is at most ``length`` and at least 32 short)."""
+    pool = _word_pool(tokenizer, filler)
+    if len(pool) < 60:
+        raise ValueError(f"the dataset has {len(pool)} distinct words, too few for a cwe document (60)")
+    rng.shuffle(pool)
+    example_words = pool[:20]
+    example_list = example_words[:CWE_COMMON] * 3 + example_words[CWE_COMMON:]
+    rng.shuffle(example_list)
+    example = (
+        CWE_TEMPLATE.format(context=_numbered(example_list)) + CWE_PREFIX + " " + _numbered(example_words[:CWE_COMMON])
+    )
+    common, rest = pool[20 : 20 + CWE_COMMON], pool[20 + CWE_COMMON :]
+
+    def build(n_rare: int) -> tuple[list[int], list[int]]:
+        words = common * CWE_REPEATS + rest[:n_rare]
+        order = random.Random(n_rare).sample(words, len(words))  # the same list for a given size
+        text = example + "\n" + CWE_TEMPLATE.format(context=_numbered(order))
+        if chat:
+            before, after = chat_parts(tokenizer)
+            return _encode(tokenizer, before + text), _encode(tokenizer, after + CWE_PREFIX.lstrip())
+        return _encode(tokenizer, text, special=True), _encode(tokenizer, CWE_PREFIX)
+
+    low, high = 0, len(rest)  # the most rare words that fit, by bisection (tokens grow with the words)
+    head, tail = build(0)
+    if len(head) + len(tail) > length:
+        raise ValueError(
+            f"--ruler-lengths {length} is too short for a cwe document: its fixed parts take "
+            f"{len(head) + len(tail)} tokens with this tokenizer"
+        )
+    while low < high:
+        mid = (low + high + 1) // 2
+        h, t = build(mid)
+        low, high = (mid, high) if len(h) + len(t) <= length else (low, mid - 1)
+    head, tail = build(low)
+    if len(head) + len(tail) < length - 32:
+        raise ValueError(f"the dataset has too few distinct words ({len(pool)}) for a {length}-token cwe document")
+    return RulerDocument(head, tail, list(common), CWE_ANSWER_TOKENS)
 
 
 def _sentence_ends(tokenizer, fill: list[int], needed: int) -> list[int]:
