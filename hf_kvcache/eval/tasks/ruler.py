@@ -51,6 +51,7 @@ VT_CHAIN = 5  # variables per chain (RULER's vt: 1 chain of 4 hops)
 VT_ANSWER_TOKENS = 30
 # cwe below 4k tokens, as RULER: 10 common words 6 times each among words listed once; a one-shot example of 20 words
 CWE_COMMON, CWE_REPEATS, CWE_ANSWER_TOKENS = 10, 6, 120
+CWE_POOL_TOKENS = 40000  # the text a cwe document draws its distinct words from
 CWE_TEMPLATE = (
     "Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones that "
     "appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?"
@@ -228,7 +229,7 @@ def build_ruler_document(
 
 def _word_pool(tokenizer, filler: torch.Tensor) -> list[str]:
     """Distinct lowercase words of 4 to 10 letters from the dataset's text, in order of first use."""
-    words = tokenizer.decode(filler[:40000].tolist()).lower().split()
+    words = tokenizer.decode(filler[:CWE_POOL_TOKENS].tolist()).lower().split()
     seen = dict.fromkeys(w for w in words if w.isalpha() and 4 <= len(w) <= 10)
     return list(seen)
 
@@ -346,7 +347,8 @@ class RulerTask(Task):
         )
 
     def tokens_needed(self, config) -> int:
-        return max(config.ruler_lengths) * 4
+        # room for random starts; cwe reads its words from CWE_POOL_TOKENS after its start
+        return max(config.ruler_lengths) * 4 + (CWE_POOL_TOKENS if "cwe" in config.ruler_tasks else 0)
 
     def run(self, data: EvalData, spec: str, config, progress=None) -> dict:
         return self.run_caches(data, [spec], config, progress)[0]
@@ -354,7 +356,7 @@ class RulerTask(Task):
     def run_caches(self, data: EvalData, specs: list[str], config, progress=None) -> list[dict]:
         from ...prefill import SharedPrefill
 
-        span = data.ids.numel() - max(config.ruler_lengths)
+        span = data.ids.numel() - max(config.ruler_lengths) - (CWE_POOL_TOKENS if "cwe" in config.ruler_tasks else 0)
         scores: list[dict[tuple[str, int], list[float]]] = [{} for _ in specs]
         for t, task in enumerate(config.ruler_tasks):
             for length in config.ruler_lengths:
