@@ -2,8 +2,9 @@
 
 A spec string names a kind and its options: ``"int4:group_size=32:residual_length=64"``. Values are parsed as
 int, float, ``true`` / ``false`` / ``none`` or left as strings; an option may appear once. The CLI's ``--caches``
-takes the same strings. Each cache module registers its kinds where the cache is defined (:mod:`hf_kvcache.caches`);
-``dynamic`` (transformers' ``DynamicCache``, the reference) is registered here.
+takes the same strings. Each cache module registers its kinds where the cache is defined (:mod:`hf_kvcache.caches`,
+which the package imports before anything can look a kind up: this module imports no cache); ``dynamic``
+(transformers' ``DynamicCache``, the reference) is registered here.
 """
 
 from __future__ import annotations
@@ -48,14 +49,8 @@ def register_cache(name: str, summary: str, options: tuple[str, ...] | None = No
     return decorator
 
 
-def _builtin() -> None:
-    """Register the built-in kinds (importing the caches registers them; a no-op once done)."""
-    from . import caches  # noqa: F401
-
-
 def available_caches() -> dict[str, CacheKind]:
     """Registered kinds by name, in registration order."""
-    _builtin()
     return dict(_KINDS)
 
 
@@ -98,7 +93,6 @@ def parse_spec(spec: str) -> tuple[str, dict]:
 def check_spec(spec: str, **overrides) -> CacheKind:
     """The kind a spec names, after checking its name and option names (no config needed)."""
     name, options = parse_spec(spec)
-    _builtin()
     kind = _KINDS.get(name)
     if kind is None:
         raise ValueError(f"unknown cache kind {name!r} in spec {spec!r}; known kinds: {', '.join(_KINDS)}")

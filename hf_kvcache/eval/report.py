@@ -12,6 +12,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from .tables import markdown_table, mib, pyplot
+
 __all__ = [
     "check_output",
     "format_bench_table",
@@ -47,29 +49,6 @@ def write_atomic(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def markdown_table(headers: list[str], rows: list[list]) -> str:
-    """A GitHub-style markdown table (cells are used as given: format numbers before)."""
-    from tabulate import tabulate
-
-    return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
-
-
-def mib(nbytes: int | None) -> str:
-    return "n/a" if not nbytes else f"{nbytes / 2**20:.0f} MiB"
-
-
-def pyplot():
-    """matplotlib's pyplot on the Agg backend, or None when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
 
 
 def _tasks(results: dict) -> list:

@@ -225,7 +225,7 @@ class PasskeyTask(Task):
         return out
 
     def table(self, results: dict) -> str:
-        from ..report import markdown_table
+        from ..tables import markdown_table
 
         entries = results["results"]
         cells = entries[0][self.name]["cells"]
@@ -244,7 +244,7 @@ class PasskeyTask(Task):
         return markdown_table(headers, rows)
 
     def plots(self, results: dict, out) -> list[str]:
-        from ..report import pyplot
+        from ..tables import pyplot
 
         plt = pyplot()
         if plt is None:

@@ -255,7 +255,7 @@ class PerplexityTask(Task):
         add_changes(entries)
 
     def table(self, results: dict) -> str:
-        from ..report import markdown_table, mib
+        from ..tables import markdown_table, mib
 
         rows = []
         for entry in results["results"]:
@@ -287,7 +287,7 @@ class PerplexityTask(Task):
         return markdown_table(headers, rows)
 
     def plots(self, results: dict, out) -> list[str]:
-        from ..report import pyplot
+        from ..tables import pyplot
 
         plt = pyplot()
         if plt is None:

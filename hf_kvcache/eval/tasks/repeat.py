@@ -165,7 +165,7 @@ class RepeatTask(Task):
             entry["second_copy_change"] = entry["summary"]["second_copy_perplexity"] / base - 1
 
     def table(self, results: dict) -> str:
-        from ..report import markdown_table
+        from ..tables import markdown_table
 
         entries = results["results"]
         distances = [c["distance"] for c in entries[0][self.name]["cells"]]
@@ -185,7 +185,7 @@ class RepeatTask(Task):
         return markdown_table(headers, rows)
 
     def plots(self, results: dict, out) -> list[str]:
-        from ..report import pyplot
+        from ..tables import pyplot
 
         plt = pyplot()
         if plt is None:

@@ -397,7 +397,7 @@ class RulerTask(Task):
                 cell["points_vs_first"] = 100 * (cell["score"] - ref["score"])
 
     def table(self, results: dict) -> str:
-        from ..report import markdown_table
+        from ..tables import markdown_table
 
         entries = results["results"]
         cells = entries[0][self.name]["cells"]
@@ -418,7 +418,7 @@ class RulerTask(Task):
         return markdown_table(headers, rows) + note
 
     def plots(self, results: dict, out) -> list[str]:
-        from ..report import pyplot
+        from ..tables import pyplot
 
         plt = pyplot()
         if plt is None:

@@ -137,7 +137,7 @@ class StreamTask(Task):
         return {"task": self.name, **result.as_dict(), "summary": {"overall_perplexity": result.overall}}
 
     def table(self, results: dict) -> str:
-        from ..report import markdown_table
+        from ..tables import markdown_table
 
         streams = [(e["cache"], e[self.name]) for e in results["results"]]
         size = streams[0][1]["bucket_size"]
@@ -150,7 +150,7 @@ class StreamTask(Task):
         return markdown_table(["positions", *(c for c, _ in streams)], rows)
 
     def plots(self, results: dict, out) -> list[str]:
-        from ..report import pyplot
+        from ..tables import pyplot
 
         plt = pyplot()
         if plt is None:
