@@ -124,8 +124,11 @@ def _answer_key(text: str) -> str | None:
 
 
 @torch.inference_mode()
-def passkey_answer(model, tokenizer, document: PasskeyDocument, cache, prefilled: bool = False) -> str:
-    """Greedy answer of ``model`` to ``document`` through ``cache`` (see the module docstring); ``prefilled``: the
+def passkey_answer(
+    model, tokenizer, document, cache, prefilled: bool = False, answer_tokens: int = ANSWER_TOKENS
+) -> str:
+    """Greedy answer of ``model`` to ``document`` (its ``context`` and ``question`` token ids: a passkey or a RULER
+    document) through ``cache`` (see the module docstring), ``answer_tokens`` tokens at most; ``prefilled``: the
     cache already holds the document's context (:class:`~hf_kvcache.prefill.SharedPrefill`)."""
     device = next(model.parameters()).device
     if not prefilled:
@@ -136,7 +139,7 @@ def passkey_answer(model, tokenizer, document: PasskeyDocument, cache, prefilled
         input_ids=full,
         attention_mask=torch.ones_like(full),
         past_key_values=cache,
-        max_new_tokens=ANSWER_TOKENS,
+        max_new_tokens=answer_tokens,
         do_sample=False,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
     )

@@ -35,7 +35,7 @@ import torch
 
 from ..._validate import check_int
 from .base import EvalData, Task, cache_for, model_context, register_task
-from .passkey import _encode, chat_parts
+from .passkey import _encode, chat_parts, passkey_answer
 
 __all__ = ["RULER_TASKS", "RulerDocument", "RulerOptions", "build_ruler_document", "string_match_all"]
 
@@ -288,25 +288,6 @@ def _sentence_ends(tokenizer, fill: list[int], needed: int) -> list[int]:
     return ends if len(ends) >= needed else list(range(1, len(fill)))
 
 
-@torch.inference_mode()
-def ruler_answer(model, tokenizer, document: RulerDocument, cache, prefilled: bool = False) -> str:
-    """Greedy answer through ``cache`` (``prefilled``: it holds the document's context already)."""
-    device = next(model.parameters()).device
-    if not prefilled:
-        context = torch.tensor([document.context], device=device)
-        model(input_ids=context, attention_mask=torch.ones_like(context), past_key_values=cache)
-    full = torch.tensor([document.context + document.question], device=device)
-    out = model.generate(
-        input_ids=full,
-        attention_mask=torch.ones_like(full),
-        past_key_values=cache,
-        max_new_tokens=document.answer_tokens,
-        do_sample=False,
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-    )
-    return tokenizer.decode(out[0, full.shape[1] :], skip_special_tokens=True)
-
-
 def interval(scores: list[float], z: float = 1.96) -> tuple[float, float]:
     """95% interval of the mean of ``scores``: Wilson's for all-or-nothing scores, else the normal interval of the
     mean (clipped to [0, 1])."""
@@ -373,7 +354,7 @@ class RulerTask(Task):
                         shared = SharedPrefill(data.model, context, torch.ones_like(context))
                     for i, spec in enumerate(specs):
                         cache, prefilled = cache_for(spec, data.model, shared)
-                        answer = ruler_answer(data.model, data.tokenizer, doc, cache, prefilled)
+                        answer = passkey_answer(data.model, data.tokenizer, doc, cache, prefilled, doc.answer_tokens)
                         scores[i].setdefault((task, length), []).append(string_match_all(answer, doc.answers))
                         if progress is not None:
                             progress(1)
