@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import DenseSegment, KVHandle, decode_attention
+from .formats import DenseSegment, KVHandle, decode_attention
 
 __all__ = [
     "ATTENTION",

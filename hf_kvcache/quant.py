@@ -24,7 +24,10 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "FP8_MAX",
     "SUPPORTED_BITS",
+    "dequantize_fp8",
+    "quantize_fp8",
     "quantize_symmetric",
     "dequantize_symmetric",
     "quantize_asymmetric",
@@ -120,6 +123,36 @@ def dequantize_symmetric(
     if out is None:
         out = torch.empty(codes.shape, dtype=dtype or scale.dtype, device=codes.device)
     return torch.mul(codes, scale, out=out)
+
+
+FP8_MAX = 448.0  # the largest finite float8 e4m3 ("fn": no infinities) value
+
+
+def quantize_fp8(
+    x: torch.Tensor, dim: int = -1, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8 e4m3 codes with one scale per group along ``dim`` (absmax / 448, the format vLLM and TensorRT-LLM
+    ship for KV caches). Each code keeps 3 mantissa bits: ``|dequantize(quantize(x)) - x| <= |x| / 16 + scale / 1024``
+    (a relative step for normal codes, half the smallest subnormal, ``2^-9 scale``, near zero). Non-finite inputs
+    follow the module's conventions (NaN -> 0, +-inf -> +-absmax of the finite elements).
+
+    Returns:
+        ``(codes, scale)``: ``codes`` uint8 holding the e4m3 bits (``codes.view(torch.float8_e4m3fn)`` reads them),
+        ``scale`` in ``scale_dtype`` with ``dim`` of size 1.
+    """
+    xf = x.float()
+    mn, mx, finite = _finite_extrema(xf, dim)
+    absmax = torch.maximum(mx.abs(), mn.abs())
+    scale = _nonzero_scale(_round_to_dtype(absmax / FP8_MAX, scale_dtype, direction=float("inf")), absmax)
+    safe = torch.where(scale > 0, scale.float(), 1.0)
+    xf = torch.where(finite, xf, torch.where(torch.isnan(xf), 0.0, torch.sign(xf) * absmax))
+    codes = (xf / safe).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # rounds to nearest even
+    return codes.view(torch.uint8), scale
+
+
+def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`quantize_fp8`, float32."""
+    return codes.view(torch.float8_e4m3fn).float() * scale.float()
 
 
 def quantize_asymmetric(

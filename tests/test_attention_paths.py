@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig
 
 from hf_kvcache import make_cache
-from hf_kvcache.kernels import KVHandle
+from hf_kvcache.formats import KVHandle
 from hf_kvcache.layers import _common
 from hf_kvcache.prefill import store_prefill
 

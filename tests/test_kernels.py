@@ -9,15 +9,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_kvcache.kernels import DenseSegment, Int8Segment, KiviSegment, KVHandle, PagedSegment, combine, partial
-from hf_kvcache.kernels.formats import Int8Codec, KiviCodec
-from hf_kvcache.kernels.ops import decode_attention
+from hf_kvcache.formats import (
+    DenseSegment,
+    Fp8Codec,
+    Fp8Segment,
+    Int8Codec,
+    Int8Segment,
+    KiviCodec,
+    KiviSegment,
+    KVHandle,
+    PagedSegment,
+    decode_attention,
+)
+from hf_kvcache.kernels import combine, partial, reference
 from hf_kvcache.paging import PAD_BLOCK
 
 triton_decode = pytest.importorskip("hf_kvcache.kernels.triton_decode", reason="needs triton")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-KINDS = ("dense", "int8", "int8-g16", "kivi4", "kivi3", "kivi2", "paged", "paged-int8")
+KINDS = ("dense", "int8", "int8-g16", "fp8", "kivi4", "kivi3", "kivi2", "paged", "paged-int8")
 
 
 def _segment(kind: str, k: torch.Tensor, v: torch.Tensor, start: int = 0, block_size: int = 5):
@@ -28,6 +38,9 @@ def _segment(kind: str, k: torch.Tensor, v: torch.Tensor, start: int = 0, block_
         codec = Int8Codec(16 if kind == "int8-g16" else None, torch.float32)
         p = codec.encode(k.float(), v.float())
         seg = Int8Segment(p["k"], p["ks"], p["v"], p["vs"])
+    elif kind == "fp8":
+        p = Fp8Codec().encode(k.float(), v.float())
+        seg = Fp8Segment(p["k"], p["ks"], p["v"], p["vs"])
     elif kind.startswith("kivi"):
         group = 16
         t = k.shape[2] - k.shape[2] % group
@@ -113,9 +126,19 @@ def _close(a, b, dtype):
     torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * scale)
 
 
+def _triton(query, seg, mask, softcap, splits):
+    """The segment through the Triton kernel as its format describes and plans the launch; the reference where the
+    format says the kernel does not read it (as :func:`hf_kvcache.formats.launch`, without its fallback on failure)."""
+    storage = seg.kernel_storage()
+    plan = None if storage is None else seg.launch_plan(query, mask)
+    if plan is None:
+        return reference.partial(query, seg, mask, 0.125, softcap, splits)
+    return triton_decode.triton_partial(query, storage, plan, mask, 0.125, softcap, splits)
+
+
 def _run(query, seg, mask, splits, softcap=0.0):
     ref = combine([partial(query, seg, mask, 0.125, softcap, splits)], dtype=torch.float32)
-    tri = combine([triton_decode.triton_partial(query, seg, mask, 0.125, softcap, splits)], dtype=torch.float32)
+    tri = combine([_triton(query, seg, mask, softcap, splits)], dtype=torch.float32)
     return ref, tri
 
 
@@ -268,8 +291,7 @@ def test_rotated_segment_folds_the_rotation(inner, head_dim, dtype):
     """Codes stored Hadamard-rotated (rotate="hadamard") are read in place: the query rotated, each split's
     accumulator rotated back. That equals attention over the decoded, rotated-back K/V (the segment's read), in the
     reference and in the Triton kernel."""
-    from hf_kvcache.kernels import RotatedSegment
-    from hf_kvcache.kernels.formats import RotatedCodec
+    from hf_kvcache.formats import RotatedCodec, RotatedSegment
 
     g = torch.Generator().manual_seed(head_dim)
     k, v = torch.randn(2, 2, 160, head_dim, generator=g), torch.randn(2, 2, 160, head_dim, generator=g)
@@ -287,7 +309,7 @@ def test_rotated_segment_folds_the_rotation(inner, head_dim, dtype):
     plain = combine([partial(query, DenseSegment(keys, values), mask, 0.125, 0.0, 3)], dtype=torch.float32)
     _close(ref, plain, dtype)
     _close(ref, _sdpa(query, keys, values, mask, 0.125), dtype)
-    tri = combine([triton_decode.triton_partial(query, seg, mask, 0.125, 0.0, 3)], dtype=torch.float32)
+    tri = combine([_triton(query, seg, mask, 0.0, 3)], dtype=torch.float32)
     _close(tri, ref, dtype)
 
 
@@ -295,7 +317,7 @@ def test_rotated_segment_folds_the_rotation(inner, head_dim, dtype):
     "inner, layout, first",
     [
         pytest.param(inner, layout, first, id=f"{inner}-{layout}-{first}")
-        for inner in ("dense", "int8", "kivi4", "kivi3", "kivi2", "kivi4-rot", "kivi2-rot", "int8-rot")
+        for inner in ("dense", "int8", "fp8", "kivi4", "kivi3", "kivi2", "kivi4-rot", "kivi2-rot", "int8-rot")
         for layout in ("half", "interleaved", "partial")
         # positions past 30,000 (the kernel's own angle reduction) for every format; near 0 for one plain and one
         # rotated format (the angles are computed alike whatever the storage)
@@ -310,8 +332,7 @@ def test_pre_rope_segment_turns_keys_per_tile(inner, layout, first, dtype, monke
     rotary with each channel's pair loaded beside it). Over Hadamard-rotated KIVI codes (int3 / int2's default) the
     kernel rotates each tile back before turning it, in the same launch (the reference is not called); other rotated
     cases (int8, partial rotary) go to the reference."""
-    from hf_kvcache.kernels import PreRopeSegment
-    from hf_kvcache.kernels.formats import RotatedCodec
+    from hf_kvcache.formats import PreRopeSegment, RotatedCodec
     from hf_kvcache.rope import RotarySpec, rotate_positions
 
     head_dim = 64
@@ -323,9 +344,12 @@ def test_pre_rope_segment_turns_keys_per_tile(inner, layout, first, dtype, monke
     if inner == "dense":
         seg = DenseSegment(pre.to(dtype), v.to(dtype))
     else:
-        base = (
-            Int8Codec(None, torch.float32) if inner.startswith("int8") else KiviCodec(int(inner[4]), 16, torch.float32)
-        )
+        if inner == "fp8":
+            base = Fp8Codec()
+        elif inner.startswith("int8"):
+            base = Int8Codec(None, torch.float32)
+        else:
+            base = KiviCodec(int(inner[4]), 16, torch.float32)
         codec = RotatedCodec(base) if inner.endswith("-rot") else base
         seg = codec.segment(codec.encode(pre, v), 0)
     seg = PreRopeSegment(seg, spec, first)
@@ -340,8 +364,8 @@ def test_pre_rope_segment_turns_keys_per_tile(inner, layout, first, dtype, monke
         def no_reference(*args, **kwargs):
             raise AssertionError("the Triton kernel handed a rotated pre-RoPE KIVI segment to the reference")
 
-        monkeypatch.setattr(triton_decode.reference, "partial", no_reference)
-    tri = combine([triton_decode.triton_partial(query, seg, mask, 0.125, 0.0, 2)], dtype=torch.float32)
+        monkeypatch.setattr(reference, "partial", no_reference)
+    tri = combine([_triton(query, seg, mask, 0.0, 2)], dtype=torch.float32)
     monkeypatch.undo()
     _close(tri, ref, dtype)
     _close(ref, _sdpa(query, keys, values, mask, 0.125), dtype)
@@ -364,7 +388,7 @@ def test_combine_kernel_equals_reference(segments, sinks, dtype):
     """The split reduction in one launch over up to four segments' partials (sinks, history, residual, new tokens:
     each with its own split count), with a learned sink logit per head or none, equals reference.combine; the
     custom op the attention calls is that one launch (the reference here)."""
-    from hf_kvcache.kernels.ops import _combine
+    from hf_kvcache.kernels.ops import combine_partials
 
     gen = torch.Generator().manual_seed(segments)
     parts = [_partials(2, 2, 4, 3, s, 80, gen) for s in (5, 1, 7, 2)[:segments]]
@@ -374,7 +398,7 @@ def test_combine_kernel_equals_reference(segments, sinks, dtype):
     assert got.dtype == dtype and got.is_contiguous() and got.shape == want.shape == (2, 3, 8, 80)
     _close(got, want, dtype)
     assert bool((got[0, 0, 0] == 0).all()) or sinks  # a row with nothing to attend reads as zeros
-    op = _combine(*(list(x) for x in zip(*parts)), sink, dtype)
+    op = combine_partials(*(list(x) for x in zip(*parts)), sink, dtype)
     assert op.is_contiguous()
     _close(op, want, dtype)
 

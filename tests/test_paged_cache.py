@@ -188,7 +188,8 @@ def test_hf_kvcache_attention_reads_pages_in_place_when_decoding(monkeypatch):
     """Under the hf_kvcache attention a decode step reads the pool through the block table (the paged kernel), never
     a gather; only the 40-token prefill, too long for the decode kernels, takes the gather path."""
     from hf_kvcache import attention
-    from hf_kvcache.kernels import PagedSegment, reference
+    from hf_kvcache.formats import PagedSegment
+    from hf_kvcache.kernels import reference
 
     reads, kernel_calls = [], []
     real_read, real_partial = PagedStorage.read, reference.partial

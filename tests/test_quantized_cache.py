@@ -370,8 +370,8 @@ def test_per_token_keys_plan_equals_nbytes(family, spec):
 
 
 def test_per_token_keys_reference_kernel_equals_attention_over_decoded_history():
-    from hf_kvcache.kernels import DenseSegment, reference_attention
-    from hf_kvcache.kernels.formats import KiviCodec
+    from hf_kvcache.formats import DenseSegment, KiviCodec
+    from hf_kvcache.kernels import reference_attention
 
     codec = KiviCodec(2, 8, torch.float32, key_axis="token")
     k, v = _kv(37, head_dim=16)
@@ -436,7 +436,7 @@ def test_key_axis_spec_option():
 
 @pytest.mark.parametrize("width", [64, 96, 16, 12])
 def test_hadamard_is_orthonormal_symmetric_and_mixes_every_channel_of_its_block(width):
-    from hf_kvcache.kernels.formats import hadamard
+    from hf_kvcache.formats import hadamard
 
     h = hadamard(width, torch.float64, torch.device("cpu"))
     torch.testing.assert_close(h @ h, torch.eye(width, dtype=torch.float64))  # its own inverse
@@ -516,17 +516,18 @@ def test_rotated_cache_is_read_in_place_under_hf_kvcache(monkeypatch):
     the KIVI segment, the rotation folded into the query and output, in the KIVI op's one launch) and generate what
     sdpa over the decoded, rotated-back history does."""
     from hf_kvcache import attention
-    from hf_kvcache.kernels import KiviSegment, RotatedSegment, ops
+    from hf_kvcache.formats import KiviSegment, RotatedSegment
 
-    seen, real_partial = [], ops.segment_partial
+    seen, real_attention = [], attention.decode_attention
 
-    def recording_partial(query, segment, *args, **kwargs):
-        seen.append(type(segment).__name__)
-        if isinstance(segment, RotatedSegment):
-            seen.append(type(segment.inner).__name__)
-        return real_partial(query, segment, *args, **kwargs)
+    def recording_attention(query, handle, *args, **kwargs):
+        for segment in handle.segments:
+            seen.append(type(segment).__name__)
+            if isinstance(segment, RotatedSegment):
+                seen.append(type(segment.inner).__name__)
+        return real_attention(query, handle, *args, **kwargs)
 
-    monkeypatch.setattr(ops, "segment_partial", recording_partial)
+    monkeypatch.setattr(attention, "decode_attention", recording_attention)
     ids, mask = _padded(length=40)
     outs = []
     for attn in ("sdpa", attention.ATTENTION):
@@ -768,7 +769,7 @@ def test_values_at_the_edge_of_the_16_bit_range_stay_finite(spec, dtype, magnitu
     """K/V up to float16's limits (and float16 scales under bfloat16 K/V past them) read back finite on both attention
     paths: dequantized in float32, rotated in float32 (rotated codes get bfloat16 scales), scales that would not fit
     their dtype saturate (the group's extremes clipped), never inf or NaN."""
-    from hf_kvcache.kernels import decode_attention
+    from hf_kvcache.formats import decode_attention
     from hf_kvcache.prefill import store_prefill
 
     config = LlamaConfig(

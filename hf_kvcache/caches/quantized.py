@@ -1,5 +1,5 @@
-"""``QuantizedKVCache``: int8, and KIVI 4/3/2-bit keys and values, for any ``generate()`` mode; registers the ``int8``,
-``int4``, ``int3`` and ``int2`` cache kinds."""
+"""``QuantizedKVCache``: int8, fp8, and KIVI 4/3/2-bit keys and values, for any ``generate()`` mode; registers the
+``int8``, ``fp8``, ``int4``, ``int3`` and ``int2`` cache kinds."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache
 from .. import quant
 from .._config import LayerSpec, is_latent_attention
 from .._validate import check_choice, check_int, dtype_from_name
-from ..kernels.formats import KEY_AXES, ROTATIONS, codec_for
+from ..formats import KEY_AXES, ROTATIONS, codec_for
 from ..layers._storage import Workspace
 from ..layers.quantized import QuantizedLayer, QuantizedSlidingWindowLayer
 from ..registry import register_cache
@@ -28,6 +28,7 @@ AUTO = "auto"
 # setting is within 0.2% of DynamicCache, so KIVI's layout, the cheapest, stays; int8 needs none of them.
 MEASURED_DEFAULTS = {
     8: {"rotate": None, "sinks": 0, "pre_rope": False},
+    "fp8": {"rotate": None, "sinks": 0, "pre_rope": False},  # not in the ablation: int8's, the same bytes per token
     4: {"rotate": None, "sinks": 0, "pre_rope": False},
     3: {"rotate": "hadamard", "sinks": 4, "pre_rope": True},
     2: {"rotate": "hadamard", "sinks": 4, "pre_rope": True},
@@ -40,6 +41,9 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
     * ``bits=8`` (default): symmetric absmax int8 with one float32 scale per token, head and ``group_size``
       channels (the whole head by default), about 0.52x of a bf16 cache at head_dim 128. Each token is encoded as it
       arrives; greedy decoding keeps the tokens of the default cache in our tests.
+    * ``bits="fp8"``: float8 e4m3 codes with one scale per token and head (absmax / 448), as vLLM and TensorRT-LLM
+      store KV caches: int8's bytes, with 3 mantissa bits at every magnitude instead of 255 even steps. Options as
+      int8's, without ``group_size`` and ``backend``.
     * ``bits=4`` / ``bits=3`` / ``bits=2``: KIVI (https://arxiv.org/abs/2402.02750): keys quantized per channel over
       groups of ``group_size`` tokens, values per token over groups of ``group_size`` channels, asymmetric (scale +
       zero point), packed 2 or 4 codes per byte (3 bits: 8 codes in 3 bytes, as a 2-bit and a 1-bit plane), with the
@@ -62,7 +66,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
 
     Args:
         config: the model's ``PretrainedConfig``, or the model itself.
-        bits: 8, 4, 3 or 2.
+        bits: 8, ``"fp8"``, 4, 3 or 2.
         group_size: elements that share a scale. 8 bits: channels per scale group (default: the whole head, one scale
             per token and head). 4/3/2 bits: tokens per key group and channels per value group (default: the largest
             of 64, 32, 16, 8, 4, 2, 1 that divides the head width). Must divide the key and value widths.
@@ -126,14 +130,17 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         pre_rope: bool | str = AUTO,
     ):
         model, config = split_model(config)
-        check_choice("bits", bits, quant.SUPPORTED_BITS)
+        check_choice("bits", bits, (*quant.SUPPORTED_BITS, "fp8"))
+        width = 8 if bits == "fp8" else bits  # bits per stored element
         if key_axis is not None:
             check_choice("key_axis", key_axis, KEY_AXES)
-            if bits == 8:
+            if width == 8:
                 raise ValueError(
-                    f"key_axis applies to the 4/3/2-bit KIVI kinds only (int8 keys are quantized per token already), "
-                    f"got key_axis={key_axis!r} with bits=8"
+                    f"key_axis applies to the 4/3/2-bit KIVI kinds only (8-bit keys are quantized per token already), "
+                    f"got key_axis={key_axis!r} with bits={bits!r}"
                 )
+        if bits == "fp8" and group_size is not None:
+            raise ValueError(f"group_size: fp8 keeps one scale per token and head; leave it unset, got {group_size!r}")
         measured = MEASURED_DEFAULTS[bits]
         if rotate == AUTO:
             rotate = measured["rotate"]
@@ -149,25 +156,25 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         check_choice("backend", backend, _BACKENDS)
         if backend == "bitsandbytes":
             if bits != 8:
-                raise ValueError(f"backend='bitsandbytes' supports bits=8 only, got bits={bits}")
+                raise ValueError(f"backend='bitsandbytes' supports bits=8 only, got bits={bits!r}")
             try:
                 import bitsandbytes  # noqa: F401
             except ImportError as err:
                 raise ImportError("backend='bitsandbytes' needs bitsandbytes: pip install 'hf-kvcache[bnb]'") from err
         specs = self._bind_model(model, config)
         widths = sorted({d for s in specs for d in (s.key_dim, s.value_dim)})
-        if group_size is None and bits != 8:
+        if group_size is None and width != 8:
             group_size = next(g for g in (64, 32, 16, 8, 4, 2, 1) if all(d % g == 0 for d in widths))
         if group_size is not None:
             check_int("group_size", group_size, 1)
             if any(d % group_size for d in widths):
                 raise ValueError(f"group_size must divide head_dim ({', '.join(map(str, widths))}), got {group_size}")
-        per_pack = 8 if bits == 3 else 8 // bits  # codes that fill whole bytes
+        per_pack = 8 if width == 3 else 8 // width  # codes that fill whole bytes
         if any(d % per_pack for d in widths):
             raise ValueError(
                 f"{bits}-bit codes pack {per_pack} per whole bytes: head widths {widths} must be multiples"
             )
-        residual_length = _DEFAULT_RESIDUAL[bits] if residual_length is None else residual_length
+        residual_length = _DEFAULT_RESIDUAL[width] if residual_length is None else residual_length
         check_int("residual_length", residual_length, 0)
         if scale_dtype is not None:
             scale_dtype = dtype_from_name("scale_dtype", scale_dtype)
@@ -177,7 +184,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         self.group_size = group_size if group_size is not None or len(widths) > 1 else widths[0]
         self._codec_group = group_size
         self.backend, self.scale_dtype = backend, scale_dtype
-        self.key_axis = None if bits == 8 else key_axis or "channel"
+        self.key_axis = None if width == 8 else key_axis or "channel"
         self.rotate = rotate
         self.sinks = sinks
         self.pre_rope = pre_rope
@@ -195,7 +202,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             self._observe_model(model)
 
     def _codec(self):
-        group = self._codec_group if self.bits == 8 else self.group_size
+        group = self._codec_group if self.bits in (8, "fp8") else self.group_size
         return codec_for(self.bits, group, self.scale_dtype, self.key_axis, self.rotate, self.backend)
 
     def _make_layer(self, layer_idx: int, spec: LayerSpec) -> QuantizedLayer:
@@ -230,7 +237,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         axis += f", sinks={self.sinks}" if self.sinks else ""
         axis += ", pre_rope=True" if self.pre_rope else ""
         return (
-            f"{type(self).__name__}(bits={self.bits}, group_size={self.group_size}, "
+            f"{type(self).__name__}(bits={self.bits!r}, group_size={self.group_size}, "
             f"residual_length={self.residual_length}, backend={self.backend!r}{axis}, layers={len(self.layers)})"
         )
 
@@ -263,7 +270,7 @@ def _key_ropes(model, config, specs: list[LayerSpec]) -> dict[str, RotarySpec]:
     return ropes
 
 
-def _register(bits: int, summary: str) -> None:
+def _register(bits: int | str, summary: str) -> None:
     def factory(
         config,
         group_size: int | None = None,
@@ -279,14 +286,18 @@ def _register(bits: int, summary: str) -> None:
             config, bits, group_size, residual_length, backend, scale_dtype, key_axis, rotate, sinks, pre_rope
         )
 
-    # key_axis is a KIVI option: an int8 spec that names it is refused by name (no such option).
-    options = ("group_size", "residual_length", "backend", "scale_dtype", "rotate", "sinks", "pre_rope") + (
-        ("key_axis",) if bits != 8 else ()
-    )
-    register_cache(f"int{bits}", summary, options=options)(factory)
+    # key_axis is a KIVI option, group_size and backend int8 / KIVI ones: a spec that names an option its kind does
+    # not have is refused by name.
+    options = ("residual_length", "scale_dtype", "rotate", "sinks", "pre_rope")
+    if bits != "fp8":
+        options = ("group_size", *options[:1], "backend", *options[1:])
+    if bits not in (8, "fp8"):
+        options += ("key_axis",)
+    register_cache("fp8" if bits == "fp8" else f"int{bits}", summary, options=options)(factory)
 
 
 _register(8, "QuantizedKVCache bits=8: int8 per token and head, ~0.52x of bf16")
+_register("fp8", "QuantizedKVCache bits='fp8': float8 e4m3 per token and head, ~0.52x of bf16")
 _register(4, "QuantizedKVCache bits=4: KIVI 4-bit with a 128-token fp residual, ~0.28x of bf16 + residual")
 _register(
     3,

@@ -14,7 +14,7 @@ from .._config import (
     uses_alibi,
 )
 from .._validate import check_bool, check_int
-from ..kernels.formats import codec_for
+from ..formats import codec_for
 from ..layers._storage import Workspace
 from ..layers.quantized import QuantizedSlidingWindowLayer
 from ..layers.sliding import SinkWindowLayer

@@ -1,36 +1,27 @@
-"""Decode-attention kernels over our caches' storage.
+"""Decode-attention kernels: the launch machinery under the storage formats.
 
-One contract (:mod:`hf_kvcache.kernels.reference`) per storage kind (dense, int8, KIVI 4/3/2-bit, paged, int8 pages; the
-quantized ones optionally Hadamard-rotated),
-two implementations each: a pure-torch reference that runs anywhere with scratch bounded by a chunk, and a Triton
-kernel for CUDA (:mod:`hf_kvcache.kernels.triton_decode`), dispatched through ``torch.library`` custom ops
-(:mod:`hf_kvcache.kernels.ops`). The storage a layer hands over is described by :mod:`hf_kvcache.kernels.segments`.
+One contract (:mod:`hf_kvcache.kernels.reference`) for reading one segment of a cache layer's storage, two
+implementations: a pure-torch reference that runs anywhere with scratch bounded by a chunk, and a Triton kernel for
+CUDA (:mod:`hf_kvcache.kernels.triton_decode`) that sees one contract type (:mod:`hf_kvcache.kernels.storage`:
+what it reads, and the launch plan) and never asks which format it reads. The split reduction is a custom op
+(:mod:`hf_kvcache.kernels.ops`), and so is the append (:mod:`hf_kvcache.kernels.append`). The storage formats, their
+segments and the handle a layer passes to attention live above this package, in :mod:`hf_kvcache.formats`; nothing
+here imports them.
 """
 
-from .ops import decode_attention, triton_available
+from ._available import kernel_fallbacks, triton_available
+from .append import append_kv
+from .ops import combine_partials
 from .reference import combine, num_splits, partial, reference_attention
-from .segments import (
-    DenseSegment,
-    Int8Segment,
-    KiviSegment,
-    KVHandle,
-    PagedSegment,
-    PreRopeSegment,
-    RotatedSegment,
-    Segment,
-)
+from .storage import KernelStorage, LaunchPlan
 
 __all__ = [
-    "DenseSegment",
-    "Int8Segment",
-    "KVHandle",
-    "KiviSegment",
-    "PagedSegment",
-    "PreRopeSegment",
-    "RotatedSegment",
-    "Segment",
+    "KernelStorage",
+    "LaunchPlan",
+    "append_kv",
     "combine",
-    "decode_attention",
+    "combine_partials",
+    "kernel_fallbacks",
     "num_splits",
     "partial",
     "reference_attention",

@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["guarded", "kernel_fallbacks", "triton_available"]
+__all__ = ["fall_back", "fell_back", "guarded", "kernel_fallbacks", "triton_available"]
 
 T = TypeVar("T")
 _FALLBACKS: dict[str, str] = {}  # kernel name -> why it could not run here
@@ -41,6 +41,26 @@ def _build_errors() -> tuple[type[BaseException], ...]:
     return (CompilationError, OutOfResources, RuntimeError)
 
 
+def fell_back(name: str) -> bool:
+    """Whether the Triton kernel ``name`` cannot serve in this process (no triton, or it failed here before)."""
+    return name in _FALLBACKS or not triton_available()
+
+
+def fall_back(name: str, err: BaseException) -> None:
+    """Record that the Triton kernel ``name`` failed with ``err`` and warn once, if ``err`` is a failure to build or
+    launch it here; re-raise anything else (running out of device memory included)."""
+    if isinstance(err, torch.cuda.OutOfMemoryError) or not isinstance(err, _build_errors()):
+        raise err
+    last = str(err).strip().splitlines()[-1:] or [""]  # a compiler's message ends with its verdict
+    _FALLBACKS[name] = f"{type(err).__name__}: {last[0][:300]}"
+    warnings.warn(
+        f"hf_kvcache: the Triton kernel {name} cannot run here ({_FALLBACKS[name]}); using the pure-torch "
+        "reference for it",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def guarded(name: str, launch: Callable[[], T], reference: Callable[[], T]) -> T:
     """``launch()`` (a Triton kernel ``name``), or ``reference()`` from the first time it fails to build or launch
     on this machine on: warned once, recorded in :func:`kernel_fallbacks`. Running out of device memory is not a
@@ -49,15 +69,6 @@ def guarded(name: str, launch: Callable[[], T], reference: Callable[[], T]) -> T
         return reference()
     try:
         return launch()
-    except torch.cuda.OutOfMemoryError:
-        raise
-    except _build_errors() as err:
-        last = str(err).strip().splitlines()[-1:] or [""]  # a compiler's message ends with its verdict
-        _FALLBACKS[name] = f"{type(err).__name__}: {last[0][:300]}"
-        warnings.warn(
-            f"hf_kvcache: the Triton kernel {name} cannot run here ({_FALLBACKS[name]}); using the pure-torch "
-            "reference for it",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    except Exception as err:  # noqa: BLE001 (fall_back re-raises what is not a build failure)
+        fall_back(name, err)
         return reference()

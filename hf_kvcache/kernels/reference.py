@@ -23,26 +23,38 @@ so a decode step costs a few operations per segment, not a few per 512 tokens.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from .formats import RotatedSegment
-    from .segments import Segment
 
 __all__ = [
     "REFERENCE_CHUNK",
     "REFERENCE_SCRATCH_BYTES",
+    "Segment",
     "chunk_tokens",
     "combine",
-    "fold_rotation",
     "num_splits",
     "partial",
     "partial_from_reads",
-    "rotate_query",
     "split_bounds",
 ]
+
+
+class Segment(Protocol):
+    """What the reference reads of a segment (a storage format's segment, :mod:`hf_kvcache.formats`): its extent, and
+    its products with a grouped float32 query ``(B, Hkv, G, q, Dk)`` and with softmax weights, tokens ``a:b`` at a
+    time (a format folds its scales there, as its kernel does)."""
+
+    @property
+    def length(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def value_dim(self) -> int: ...
+    def scores(self, query: torch.Tensor, a: int, b: int) -> torch.Tensor: ...
+    def weighted_values(self, weights: torch.Tensor, a: int, b: int) -> torch.Tensor: ...
+    def reference_partial(self, query, mask, scaling, softcap, splits, chunk=None): ...
+
 
 REFERENCE_CHUNK = 512  # tokens dequantized at a time by the reference, at least
 # Bytes of float32 reads and scores per chunk: one chunk for SmolLM2's history at 8k tokens (3 KV heads x 64 channels),
@@ -71,18 +83,6 @@ def chunk_tokens(query: torch.Tensor, heads: int, key_dim: int, value_dim: int, 
 def split_bounds(length: int, splits: int) -> list[tuple[int, int]]:
     per = -(-length // splits) if length else 0
     return [(min(s * per, length), min((s + 1) * per, length)) for s in range(splits)]
-
-
-def rotate_query(query: torch.Tensor, segment: RotatedSegment) -> torch.Tensor:
-    """``query @ H_k`` in float32, back in the query's dtype (the kernels' input)."""
-    return (query.float() @ segment.key_rotation).to(query.dtype)
-
-
-def fold_rotation(partial_fn, query: torch.Tensor, segment: RotatedSegment, *args):
-    """``partial_fn`` (any implementation of the contract) over a rotated segment's codes: the query rotated, each
-    split's accumulator rotated back."""
-    m, l_, acc = partial_fn(rotate_query(query, segment), segment.inner, *args)
-    return m, l_, acc @ segment.value_rotation
 
 
 def partial(

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats._base import pool_strides, strides
+from .storage import pool_strides, strides
 
 __all__ = ["kivi_encodable", "triton_append", "triton_kivi_encode"]
 
@@ -372,7 +372,7 @@ def triton_kivi_encode(k: torch.Tensor, v: torch.Tensor, out: dict[str, torch.Te
                        per_token_keys: bool = False) -> None:  # fmt: skip
     """KIVI-encode ``k`` / ``v`` ``(B, H, n, D)`` into ``out`` (views of a layer's storage for ``n`` tokens: ``k`` /
     ``v`` packed codes, ``ks`` / ``kz`` ``(B, H, n / G, Dk)`` (per token: ``(B, H, n, Dk / G)``), ``vs`` / ``vz``
-    ``(B, H, n, Dv / G)``) in one launch, bit for bit :meth:`hf_kvcache.kernels.formats.KiviCodec.encode`. Needs
+    ``(B, H, n, Dv / G)``) in one launch, bit for bit :meth:`hf_kvcache.formats.KiviCodec.encode`. Needs
     :func:`kivi_encodable` geometry (the ``scale_dtype`` is the scales')."""
     b, h, n, dk = k.shape
     dv = v.shape[-1]

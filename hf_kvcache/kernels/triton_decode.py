@@ -19,18 +19,64 @@ import torch
 import triton
 import triton.language as tl
 
-from . import reference
-from .formats._base import DENSE, INT8, KIVI, PAGED, PAGED_INT8, strides
-from .segments import Segment
+from .storage import DENSE, FP8, INT8, KIVI, MIN_ROWS, PAGED, PAGED_INT8, KernelStorage, LaunchPlan, block, strides
 
 __all__ = ["MAX_COMBINED_SEGMENTS", "triton_combine", "triton_partial"]
 
-assert (DENSE, INT8, KIVI, PAGED, PAGED_INT8) == (0, 1, 2, 3, 4)  # the KIND branches below test these numbers
-BLOCK_N = 64
-# Query rows of a program (query heads of one KV head x query tokens) are padded to at least 8: tensor-core products
-# pad small M themselves, and each padded row costs softmax math (16 rows took 4-25% more main-loop instructions at
-# the 8B shape on sm_90 and 20-80 more registers; 4 spilled paged int8; benchmarks/gpu_report.py).
-MIN_ROWS = 8
+assert (DENSE, INT8, KIVI, PAGED, PAGED_INT8, FP8) == (0, 1, 2, 3, 4, 5)  # the KIND branches below test these numbers
+
+
+@triton.jit
+def _e4m3(byte):
+    """float8 e4m3 bits (uint8) as float32, exactly, on any GPU (no fp8 hardware needed): the sign, exponent and
+    mantissa moved into float16's fields (``byte << 7``) give the value over 2^8, subnormals included (exponent bias 15
+    against 7); NaN (0x7F) is never stored."""
+    bits = byte.to(tl.int32)
+    half = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+    return half.to(tl.float32) * 256.0
+
+
+@triton.jit
+def _load_paged(
+    K, KS, b, h, t, ok, tok_ok, d, s_h, s_t, s_d, ss_h, ss_t, TABLE, stab_b, stab_n,
+    KIND: tl.constexpr, FOLD: tl.constexpr, BS: tl.constexpr, LARGE: tl.constexpr,
+):  # fmt: skip
+    """A tile of a block pool: token -> block table entry -> slot; int8 pages (``KIND`` 4) scaled here unless the
+    caller folds their scales."""
+    block = tl.load(TABLE + b * stab_b + (t // BS) * stab_n, mask=tok_ok, other=0)
+    if LARGE:  # a pool past 2^31 elements: slot offsets in 64 bits
+        block = block.to(tl.int64)
+    slot = tl.maximum(block, 0) * BS + t % BS
+    x = tl.load(K + slot[:, None] * s_t + h * s_h + d[None, :] * s_d, mask=ok, other=0).to(tl.float32)
+    if KIND == 4 and not FOLD:
+        scale = tl.load(KS + slot * ss_t + h * ss_h, mask=tok_ok, other=0).to(tl.float32)
+        x = x * scale[:, None]
+    return x
+
+
+@triton.jit
+def _load_kivi(
+    K, KS, KZ, base, sbase, t, ok, d, s_t, s_d, ss_t, ss_d, START,
+    BITS: tl.constexpr, GROUP: tl.constexpr, IS_KEY: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    """A tile of KIVI codes addressed per element (tiles that are not one key group): packed codes, low bits first,
+    dequantized with their group's scale and zero point."""
+    ta = t + START
+    row = K + base + ta[:, None] * s_t
+    if BITS == 3:  # a 2-bit plane (D / 4 bytes), then the high bits (D / 8 bytes)
+        low = tl.load(row + (d[None, :] // 4) * s_d, mask=ok, other=0).to(tl.int32)
+        high = tl.load(row + (D // 4 + d[None, :] // 8) * s_d, mask=ok, other=0).to(tl.int32)
+        code = (((low >> ((d[None, :] % 4) * 2)) & 3) | (((high >> (d[None, :] % 8)) & 1) << 2)).to(tl.float32)
+    else:
+        byte = tl.load(row + (d[None, :] // (8 // BITS)) * s_d, mask=ok, other=0)
+        code = ((byte.to(tl.int32) >> ((d[None, :] % (8 // BITS)) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+    if IS_KEY:  # per (group of GROUP tokens, channel)
+        where = sbase + (ta[:, None] // GROUP) * ss_t + d[None, :] * ss_d
+    else:  # per (token, group of GROUP channels)
+        where = sbase + ta[:, None] * ss_t + (d[None, :] // GROUP) * ss_d
+    scale = tl.load(KS + where, mask=ok, other=0).to(tl.float32)
+    zero = tl.load(KZ + where, mask=ok, other=0).to(tl.float32)
+    return code * scale + zero
 
 
 @triton.jit
@@ -41,40 +87,25 @@ def _load_kv(
     KIND: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, IS_KEY: tl.constexpr, BS: tl.constexpr,
     FOLD: tl.constexpr, D: tl.constexpr, LARGE: tl.constexpr,
 ):  # fmt: skip
-    """A ``(BLOCK_N, BLOCK_D)`` float32 tile of keys (``IS_KEY``) or values of tokens ``t``, channels ``d``.
-    ``FOLD``: int8 codes with one scale per token and head are returned unscaled; the caller folds the scales (see
-    :func:`_load_scale`) into the scores and the probabilities instead of scaling every element."""
+    """A ``(BLOCK_N, BLOCK_D)`` float32 tile of keys (``IS_KEY``) or values of tokens ``t``, channels ``d``, read as
+    the storage ``KIND`` lays it out. ``FOLD``: codes with one scale per token and head (int8, fp8) are returned
+    unscaled; the caller folds the scales (see :func:`_load_scale`) into the scores and the probabilities instead of
+    scaling every element."""
     ok = tok_ok[:, None] & d_ok[None, :]
-    if KIND == 3 or KIND == 4:  # paged: token -> block table entry -> slot
-        block = tl.load(TABLE + b * stab_b + (t // BS) * stab_n, mask=tok_ok, other=0)
-        if LARGE:  # a pool past 2^31 elements: slot offsets in 64 bits
-            block = block.to(tl.int64)
-        slot = tl.maximum(block, 0) * BS + t % BS
-        x = tl.load(K + slot[:, None] * s_t + h * s_h + d[None, :] * s_d, mask=ok, other=0).to(tl.float32)
-        if KIND == 4 and not FOLD:
-            scale = tl.load(KS + slot * ss_t + h * ss_h, mask=tok_ok, other=0).to(tl.float32)
-            x = x * scale[:, None]
-        return x
-    base = b * s_b + h * s_h
-    if KIND == 2:  # KIVI: packed codes, low bits first
-        ta = t + START
-        row = K + base + ta[:, None] * s_t
-        if BITS == 3:  # a 2-bit plane (D / 4 bytes), then the high bits (D / 8 bytes)
-            low = tl.load(row + (d[None, :] // 4) * s_d, mask=ok, other=0).to(tl.int32)
-            high = tl.load(row + (D // 4 + d[None, :] // 8) * s_d, mask=ok, other=0).to(tl.int32)
-            code = (((low >> ((d[None, :] % 4) * 2)) & 3) | (((high >> (d[None, :] % 8)) & 1) << 2)).to(tl.float32)
-        else:
-            byte = tl.load(row + (d[None, :] // (8 // BITS)) * s_d, mask=ok, other=0)
-            code = ((byte.to(tl.int32) >> ((d[None, :] % (8 // BITS)) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-        sbase = b * ss_b + h * ss_h
-        if IS_KEY:  # per (group of GROUP tokens, channel)
-            where = sbase + (ta[:, None] // GROUP) * ss_t + d[None, :] * ss_d
-        else:  # per (token, group of GROUP channels)
-            where = sbase + ta[:, None] * ss_t + (d[None, :] // GROUP) * ss_d
-        scale = tl.load(KS + where, mask=ok, other=0).to(tl.float32)
-        zero = tl.load(KZ + where, mask=ok, other=0).to(tl.float32)
-        return code * scale + zero
-    x = tl.load(K + base + t[:, None] * s_t + d[None, :] * s_d, mask=ok, other=0).to(tl.float32)
+    if KIND == 3 or KIND == 4:  # paged
+        return _load_paged(
+            K, KS, b, h, t, ok, tok_ok, d, s_h, s_t, s_d, ss_h, ss_t, TABLE, stab_b, stab_n, KIND, FOLD, BS,
+            LARGE,
+        )  # fmt: skip
+    if KIND == 2:
+        return _load_kivi(
+            K, KS, KZ, b * s_b + h * s_h, b * ss_b + h * ss_h, t, ok, d, s_t, s_d, ss_t, ss_d, START, BITS, GROUP,
+            IS_KEY, D,
+        )  # fmt: skip
+    raw = tl.load(K + b * s_b + h * s_h + t[:, None] * s_t + d[None, :] * s_d, mask=ok, other=0)
+    if KIND == 5:  # fp8: e4m3 bits
+        return _e4m3(raw)
+    x = raw.to(tl.float32)
     if KIND == 1 and not FOLD:  # int8: one scale per token and group of GROUP channels
         where = b * ss_b + h * ss_h + t[:, None] * ss_t + (d[None, :] // GROUP) * ss_d
         x = x * tl.load(KS + where, mask=ok, other=0).to(tl.float32)
@@ -136,7 +167,8 @@ def _load_scale(
     KS, b, h, t, tok_ok, ss_b, ss_h, ss_t, TABLE, stab_b, stab_n, KIND: tl.constexpr, BS: tl.constexpr,
     LARGE: tl.constexpr,
 ):  # fmt: skip
-    """The ``(BLOCK_N,)`` int8 scales of tokens ``t`` (one per token and head): a 1-D load, not a tile."""
+    """The ``(BLOCK_N,)`` scales of tokens ``t`` (int8 or fp8 codes, one scale per token and head): a 1-D load, not
+    a tile."""
     if KIND == 4:
         block = tl.load(TABLE + b * stab_b + (t // BS) * stab_n, mask=tok_ok, other=0)
         if LARGE:
@@ -399,10 +431,6 @@ def _partial_kernel(
         tl.store(ACC_OUT + out[:, None] * DV + dv[None, :], acc, mask=row_ok[:, None] & dv_ok[None, :])
 
 
-def _block(n: int, minimum: int = 16) -> int:
-    return max(minimum, triton.next_power_of_2(n))
-
-
 def _reach(t: torch.Tensor | None) -> int:
     """One past the largest element offset a kernel may compute into ``t`` (its storage, for a view)."""
     if t is None:
@@ -417,7 +445,7 @@ _CONVERTED: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` in ``dtype``, converted once per tensor (rotations are cached per width and device by
-    :func:`~hf_kvcache.kernels.formats.hadamard`, so a decode step launches no conversion)."""
+    :func:`~hf_kvcache.formats.hadamard`, so a decode step launches no conversion)."""
     key = (t.data_ptr(), t.device, dtype)
     hit = _CONVERTED.get(key)
     if hit is None or hit[0] is not t:
@@ -429,83 +457,45 @@ def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def triton_partial(
     query: torch.Tensor,
-    segment: Segment,
+    s: KernelStorage,
+    plan: LaunchPlan,
     mask: torch.Tensor | None,
     scaling: float,
     softcap: float,
     splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The contract of :func:`hf_kvcache.kernels.reference.partial`, as one Triton launch over what the segment's
-    format says the kernel reads (``segment.kernel_storage()``: tensors, strides, the storage ``KIND``; Hadamard
-    rotations: the query rotated before the loop and the accumulator rotated back after it; keys stored before RoPE:
-    turned to their positions per tile). A segment the kernel does not read (``None``) goes to the reference."""
-    s = segment.kernel_storage()
-    if s is None:
-        return reference.partial(query, segment, mask, scaling, softcap, splits)
+    """The contract of :func:`hf_kvcache.kernels.reference.partial`, as one Triton launch over storage ``s`` shaped
+    by ``plan`` (both from the segment's format; Hadamard rotations: the query rotated before the loop and the
+    accumulator rotated back after it; keys stored before RoPE: turned to their positions per tile)."""
     b, hq, q_len, dk = query.shape
     hkv = s.k.shape[1]
     g = hq // hkv
     dv = s.value_dim
     rows = g * q_len
-    kind, length, gk = s.kind, s.length, s.key_group
     m = torch.empty((b, hkv, rows, splits), dtype=torch.float32, device=query.device)
     l_ = torch.empty_like(m)
     acc = torch.empty((b, hkv, rows, splits, dv), dtype=torch.float32, device=query.device)
     dummy = query.new_empty(0)
-    rope, rot_dim = s.rope, s.rotary_dim
-    # KIVI with key groups of 16-128 tokens (a power of two): one group per tile, its channel scales folded into the
-    # query (pre-RoPE keys: dequantized with them per tile, then turned, when every channel rotates and the width is
-    # a power of two); other group sizes dequantize every element of the tile.
-    kivi_tile = kind == KIVI and 16 <= gk <= 128 and gk & (gk - 1) == 0 and (not rope or rot_dim == _block(dk))
-    # Tile and pipelining depth per kind, from the kernels compiled for sm_80 / sm_90 (benchmarks/gpu_report.py):
-    # - int8 with folded scales: no pipelining: 102 registers, 4 resident blocks per SM at the 8B shape on sm_90 (2
-    #   stages took 160 and 3 blocks); latency is hidden by resident warps instead of cp.async stages; 32-token tiles
-    #   for 64 query rows (64-token ones spilled);
-    # - KIVI tiles (one key group each): no pipelining (2 stages spilled at 4 query tokens on sm_90), except with keys
-    #   turned per tile (pre-RoPE), where 2 stages spill less;
-    # - KIVI keys turned per element (partial rotary, or a width that is not a power of two: each channel's pair
-    #   dequantized beside it): 32-token tiles, no pipelining, eight warps (64-token tiles spilled KBs at 4 warps);
-    # - paged gathers and dense tiles: 2 stages (3 spilled at 4 query tokens for pages, and 20 B at head_dim 96 on
-    #   sm_90 for dense tiles, with twice the shared memory for no fewer instructions); int8 pages: Triton's default 3.
-    rope_per_element = kind == KIVI and rope and not kivi_tile
-    # Tiles dequantized in registers enter the products as their first operand (s^T = k q^T, acc^T += v^T p^T) while
-    # a program holds at most 16 query rows: 2-8% fewer main-loop instructions at the 8B shape on sm_90 (wgmma over
-    # the head dimension); with 64 rows (16 query tokens) the swapped tiles spilled.
-    swap = kind in (INT8, KIVI, PAGED_INT8) and _block(rows, MIN_ROWS) <= 16
-    block_n = gk if kivi_tile else 32 if s.fold and kind == INT8 and not swap or rope_per_element else BLOCK_N
-    if kind == INT8 and s.fold or kivi_tile and not rope or rope_per_element:
-        stages = 1
-    else:
-        stages = 2 if kind in (DENSE, PAGED) or kivi_tile else 3
-    # Eight warps once a program holds 64 query rows or more (16 query tokens x 4 heads): the scores, probabilities
-    # and accumulator tiles of 64+ rows spill with four; also for keys turned per tile under a causal mask tile
-    # (pre-RoPE with several query tokens spilled at four on sm_90).
-    warps = 8 if _block(rows) >= 64 or rope_per_element or (rope and mask is not None and q_len > 1) else 4
-    if rope and s.key_rotation is not None and _block(dk) >= 128:  # each key tile rotated back (64 x D x D): 4 warps
-        warps = 8  # spilled at head_dim 128 (at 64, 8 warps left ptxas at 128 registers with spills on sm_80)
     mask_u8 = mask.view(torch.uint8) if mask is not None else None
-    per_split = -(-max(length, 1) // splits)
-    per_split = -(-per_split // block_n) * block_n
+    per_split = -(-max(s.length, 1) // splits)
+    per_split = -(-per_split // plan.block_n) * plan.block_n
     hk, hv = s.key_rotation, s.value_rotation
-    if hk is not None and rope:  # pre-RoPE keys over rotated codes: each tile rotated back (x H_k), then turned
-        if not kivi_tile:  # keys turned per element (partial rotary, other widths) cannot be: the reference
-            return reference.partial(query, segment, mask, scaling, softcap, splits)
-        if query.dtype != torch.float32:
-            hk = _in_dtype(hk, query.dtype)  # the per-tile product on 16-bit tensor cores
+    if hk is not None and s.rope and query.dtype != torch.float32:  # each key tile rotated back (x H_k), then
+        hk = _in_dtype(hk, query.dtype)  # turned: the per-tile product on 16-bit tensor cores
     opt = [s.ks, s.kz, s.vs, s.vz, s.table, mask_u8]
     _partial_kernel[(b * hkv, splits)](
         query, s.k, s.v, *(x if x is not None else dummy for x in opt),
         m, l_, acc, *(x if x is not None else dummy for x in (s.inv_freq, hk, hv)),
         *query.stride(), *s.k_strides, *s.v_strides, *s.ks_strides, *s.vs_strides,
         *strides(s.table, 2), *strides(mask_u8, 3),
-        hkv, length, s.start, q_len, g, per_split, float(scaling), float(softcap or 0.0), s.first,
+        hkv, s.length, s.start, q_len, g, per_split, float(scaling), float(softcap or 0.0), s.first,
         DK=s.key_dim, DV=dv,
-        KIND=kind, BITS=s.bits, GK=gk, GV=s.value_group, BS=s.block_size, HAS_MASK=mask is not None,
-        SOFTCAP=bool(softcap), DOT_FP32=query.dtype == torch.float32, FOLD=s.fold, KIVI_TILE=kivi_tile, ROPE=rope,
-        ROT_DIM=rot_dim, ROTATED=hk is not None, RCH=min(64, _block(dk), _block(dv)),
+        KIND=s.kind, BITS=s.bits, GK=s.key_group, GV=s.value_group, BS=s.block_size, HAS_MASK=mask is not None,
+        SOFTCAP=bool(softcap), DOT_FP32=query.dtype == torch.float32, FOLD=s.fold, KIVI_TILE=plan.group_tiles,
+        ROPE=s.rope, ROT_DIM=s.rotary_dim, ROTATED=hk is not None, RCH=min(64, block(dk), block(dv)),
         LARGE=any(_reach(x) >= 2**31 for x in (s.k, s.v, s.ks, s.vs, s.kz, s.vz, query)),
-        ONE_QUERY=q_len == 1, SWAP=swap, BLOCK_R=_block(rows, MIN_ROWS), BLOCK_N=block_n,
-        BLOCK_DK=_block(dk), BLOCK_DV=_block(dv), num_stages=stages, num_warps=warps,
+        ONE_QUERY=q_len == 1, SWAP=plan.swap, BLOCK_R=block(rows, MIN_ROWS), BLOCK_N=plan.block_n,
+        BLOCK_DK=block(dk), BLOCK_DV=block(dv), num_stages=plan.stages, num_warps=plan.warps,
     )  # fmt: skip
     return m.view(b, hkv, g, q_len, splits), l_.view(b, hkv, g, q_len, splits), acc.view(b, hkv, g, q_len, splits, dv)
 
@@ -592,6 +582,6 @@ def triton_combine(
     splits = max(p[0].shape[-1] for p in partials)
     _combine_kernel[(b * hkv * g * q,)](
         *args, sinks if sinks is not None else out, out, *out.stride(), hkv, g, q,
-        NSEG=len(partials), HAS_SINKS=sinks is not None, DV=dv, BLOCK_S=_block(splits, 2), BLOCK_D=_block(dv),
+        NSEG=len(partials), HAS_SINKS=sinks is not None, DV=dv, BLOCK_S=block(splits, 2), BLOCK_D=block(dv),
     )  # fmt: skip
     return out

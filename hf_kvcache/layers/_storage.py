@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..formats._base import Parts
 from ..kernels.append import append_kv
-from ..kernels.formats._base import Parts
 
 # Headroom added when a buffer grows: a fraction of the needed size, at least MIN_GROWTH_TOKENS tokens.
 GROWTH = 0.125

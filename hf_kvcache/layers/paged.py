@@ -35,9 +35,8 @@ import weakref
 import torch
 
 from .._config import LayerSpec
-from ..kernels import DenseSegment, KVHandle, PagedSegment
+from ..formats import DenseSegment, Int8Codec, KVHandle, PagedSegment, codec_for
 from ..kernels.append import append_kv
-from ..kernels.formats import Int8Codec, codec_for
 from ..paging import PAD_BLOCK, BlockAllocator, BlockTables
 from ._common import AttentionMode, KVLayer, PaddingTracker, as_index, tokens_to_crop
 

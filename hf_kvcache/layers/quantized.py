@@ -20,7 +20,7 @@ import dataclasses
 import torch
 
 from .._config import LayerSpec
-from ..kernels import DenseSegment, KVHandle, PreRopeSegment
+from ..formats import DenseSegment, KVHandle, PreRopeSegment
 from ..rope import RotarySpec, rotate_positions
 from ._common import AttentionMode, KVLayer, PaddingTracker, tokens_to_crop
 from ._sinks import RowSinks

@@ -21,7 +21,7 @@ rotation; each forward rotates a fresh copy, so nothing drifts over a long strea
 
 Storage: the window's slots are a :class:`~hf_kvcache.layers._storage.TokenBuffers` (eviction drops tokens from its
 front, a crop truncates its tail), of the keys and values themselves or of the int8 codes and scales of the quantized
-cache's :class:`~hf_kvcache.kernels.formats.Int8Codec`; a token is encoded once, when it arrives, straight into its
+cache's :class:`~hf_kvcache.formats.Int8Codec`; a token is encoded once, when it arrives, straight into its
 slot. The sink slots, once eviction has begun, are a small dict of tensors of the same parts.
 """
 
@@ -30,9 +30,8 @@ from __future__ import annotations
 import torch
 
 from .._config import LayerSpec
-from ..kernels import DenseSegment, KVHandle
-from ..kernels.formats import IdentityCodec
-from ..kernels.formats._base import Parts
+from ..formats import DenseSegment, IdentityCodec, KVHandle
+from ..formats._base import Parts
 from ..rope import RotarySpec, rerotate
 from ._common import AttentionMode, KVLayer, PaddingTracker, tokens_to_crop
 from ._storage import TokenBuffers, Workspace, _nbytes

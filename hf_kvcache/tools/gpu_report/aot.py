@@ -190,7 +190,10 @@ def launch_partial(query, segment, mask, scaling, softcap, splits) -> Launch | N
     if _CAPTURE is None:
         raise RuntimeError("launch_partial runs inside capturing()")
     before = len(_CAPTURE)
-    kernel_module().triton_partial(query, segment, mask, scaling, softcap, splits)
+    storage = segment.kernel_storage()
+    plan = None if storage is None else segment.launch_plan(query, mask)
+    if plan is not None:  # as hf_kvcache.formats.launch does on CUDA
+        kernel_module().triton_partial(query, storage, plan, mask, scaling, softcap, splits)
     if len(_CAPTURE) == before:
         return None
     launch = _CAPTURE[-1]

@@ -122,27 +122,26 @@ def _model(head_dim: int, layers: int = 1, heads: tuple[int, int] = (32, 8), hid
 def _intercepted(launches: list):
     """Route every segment of the ``hf_kvcache`` attention to the Triton launch (intercepted, with the split count
     the CUDA path computes) instead of the CPU reference; the attention then returns zeros."""
-    from hf_kvcache.kernels import ops
+    from hf_kvcache import attention
+    from hf_kvcache.formats import segment_inputs
     from hf_kvcache.kernels.reference import num_splits
 
-    def partial(query, segment, mask, scaling, softcap, splits):
+    def decode_attention(query, handle, mask, scaling, softcap=0.0, sinks=None):
         b, hq, q, _ = query.shape
-        heads = segment.heads
-        splits = num_splits(segment.length, b * heads)
-        launch = aot.launch_partial(query, segment, mask, scaling, softcap, splits)
-        if launch is not None:  # None: a segment the kernel does not read (the reference serves it inside the op)
-            launches.append(launch)
-        shape = (b, heads, hq // heads, q, splits)
-        m = torch.full(shape, float("-inf"))
-        return m, torch.zeros(shape), torch.zeros((*shape, segment.value_dim))
+        for segment, part_mask, _ in segment_inputs(query, handle, mask):
+            splits = num_splits(segment.length, b * segment.heads)
+            launch = aot.launch_partial(query, segment, part_mask, scaling, softcap, splits)
+            if launch is not None:  # None: a segment the kernel does not read (the reference serves it inside the op)
+                launches.append(launch)
+        return query.new_zeros((b, q, hq, handle.value_dim))
 
-    original = ops.segment_partial
-    ops.segment_partial = partial
+    original = attention.decode_attention
+    attention.decode_attention = decode_attention
     try:
         with aot.capturing():
             yield launches
     finally:
-        ops.segment_partial = original
+        attention.decode_attention = original
 
 
 def _mask(batch: int, total: int, pads: list[int]) -> torch.Tensor:
@@ -364,7 +363,7 @@ def helper_launches() -> list[tuple[str, object]]:
     cache and attention issue them per layer-step: the split reduction over the history's splits and the new token's,
     and the new token stored (int8 codes into a layer's buffers, into int8 pages, bfloat16 into pages); and, every
     ``group`` steps, a KIVI cache's oldest residual tokens encoded into its storage (4, 3 and 2 bits, groups of 64)."""
-    from hf_kvcache.kernels.formats import KiviCodec
+    from hf_kvcache.formats import KiviCodec
     from hf_kvcache.kernels.reference import num_splits
     from hf_kvcache.kernels.triton_append import triton_append, triton_kivi_encode
 

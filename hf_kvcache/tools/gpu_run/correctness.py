@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from transformers import LlamaForCausalLM
 
-from ...kernels import KVHandle, decode_attention, reference
-from ...kernels.formats import codec_for
+from ...formats import KVHandle, codec_for, decode_attention
+from ...kernels import reference
 from ...registry import make_cache
 from .kernels import decode_handle, triton_status
 from .record import StageRecord

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ...kernels import DenseSegment, KVHandle, decode_attention
+from ...formats import DenseSegment, KVHandle, decode_attention
 from ...registry import make_cache
 from .env import peak_bandwidth
 from .record import StageRecord

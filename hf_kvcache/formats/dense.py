@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import reference
-from ..append import append_kv
-from ._base import DENSE, KernelStorage, Partials, Parts, SegmentFormat, register_partial
+from ..kernels import reference
+from ..kernels.append import append_kv
+from ..kernels.storage import DENSE, KernelStorage
+from ._base import Partials, Parts, SegmentFormat, register_partial
 
 __all__ = ["DenseSegment", "IdentityCodec"]
 

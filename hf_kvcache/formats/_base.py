@@ -10,40 +10,25 @@ A format module (:mod:`.dense`, :mod:`.int8`, :mod:`.kivi`, :mod:`.paged`, and t
   pure-torch reference computes from; a format folds its scales there, as its kernel does);
 * its ``hf_kvcache::partial_*`` custom op (:func:`register_partial`; the segment's :meth:`partial` calls it with its
   own arguments);
-* its branch of the Triton kernel, described by :meth:`kernel_storage` (the tensors, strides and compile-time switches
-  :func:`~hf_kvcache.kernels.triton_decode.triton_partial` passes on), or None for storage the kernel does not read.
+* what the Triton kernel reads of it, :meth:`kernel_storage` (a :class:`~hf_kvcache.kernels.storage.KernelStorage`:
+  tensors, strides and the storage kind), or None for storage the kernel does not read, and how to launch over it,
+  :meth:`launch_plan` (a :class:`~hf_kvcache.kernels.storage.LaunchPlan`: tile, pipelining depth, warps).
 
-So nothing outside a format module asks which format a segment is; adding a format (fp8, say) is one module here and
-one ``KIND`` branch in the kernel.
+The formats sit above :mod:`hf_kvcache.kernels` and import from it, never the other way: the kernels see those two
+contract types and nothing else, so nothing outside a format module asks which format a segment is. Adding a format is
+one module here (and, for a new way of reading codes, one ``KIND`` branch in the kernel's tile load).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-
 import torch
 
-from .. import reference
-from .._available import guarded, triton_available
+from ..kernels import reference
+from ..kernels._available import fall_back, fell_back
+from ..kernels.storage import KernelStorage, LaunchPlan
 
 Partials = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 Parts = dict[str, torch.Tensor]  # a codec's stored tensors by name
-
-# The storage kinds the Triton kernel branches on (its ``KIND`` compile-time argument).
-DENSE, INT8, KIVI, PAGED, PAGED_INT8 = 0, 1, 2, 3, 4
-
-
-def strides(t: torch.Tensor | None, n: int = 4) -> tuple[int, ...]:
-    return tuple(t.stride()) if t is not None else (0,) * n
-
-
-def pool_strides(t: torch.Tensor | None) -> tuple[int, ...]:
-    """A block pool ``(slots, H[, D])`` addressed as ``(batch, head, token, channel)``: no batch stride, its slot
-    stride as the token stride (zeros for an absent tensor)."""
-    if t is None:
-        return (0, 0, 0, 0)
-    return (0, t.stride(1), t.stride(0), t.stride(2) if t.dim() > 2 else 0)
 
 
 def channel_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -54,43 +39,6 @@ def channel_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
 def group_expand(scale: torch.Tensor, width: int) -> torch.Tensor:
     """``(..., D / G)`` per-group scales to ``(..., D)`` per-channel, float32."""
     return scale.float().repeat_interleave(width // scale.shape[-1], dim=-1)
-
-
-@dataclass(frozen=True)
-class KernelStorage:
-    """What the Triton decode kernel reads of one segment. Strides are ``(batch, head, token, channel)`` (a block
-    pool has no batch stride: its token stride is the slot stride); scale strides likewise."""
-
-    kind: int  # DENSE, INT8, KIVI, PAGED or PAGED_INT8
-    k: torch.Tensor
-    v: torch.Tensor
-    key_dim: int  # channels per head (KIVI rows hold them packed)
-    value_dim: int
-    length: int
-    k_strides: tuple[int, ...]
-    v_strides: tuple[int, ...]
-    ks: torch.Tensor | None = None
-    kz: torch.Tensor | None = None
-    vs: torch.Tensor | None = None
-    vz: torch.Tensor | None = None
-    ks_strides: tuple[int, ...] = (0, 0, 0, 0)
-    vs_strides: tuple[int, ...] = (0, 0, 0, 0)
-    table: torch.Tensor | None = None  # paged: (B, blocks) block table
-    block_size: int = 1
-    start: int = 0  # KIVI: first token of the segment in the arrays
-    bits: int = 8
-    key_group: int = 1
-    value_group: int = 1
-    fold: bool = False  # one int8 scale per token and head, folded into scores and probabilities
-    key_rotation: torch.Tensor | None = None  # (Dk, Dk) float32: codes stored rotated, read in the launch
-    value_rotation: torch.Tensor | None = None
-    rope: int = 0  # keys stored before RoPE: 1 halves rotate together, 2 interleaved pairs; 0 none
-    rotary_dim: int = 0
-    first: int = 0  # position of the segment's first token
-    inv_freq: torch.Tensor | None = None
-
-    def replace(self, **changes) -> KernelStorage:
-        return dataclasses.replace(self, **changes)
 
 
 class SegmentFormat:
@@ -136,6 +84,13 @@ class SegmentFormat:
         """What the Triton kernel reads of this segment; None: the kernel does not read it (the reference serves)."""
         return None
 
+    def launch_plan(self, query: torch.Tensor, mask: torch.Tensor | None, rotary_dim: int = 0) -> LaunchPlan | None:
+        """How to launch the kernel over this segment for ``query`` (``rotary_dim``: keys stored before RoPE, turned
+        per tile); None: the kernel cannot read it this way (the reference serves). The default suits tiles read as
+        they are stored: two pipelining stages (three spilled at 4 query tokens for pages, and 20 B at head_dim 96
+        on sm_90 for dense tiles, with twice the shared memory for no fewer instructions)."""
+        return LaunchPlan(block_n=64, stages=2, warps=plan_warps(query, self.heads, mask, rotary_dim))
+
     def reference_partial(self, query, mask, scaling, softcap, splits, chunk=None) -> Partials:
         """The contract of :func:`hf_kvcache.kernels.reference.partial` in pure torch, from :meth:`read`."""
         return reference.partial_from_reads(query, self, mask, scaling, softcap, splits, chunk)
@@ -159,6 +114,23 @@ class OverSegment(SegmentFormat):
         return self.inner.value_dim
 
 
+def plan_warps(query: torch.Tensor, heads: int, mask: torch.Tensor | None, rotary_dim: int) -> int:
+    """Warps of a launch: :meth:`LaunchPlan.base_warps`, and eight for keys turned per tile under a causal mask tile
+    (pre-RoPE with several query tokens spilled at four on sm_90)."""
+    if rotary_dim and mask is not None and query.shape[2] > 1:
+        return 8
+    return LaunchPlan.base_warps(LaunchPlan.rows(query, heads))
+
+
+def swapped(query: torch.Tensor, heads: int) -> bool:
+    """Whether tiles dequantized in registers enter the products as their first operand (s^T = k q^T,
+    acc^T += v^T p^T): while a program holds at most 16 query rows (2-8% fewer main-loop instructions at the 8B shape
+    on sm_90, wgmma over the head dimension); with 64 rows (16 query tokens) the swapped tiles spilled."""
+    from ..kernels.storage import MIN_ROWS, block
+
+    return block(LaunchPlan.rows(query, heads), MIN_ROWS) <= 16
+
+
 def _fake(query: torch.Tensor, heads: int, value_dim: int, splits: int) -> Partials:
     b, hq, q, _ = query.shape
     shape = (b, heads, hq // heads, q, splits)
@@ -166,26 +138,29 @@ def _fake(query: torch.Tensor, heads: int, value_dim: int, splits: int) -> Parti
     return m, torch.empty_like(m), query.new_empty((*shape, value_dim), dtype=torch.float32)
 
 
-def triton_or_reference(query, segment, mask, scaling, softcap, splits) -> Partials:
-    """On CUDA: the Triton launch when triton imports (it falls back to the reference for storage it does not read)."""
+def launch(query, segment, mask, scaling, softcap, splits) -> Partials:
+    """The segment through the Triton kernel when triton imports and the kernel builds here: what its format says the
+    kernel reads (:meth:`~SegmentFormat.kernel_storage`) and how (:meth:`~SegmentFormat.launch_plan`); the reference
+    where either is None, or the kernel cannot run here (warned once, :func:`~hf_kvcache.kernels.kernel_fallbacks`)."""
+    name = f"partial:{type(segment).__name__}"
+    storage = None if fell_back(name) else segment.kernel_storage()
+    plan = None if storage is None else segment.launch_plan(query, mask)
+    if plan is not None:
+        from ..kernels.triton_decode import triton_partial
 
-    def ref() -> Partials:
-        return reference.partial(query, segment, mask, scaling, softcap, splits)
-
-    if triton_available():
-        from ..triton_decode import triton_partial
-
-        name = f"partial:{type(segment).__name__}"
-        return guarded(name, lambda: triton_partial(query, segment, mask, scaling, softcap, splits), ref)
-    return ref()
+        try:
+            return triton_partial(query, storage, plan, mask, scaling, softcap, splits)
+        except Exception as err:  # noqa: BLE001 (fall_back re-raises what is not a build failure)
+            fall_back(name, err)
+    return reference.partial(query, segment, mask, scaling, softcap, splits)
 
 
 def register_partial(name: str, schema_fn, to_segment, heads_and_dim):
     """Define ``hf_kvcache::<name>`` from ``schema_fn`` (the reference, on every device): the Triton kernel on CUDA
-    (``to_segment`` turns the op's arguments after the query back into ``(segment, mask, scaling, softcap,
-    splits)``; None: a format the Triton kernel does not read runs the reference on CUDA too), and a fake giving
-    ``torch.compile`` the output shapes (``heads_and_dim`` of the arguments), so a compiled decode step treats the op
-    as one opaque node."""
+    (:func:`launch`; ``to_segment`` turns the op's arguments after the query back into ``(segment, mask, scaling,
+    softcap, splits)``; None: a format the Triton kernel does not read runs the reference on CUDA too), and a fake
+    giving ``torch.compile`` the output shapes (``heads_and_dim`` of the arguments), so a compiled decode step treats
+    the op as one opaque node."""
     op = torch.library.custom_op(f"hf_kvcache::{name}", mutates_args=())(schema_fn)
 
     @op.register_fake
@@ -196,7 +171,7 @@ def register_partial(name: str, schema_fn, to_segment, heads_and_dim):
     if to_segment is not None:
 
         @op.register_kernel("cuda")
-        def _(*args):
-            return triton_or_reference(args[0], *to_segment(*args[1:]))
+        def _(query, *args):
+            return launch(query, *to_segment(*args))
 
     return op

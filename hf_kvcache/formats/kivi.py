@@ -15,19 +15,19 @@ from dataclasses import dataclass
 
 import torch
 
-from ... import quant
-from ...rope import RotarySpec
-from .. import reference
-from .._available import guarded
+from .. import quant
+from ..kernels import reference
+from ..kernels._available import guarded, triton_available
+from ..kernels.storage import KIVI, KernelStorage, LaunchPlan, block
+from ..rope import RotarySpec
 from ._base import (
-    KIVI,
-    KernelStorage,
     Partials,
     Parts,
     SegmentFormat,
     channel_groups,
+    plan_warps,
     register_partial,
-    triton_available,
+    swapped,
 )
 from .pre_rope import PreRopeSegment
 from .rotated import rotated
@@ -156,6 +156,22 @@ class KiviSegment(SegmentFormat):
             vs_strides=tuple(vs.stride()), start=self.start, bits=self.bits, key_group=self.group,
             value_group=self.group,
         )  # fmt: skip
+
+    def launch_plan(self, query, mask, rotary_dim=0) -> LaunchPlan:
+        """Key groups of 16-128 tokens (a power of two) are read a group per tile, its channel scales folded into the
+        query: no pipelining (2 stages spilled at 4 query tokens on sm_90), except with keys turned per tile
+        (``rotary_dim``: pre-RoPE, every channel rotary and a power-of-two width), where 2 stages spill less. Keys
+        turned per element (partial rotary, or a width that is not a power of two: each channel's pair dequantized
+        beside it): 32-token tiles, no pipelining, eight warps (64-token tiles spilled KBs at 4 warps). Other group
+        sizes dequantize every element of the tile, with Triton's default 3 stages."""
+        g = self.group
+        warps = plan_warps(query, self.heads, mask, rotary_dim)
+        swap = swapped(query, self.heads)
+        if 16 <= g <= 128 and g & (g - 1) == 0 and (not rotary_dim or rotary_dim == block(query.shape[-1])):
+            return LaunchPlan(block_n=g, stages=2 if rotary_dim else 1, warps=warps, swap=swap, group_tiles=True)
+        if rotary_dim:
+            return LaunchPlan(block_n=32, stages=1, warps=8, swap=swap)
+        return LaunchPlan(block_n=64, stages=3, warps=warps, swap=swap)
 
 
 def _segment(k, ks, kz, v, vs, vz, bits, group, start, length, hk, hv, inv_freq, rotary_dim, interleaved, first):
@@ -309,7 +325,7 @@ def _(k, v, kp, ks, kz, vp, vs, vz, bits, group, per_token_keys):
 @encode_kivi.register_kernel("cuda")
 def _(k, v, kp, ks, kz, vp, vs, vz, bits, group, per_token_keys):
     if triton_available():
-        from ..triton_append import kivi_encodable, triton_kivi_encode
+        from ..kernels.triton_append import kivi_encodable, triton_kivi_encode
 
         if kivi_encodable(bits, group, k.shape[-1], v.shape[-1], per_token_keys):
             out = dict(zip(_STORED, (kp, ks, kz, vp, vs, vz)))

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ...rope import RotarySpec, rotate_positions
-from .. import reference
-from ._base import KernelStorage, OverSegment, Partials, SegmentFormat, triton_or_reference
+from ..kernels import reference
+from ..kernels.storage import KernelStorage, LaunchPlan
+from ..rope import RotarySpec, rotate_positions
+from ._base import OverSegment, Partials, SegmentFormat, launch
 
 __all__ = ["PreRopeSegment"]
 
@@ -39,7 +40,7 @@ class PreRopeSegment(OverSegment):
         if self.inner.ROPE_IN_LAUNCH:  # turned in the inner format's own launch
             return self.inner.partial(query, mask, scaling, softcap, splits, rope=(self.rotary, self.first))
         if query.is_cuda:  # not a custom op: the Triton launch called directly on CUDA (when triton imports)
-            return triton_or_reference(query, self, mask, scaling, softcap, splits)
+            return launch(query, self, mask, scaling, softcap, splits)
         return reference.partial(query, self, mask, scaling, softcap, splits)
 
     def kernel_storage(self) -> KernelStorage | None:
@@ -49,3 +50,7 @@ class PreRopeSegment(OverSegment):
         inv_freq = self.rotary.inv_freq.to(device=storage.k.device, dtype=torch.float32)
         rope = 2 if self.rotary.interleaved else 1
         return storage.replace(rope=rope, rotary_dim=self.rotary.rotary_dim, first=self.first, inv_freq=inv_freq)
+
+    def launch_plan(self, query, mask, rotary_dim=0) -> LaunchPlan | None:
+        """The inner format's plan for keys turned as they are read."""
+        return self.inner.launch_plan(query, mask, self.rotary.rotary_dim)

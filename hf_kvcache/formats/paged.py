@@ -1,7 +1,7 @@
 """Paged storage: a block pool ``(slots, H, D)`` addressed through a block table ``(B, blocks)`` (int32 on the pool's
 device; :data:`~hf_kvcache.paging.PAD_BLOCK` entries are padding and must be masked), ``length`` tokens per row; in
 the model's dtype, or int8 pages with one scale per token and head ``(slots, H)`` (encoded by
-:class:`~hf_kvcache.kernels.formats.int8.Int8Codec`'s quantizer on append). Read by ``hf_kvcache::partial_paged``.
+:class:`~hf_kvcache.formats.int8.Int8Codec`'s quantizer on append). Read by ``hf_kvcache::partial_paged``.
 """
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import reference
-from ._base import PAGED, PAGED_INT8, KernelStorage, Partials, SegmentFormat, pool_strides, register_partial
+from ..kernels import reference
+from ..kernels.storage import PAGED, PAGED_INT8, KernelStorage, LaunchPlan, pool_strides
+from ._base import Partials, SegmentFormat, plan_warps, register_partial, swapped
 
 __all__ = ["PagedSegment"]
 
@@ -60,6 +61,14 @@ class PagedSegment(SegmentFormat):
             pool_strides(v), ks=ks, vs=vs, ks_strides=pool_strides(ks), vs_strides=pool_strides(vs),
             table=self.block_table, block_size=self.block_size, fold=int8,
         )  # fmt: skip
+
+    def launch_plan(self, query, mask, rotary_dim=0) -> LaunchPlan:
+        """Gathers through the block table: 2 stages for pages in the model's dtype (3 spilled at 4 query tokens),
+        Triton's default 3 for int8 pages (whose tiles are dequantized in registers, so swapped while they fit)."""
+        warps = plan_warps(query, self.heads, mask, rotary_dim)
+        if self.ks is None:
+            return LaunchPlan(block_n=64, stages=2, warps=warps)
+        return LaunchPlan(block_n=64, stages=3, warps=warps, swap=swapped(query, self.heads))
 
 
 def _partial(

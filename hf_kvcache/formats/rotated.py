@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import reference
-from ._base import KernelStorage, OverSegment, Partials, Parts, SegmentFormat
+from ..kernels import reference
+from ..kernels.storage import KernelStorage, LaunchPlan, block
+from ._base import OverSegment, Partials, Parts, SegmentFormat
 
 __all__ = ["ROTATIONS", "RotatedCodec", "RotatedSegment", "hadamard", "rotated"]
 
@@ -57,7 +58,7 @@ class RotatedSegment(OverSegment):
             if rope is not None:
                 return self.inner.partial(query, mask, scaling, softcap, splits, rotations=rotations, rope=rope)
             return self.inner.partial(query, mask, scaling, softcap, splits, rotations=rotations)
-        return reference.fold_rotation(_inner_partial, query, self, mask, scaling, softcap, splits)
+        return fold_rotation(_inner_partial, query, self, mask, scaling, softcap, splits)
 
     def kernel_storage(self) -> KernelStorage | None:
         storage = self.inner.kernel_storage() if self.inner.ROTATIONS_IN_LAUNCH else None
@@ -69,8 +70,31 @@ class RotatedSegment(OverSegment):
             value_rotation=self.value_rotation.to(device=device, dtype=torch.float32).contiguous(),
         )
 
+    def launch_plan(self, query, mask, rotary_dim=0) -> LaunchPlan | None:
+        """The inner format's plan. Keys stored before RoPE over rotated codes are rotated back a tile at a time
+        (``x H_k``), which needs the tile to be one key group (else None: the reference); eight warps from head_dim
+        128 on (four spilled there; at 64, eight left ptxas at 128 registers with spills on sm_80)."""
+        plan = self.inner.launch_plan(query, mask, rotary_dim)
+        if not rotary_dim or plan is None:
+            return plan
+        if not plan.group_tiles:
+            return None
+        return plan.replace(warps=8) if block(query.shape[-1]) >= 128 else plan
+
     def reference_partial(self, query, mask, scaling, softcap, splits, chunk=None) -> Partials:
-        return reference.fold_rotation(reference.partial, query, self, mask, scaling, softcap, splits, chunk)
+        return fold_rotation(reference.partial, query, self, mask, scaling, softcap, splits, chunk)
+
+
+def rotate_query(query: torch.Tensor, segment: RotatedSegment) -> torch.Tensor:
+    """``query @ H_k`` in float32, back in the query's dtype (the kernels' input)."""
+    return (query.float() @ segment.key_rotation).to(query.dtype)
+
+
+def fold_rotation(partial_fn, query: torch.Tensor, segment: RotatedSegment, *args):
+    """``partial_fn`` (any implementation of the contract) over a rotated segment's codes: the query rotated, each
+    split's accumulator rotated back."""
+    m, l_, acc = partial_fn(rotate_query(query, segment), segment.inner, *args)
+    return m, l_, acc @ segment.value_rotation
 
 
 def _inner_partial(query, segment, mask, scaling, softcap, splits) -> Partials:
