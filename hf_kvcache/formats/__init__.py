@@ -39,7 +39,8 @@ def codec_for(
     """The codec that stores K/V at ``bits``, the one place a width becomes a format: ``None`` (the model's dtype:
     no codec), 8 (:class:`Int8Codec`, one scale per ``group_size`` channels, None: per head, float32 scales unless
     ``scale_dtype``), ``"fp8"`` (:class:`Fp8Codec`, one scale per token and head), 4 / 3 / 2 (:class:`KiviCodec`,
-    key groups of ``group_size`` tokens along ``key_axis``); ``rotate``: Hadamard-rotated first (:class:`RotatedCodec`). Arguments are the caches' validated options."""
+    key groups of ``group_size`` tokens along ``key_axis``); ``rotate``: Hadamard-rotated first
+    (:class:`RotatedCodec`). Arguments are the caches' validated options."""
     if bits is None:
         return None
     if bits == 8:
