@@ -50,6 +50,7 @@ __all__ = [
 DEFAULT_PLAN_CACHES = (
     "dynamic",
     "int8",
+    "fp8",
     "int4",
     "int3",
     "int2",
@@ -408,7 +409,7 @@ def plan_memory(
         + (
             "none (the quantized caches read their codes in place)"
             if attn == ATTENTION
-            else "int8/int4/int3/int2 dequantize one layer's history per step into a shared workspace (counted); "
+            else "int8/fp8/int4/int3/int2 dequantize one layer's history per step into a shared workspace (counted); "
             "under attn_implementation='hf_kvcache' they read their codes in place and need none"
         ),
         "paged:share=N: groups of N rows share one prompt (sampling, beams) and each generates 256 tokens",
