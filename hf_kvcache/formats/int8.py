@@ -49,17 +49,22 @@ class Int8Segment(SegmentFormat):
         (:meth:`scores`, :meth:`weighted_values`) and the Triton kernel alike."""
         return self.ks.shape[-1] == 1 and self.vs.shape[-1] == 1
 
+    @staticmethod
+    def codes(x: torch.Tensor) -> torch.Tensor:
+        """Stored codes as float32 numbers (before their scales)."""
+        return x.float()
+
     def read_keys(self, a: int, b: int) -> torch.Tensor:
-        return self.k[:, :, a:b].float() * group_expand(self.ks[:, :, a:b], self.k.shape[-1])
+        return self.codes(self.k[:, :, a:b]) * group_expand(self.ks[:, :, a:b], self.k.shape[-1])
 
     def read_values(self, a: int, b: int) -> torch.Tensor:
-        return self.v[:, :, a:b].float() * group_expand(self.vs[:, :, a:b], self.v.shape[-1])
+        return self.codes(self.v[:, :, a:b]) * group_expand(self.vs[:, :, a:b], self.v.shape[-1])
 
     def scores(self, query: torch.Tensor, a: int, b: int) -> torch.Tensor:
         if not self.per_token_scales:
             return super().scores(query, a, b)
         # q . (code_t x scale_t) = (q . code_t) x scale_t
-        codes = torch.einsum("bhgqd,bhnd->bhgqn", query, self.k[:, :, a:b].float())
+        codes = torch.einsum("bhgqd,bhnd->bhgqn", query, self.codes(self.k[:, :, a:b]))
         return codes * self.ks[:, :, None, None, a:b, 0].float()
 
     def weighted_values(self, weights: torch.Tensor, a: int, b: int) -> torch.Tensor:
@@ -67,7 +72,7 @@ class Int8Segment(SegmentFormat):
             return super().weighted_values(weights, a, b)
         # sum_t w_t (code_t x scale_t) = sum_t (w_t x scale_t) code_t
         scaled = weights * self.vs[:, :, None, None, a:b, 0].float()
-        return torch.einsum("bhgqn,bhnd->bhgqd", scaled, self.v[:, :, a:b].float())
+        return torch.einsum("bhgqn,bhnd->bhgqd", scaled, self.codes(self.v[:, :, a:b]))
 
     def partial(self, query, mask, scaling, softcap, splits, rotations=(None, None)) -> Partials:
         """``rotations``: the ``(H_k, H_v)`` the codes were stored rotated by, read in the same launch."""
@@ -131,6 +136,8 @@ class Int8Codec:
 
     unit = 1
     units = {"k": 1, "ks": 1, "v": 1, "vs": 1}
+    segment_type = Int8Segment
+    code_dtype = torch.int8
 
     def __init__(self, group_size: int | None, scale_dtype: torch.dtype, backend: str = "torch"):
         self.group_size = group_size
@@ -158,9 +165,9 @@ class Int8Codec:
         b, h = k.shape[:2]
         dk, dv = k.shape[-1], v.shape[-1]
         return {
-            "k": k.new_empty((b, h, 0, dk), dtype=torch.int8),
+            "k": k.new_empty((b, h, 0, dk), dtype=self.code_dtype),
             "ks": k.new_empty((b, h, 0, dk // self.group(dk)), dtype=self.scale_dtype),
-            "v": v.new_empty((b, h, 0, dv), dtype=torch.int8),
+            "v": v.new_empty((b, h, 0, dv), dtype=self.code_dtype),
             "vs": v.new_empty((b, h, 0, dv // self.group(dv)), dtype=self.scale_dtype),
         }
 
@@ -190,7 +197,7 @@ class Int8Codec:
 
     def segment(self, parts: Parts, start: int = 0) -> Int8Segment:
         """The tokens of ``parts`` from ``start`` on, as the kernels read them (views, no copy)."""
-        return Int8Segment(*(parts[name][:, :, start:] for name in ("k", "ks", "v", "vs")))
+        return self.segment_type(*(parts[name][:, :, start:] for name in ("k", "ks", "v", "vs")))
 
     def bytes_per_token(
         self, num_kv_heads: int, key_dim: int, value_dim: int, kv_dtype: torch.dtype = torch.bfloat16

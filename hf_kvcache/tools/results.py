@@ -74,6 +74,13 @@ RUNS: dict[str, list[str]] = {
         *["--caches", "dynamic"],
     ],
     "eval-repeat": ["eval", *REAL, *"--task repeat --distances 0,1000,3000,7000".split(), "--caches", LONG_CACHES],
+    # fp8 e4m3 next to int8 (the same bytes) on the default run's protocol.
+    "eval-fp8": [
+        "eval",
+        *REAL,
+        *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
+        *["--caches", "dynamic,int8,fp8"],
+    ],
     "eval-ablation": [
         "eval",
         *REAL,
