@@ -54,3 +54,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The embedded reference model and its tokenizer (``hf_kvcache.reference``)."""
+    from hf_kvcache.reference import load_reference_model
+
+    return load_reference_model()
+
+
+@pytest.fixture(scope="module")
+def ids(reference):
+    """The reference text's token ids, as one 1-D tensor."""
+    from hf_kvcache.reference import reference_text
+
+    _, tokenizer = reference
+    return torch.tensor(tokenizer(reference_text(), add_special_tokens=False)["input_ids"])

@@ -14,7 +14,6 @@ from tables import table_rows
 
 from hf_kvcache.cli import main
 from hf_kvcache.eval import EvalConfig, load_text, merge_results, metric_path, run_bench, run_eval
-from hf_kvcache.reference import load_reference_model
 
 SMALL = ["--task", "perplexity", "--max-tokens", "1024", "--context", "256", "--prefill", "128", "--quiet"]
 SMALL += ["--threads", "1", "--model", "reference"]
@@ -31,11 +30,6 @@ RESULT_KEYS = {
     "perplexity_change",
     "bytes_ratio",
 }
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return load_reference_model()
 
 
 def test_eval_writes_results_report_and_plots(tmp_path, capsys):

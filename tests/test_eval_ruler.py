@@ -9,20 +9,8 @@ import torch
 from hf_kvcache.cli import main
 from hf_kvcache.eval import EvalConfig, run_eval
 from hf_kvcache.eval.tasks.ruler import RULER_TASKS, build_ruler_document, interval, string_match_all
-from hf_kvcache.reference import load_reference_model, reference_text
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return load_reference_model()
-
-
-@pytest.fixture(scope="module")
-def ids(reference):
-    _, tokenizer = reference
-    return torch.tensor(tokenizer(reference_text(), add_special_tokens=False)["input_ids"])
 
 
 @pytest.mark.parametrize("task", [t for t in RULER_TASKS if t != "cwe"])

@@ -11,20 +11,8 @@ from transformers import DynamicCache
 from hf_kvcache.cli import main
 from hf_kvcache.eval import EvalConfig, build_passkey_document, repeat_nll, run_eval
 from hf_kvcache.eval.tasks.passkey import needle
-from hf_kvcache.reference import load_reference_model, reference_text
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return load_reference_model()
-
-
-@pytest.fixture(scope="module")
-def ids(reference):
-    _, tokenizer = reference
-    return torch.tensor(tokenizer(reference_text(), add_special_tokens=False)["input_ids"])
 
 
 @pytest.mark.parametrize("length", [128, 512, 1900])

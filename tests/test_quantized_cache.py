@@ -212,7 +212,10 @@ def test_memory_report_adds_up():
     [
         (dict(bits=5), "bits must be one of"),
         (dict(bits=True), "bits must be one of"),
-        (dict(bits=4.0), r"bits must be one of 2, 3, 4, 8, got 4\.0"),
+        (dict(bits=4.0), r"bits must be one of 2, 3, 4, 8, 'fp8', got 4\.0"),
+        (dict(bits="fp8", group_size=8), "group_size: fp8 keeps one scale per token and head"),
+        (dict(bits="fp8", backend="bitsandbytes"), "supports bits=8 only, got bits='fp8'"),
+        (dict(bits="fp8", key_axis="token"), "key_axis applies to the 4/3/2-bit KIVI kinds only"),
         (dict(group_size=64.0), "group_size must be an integer"),
         (dict(bits=4, group_size=5), "group_size must divide head_dim"),
         (dict(group_size=0), "group_size must be an integer >= 1"),
@@ -742,7 +745,8 @@ def test_auto_defaults_resolve_per_width_and_model():
     for bits, options in MEASURED_DEFAULTS.items():
         cache = QuantizedKVCache(model, bits=bits)
         assert (cache.rotate, cache.sinks, cache.pre_rope) == (options["rotate"], options["sinks"], options["pre_rope"])
-        assert make_cache(f"int{bits}", model).layers[0].codec.__class__ is cache.layers[0].codec.__class__
+        spec = "fp8" if bits == "fp8" else f"int{bits}"
+        assert make_cache(spec, model).layers[0].codec.__class__ is cache.layers[0].codec.__class__
     kivi = make_cache("int2:rotate=none:sinks=0:pre_rope=false", model)
     assert (kivi.rotate, kivi.sinks, kivi.pre_rope) == (None, 0, False)
     # "auto" leaves pre-RoPE quantization off where the model has no RoPE; True is refused there.

@@ -10,17 +10,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_kvcache import QuantizedKVCache, load_reference_model, reference_model_path, reference_text
+from hf_kvcache import QuantizedKVCache, reference_model_path, reference_text
 from hf_kvcache.reference import full_forward_perplexity, reference_training_summary
 
 # The held-out perplexity recomputed here may differ from the value recorded at training time only by float
 # summation order (other CPU kernels, thread counts, torch versions): 0.5% relative.
 PPL_TOLERANCE = 0.005
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return load_reference_model()
 
 
 def test_loads_offline_with_auto_classes(monkeypatch):

@@ -31,7 +31,7 @@ def test_make_cache_builds_each_kind():
 @pytest.mark.parametrize(
     ("spec", "match"),
     [
-        ("int5", "unknown cache kind 'int5'.*known kinds: dynamic, int8, int4, int3, int2"),
+        ("int5", "unknown cache kind 'int5'.*known kinds: dynamic, int8, fp8, int4, int3, int2"),
         ("int4:group_size", "must look like name=value"),
         ("int4:window=4", "has no option window; its options: group_size"),
         ("dynamic:bits=4", "has no option bits; its options: none"),

@@ -13,7 +13,6 @@ from hf_kvcache.cli import build_parser, main
 from hf_kvcache.eval import EvalConfig, run_eval
 from hf_kvcache.eval.tasks import TASKS, Task, register_task
 from hf_kvcache.eval.tasks.base import model_context
-from hf_kvcache.reference import load_reference_model
 
 torch.set_num_threads(1)
 
@@ -80,11 +79,6 @@ def mytask():
     register_task(NextTokenTask)
     yield TASKS["mytask"]
     del TASKS["mytask"]
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return load_reference_model()
 
 
 def full_forward_accuracy(model, tokenizer, my_option: int, samples: int) -> float:
