@@ -454,6 +454,36 @@ def test_append_kernel_encodes_int8_bit_exactly(dtype, scale_dtype, group, head_
     assert torch.equal(results[0][0][:, :, 2:7], p["k"]) and torch.equal(results[0][2][:, :, 2:7], p["ks"])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_append_kernel_encodes_fp8_bit_exactly(dtype, scale_dtype, head_dim):
+    """fp8 on append, in the same launch as int8's: exactly quant.quantize_fp8's e4m3 bits and scales (torch's
+    rounding to nearest even), subnormal codes, -0.0, ties between two codes, NaN / +-inf and a token of zeros
+    included, into the slots of a layer's buffers and nothing beside them."""
+    from hf_kvcache.kernels.append import _append_reference
+    from hf_kvcache.kernels.triton_append import triton_append
+
+    gen = torch.Generator().manual_seed(head_dim)
+    k, v = _awkward_kv(dtype, head_dim, gen)
+    # one token whose scale is exactly 1 (absmax 448): exact ties (1.0625 lies between codes 1.0 and 1.125; 2^-9 x
+    # 2.5 between subnormal codes 2 and 3), values past 2^-6 and just below it, and -0.0
+    ties = torch.tensor([448.0, 1.0625, 1.1875, -1.0625, 2.5 * 2**-9, 3.5 * 2**-9, 0.0156, 0.0157, -0.0, 7 * 2**-10])
+    v[1, 2, 4] = 0.0
+    v[1, 2, 4, : len(ties)] = ties.to(dtype)
+    results = []
+    for store in (_append_reference, triton_append):
+        kc, vc = torch.zeros(2, 3, 9, head_dim, dtype=torch.uint8), torch.zeros(2, 3, 9, head_dim, dtype=torch.uint8)
+        ks, vs = torch.zeros(2, 3, 9, 1, dtype=scale_dtype), torch.zeros(2, 3, 9, 1, dtype=scale_dtype)
+        store(k, v, kc[:, :, 2:7], vc[:, :, 2:7], ks[:, :, 2:7], vs[:, :, 2:7], None, 0, 1)
+        results.append((kc, vc, ks, vs))
+    for ref, tri in zip(*results):
+        assert torch.equal(_tensor_bits(tri), _tensor_bits(ref))
+    assert not results[1][0][:, :, :2].any() and not results[1][0][:, :, 7:].any()  # only the 5 slots written
+    p = Fp8Codec(scale_dtype).encode(k, v)  # the reference is the codec's own encoding
+    assert torch.equal(results[0][1][:, :, 2:7], p["v"]) and torch.equal(results[0][3][:, :, 2:7], p["vs"])
+
+
 def _awkward_tokens(dtype, n, head_dim, gen):
     """``(2, 2, n, D)`` keys and values over 12 decades per channel and per token, with NaN, +-inf, subnormals, a
     constant channel and a token of zeros, a channel of only -inf: every branch of the asymmetric encoding."""

@@ -18,7 +18,7 @@ import torch
 from .. import quant
 from ..kernels import reference
 from ..kernels.storage import FP8, KernelStorage
-from ._base import Partials, Parts, register_partial
+from ._base import Partials, register_partial
 from .int8 import Int8Codec, Int8Segment
 
 __all__ = ["Fp8Codec", "Fp8Segment"]
@@ -66,7 +66,8 @@ _OP = register_partial(
 
 class Fp8Codec(Int8Codec):
     """float8 e4m3 codes, one scale per token and head (:func:`hf_kvcache.quant.quantize_fp8`): int8's layout and
-    bookkeeping (every token encoded on its own, ``unit = 1``), e4m3 numbers in its bytes.
+    bookkeeping (every token encoded on its own, ``unit = 1``; appended through ``hf_kvcache::append_kv``, one launch
+    per layer on CUDA, which encodes e4m3 where the destination is uint8), e4m3 numbers in its bytes.
 
     Stored: ``k`` / ``v`` uint8 ``(B, H, T, D)`` (e4m3 bits); ``ks`` / ``vs`` scales ``(B, H, T, 1)``.
     """
@@ -79,12 +80,6 @@ class Fp8Codec(Int8Codec):
 
     def _encode_one(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return quant.quantize_fp8(x, dim=-1, scale_dtype=self.scale_dtype)
-
-    def encode_into(self, k: torch.Tensor, v: torch.Tensor, out: Parts) -> None:
-        """:meth:`encode` copied into ``out`` (views of the storage): a few elementwise launches per layer on CUDA,
-        where int8 has a fused append kernel."""
-        for name, t in self.encode(k, v).items():
-            out[name].copy_(t)
 
     def _decode_one(self, codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(quant.dequantize_fp8(codes, scale))

@@ -26,9 +26,8 @@ def _append_reference(
         payload = {"x": x}  # (B, H, n, D), then the scales (B, H, n[, D / G])
         if scales_out is not None:
             group = x.shape[-1] // scales_out.shape[-1] if table is None else x.shape[-1]
-            codes, scales = quant.quantize_symmetric(
-                x.reshape(*x.shape[:-1], -1, group), dim=-1, scale_dtype=scales_out.dtype
-            )
+            encode = quant.quantize_fp8 if out.dtype == torch.uint8 else quant.quantize_symmetric  # e4m3 bits: fp8
+            codes, scales = encode(x.reshape(*x.shape[:-1], -1, group), dim=-1, scale_dtype=scales_out.dtype)
             payload = {"x": codes.view(x.shape), "s": scales.squeeze(-1)}
             if table is not None:
                 payload["s"] = payload["s"].squeeze(-1)  # one scale per token and head
@@ -59,7 +58,7 @@ def append_kv(
 ) -> None:
     """Store a forward's new keys and values ``(B, H, n, D)`` in a cache's storage; with ``*_scales``, as int8 codes
     and scales (:func:`hf_kvcache.quant.quantize_symmetric`, the group ``G`` = ``D / scales.shape[-1]``, the scale
-    dtype the scales').
+    dtype the scales'), or, where the destination is uint8, fp8 e4m3 bits (:func:`hf_kvcache.quant.quantize_fp8`).
 
     Without ``table`` the destinations are views ``(B, H, n, D)`` and ``(B, H, n, D / G)`` of a layer's token
     buffers; with ``table`` ``(B, blocks)``, page pools ``(slots, H, D)`` and ``(slots, H)``, token ``i`` of row ``b``

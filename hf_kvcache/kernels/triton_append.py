@@ -49,14 +49,30 @@ def _saturated(x, SDT: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_bits(y):
+    """float32 ``y`` (``|y| <= 448``, finite) as float8 e4m3 ("fn") bits, rounded to nearest even as torch's
+    ``.to(torch.float8_e4m3fn)``: normal values keep 3 mantissa bits of the float32 (rounded at bit 20, a carry
+    moving into the exponent), values below 2^-6 become multiples of 2^-9 (rounded as an integer count of them; 8 of
+    them is the smallest normal, whose bits are the same). The sign comes from the float's bits (-0.0 included)."""
+    f = y.to(tl.int32, bitcast=True)
+    sign = (f >> 24) & 0x80
+    a = tl.abs(y)
+    fa = a.to(tl.int32, bitcast=True)
+    rounded = fa + 0x7FFFF + ((fa >> 20) & 1)
+    normal = (((rounded >> 23) - 120) << 3) | ((rounded >> 20) & 7)  # exponent rebased: 127 - 7
+    sub = ((a * 512.0 + 12582912.0) - 12582912.0).to(tl.int32)  # multiples of 2^-9, half to even
+    return (tl.where(a >= 0.015625, normal, sub) | sign).to(tl.uint8)
+
+
+@triton.jit
 def _store_token(
     X, C, S, b, h, t, row, block, sx_b, sx_h, sx_t, sx_d, sc_b, sc_h, sc_t, sc_d, ss_b, ss_h, ss_t, ss_g,
     D: tl.constexpr, GROUP: tl.constexpr, SDT: tl.constexpr, QUANT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     """Token ``t`` of head ``h``, batch row ``b``, stored at token index ``row`` of ``C`` (and ``S``), unless its
-    page ``block`` is negative (a padding entry): ``D`` channels as a ``(groups of GROUP, channels)`` tile, encoded
-    (``QUANT``) or as they are."""
+    page ``block`` is negative (a padding entry): ``D`` channels as a ``(groups of GROUP, channels)`` tile, as they
+    are (``QUANT`` 0), int8-encoded (1) or fp8-encoded (2: e4m3 bits, :func:`hf_kvcache.quant.quantize_fp8`)."""
     gi = tl.arange(0, BLOCK_G)
     ci = tl.arange(0, BLOCK_C)
     d = gi[:, None] * GROUP + ci[None, :]
@@ -64,7 +80,21 @@ def _store_token(
     keep = (tl.zeros_like(gi) + block) >= 0  # compared as a vector (the interpreter mis-types a scalar's)
     raw = tl.load(X + b * sx_b + h * sx_h + t * sx_t + d * sx_d, mask=ok, other=0.0)
     dest = C + b * sc_b + h * sc_h + row * sc_t + d * sc_d
-    if QUANT:
+    if QUANT == 2:
+        x = raw.to(tl.float32)
+        finite = (x == x) & (tl.abs(x) != float("inf"))
+        absmax = tl.max(tl.where(finite & ok, tl.abs(x), 0.0), 1)
+        want = tl.math.div_rn(absmax, 448.0)
+        scale = _saturated(want, SDT)  # rounded up to its dtype, the smallest positive value if it underflowed
+        scale = tl.where(scale.to(tl.float32) < want, _next_up(scale), scale)
+        scale = tl.where((absmax > 0) & (scale == 0), _next_up(tl.zeros_like(scale)), scale)
+        safe = tl.where(scale > 0, scale.to(tl.float32), 1.0)
+        inf_value = tl.where(x > 0, absmax[:, None], -absmax[:, None])
+        x = tl.where(finite, x, tl.where(x != x, 0.0, inf_value))
+        y = tl.minimum(tl.maximum(tl.math.div_rn(x, safe[:, None]), -448.0), 448.0)
+        tl.store(dest, _e4m3_bits(y), mask=ok & keep[:, None])
+        tl.store(S + b * ss_b + h * ss_h + row * ss_t + gi * ss_g, scale, mask=(gi < D // GROUP) & keep)
+    elif QUANT == 1:
         x = raw.to(tl.float32)
         finite = (x == x) & (tl.abs(x) != float("inf"))
         absmax = tl.max(tl.where(finite & ok, tl.abs(x), 0.0), 1)  # (groups,): max(|min|, |max|) of the finite
@@ -134,8 +164,8 @@ def triton_append(
     start: int = 0,
     block_size: int = 1,
 ) -> None:
-    """Store ``k`` / ``v`` ``(B, H, n, D)`` in one launch: int8 codes and scales when ``*_scales`` are given, else
-    the tokens as they are.
+    """Store ``k`` / ``v`` ``(B, H, n, D)`` in one launch: codes and scales when ``*_scales`` are given (int8 codes,
+    or fp8 e4m3 bits where the destination is uint8), else the tokens as they are.
 
     Without ``table``: ``*_out`` ``(B, H, n, D)`` and ``*_scales`` ``(B, H, n, D / G)`` are the destination (views of
     a layer's token buffers; the group ``G`` is ``D / scales.shape[-1]``). With ``table`` (``(B, blocks)`` block ids,
@@ -158,7 +188,8 @@ def triton_append(
         k, v, k_out, v_out, k_scales if quant else k_out, v_scales if quant else v_out,
         table if table is not None else k_out, *k.stride(), *v.stride(), *(s for x in out_strides for s in x),
         *(table.stride() if table is not None else (0, 0)), h, n, start,
-        DK=dk, DV=dv, GK=gk, GV=gv, SDT=_SCALE_TYPES[k_scales.dtype] if quant else tl.float32, QUANT=quant,
+        DK=dk, DV=dv, GK=gk, GV=gv, SDT=_SCALE_TYPES[k_scales.dtype] if quant else tl.float32,
+        QUANT=(2 if k_out.dtype == torch.uint8 else 1) if quant else 0,
         PAGED=table is not None, BS=block_size, BLOCK_GK=triton.next_power_of_2(dk // gk),
         BLOCK_CK=triton.next_power_of_2(gk), BLOCK_GV=triton.next_power_of_2(dv // gv),
         BLOCK_CV=triton.next_power_of_2(gv),
