@@ -3,8 +3,8 @@
 from .attention import ATTENTION, register_attention
 from .caches import PagedKVCache, QuantizedKVCache, SlidingWindowKVCache
 from .memory import cache_nbytes, dynamic_bytes_per_token
-from .models import default_model, load_model, model_path
-from .reference import load_reference_model, reference_model_path, reference_text
+from .models import default_model, load_model, load_reference_model, model_path
+from .reference import reference_model_path, reference_text
 from .registry import available_caches, make_cache, parse_spec, register_cache
 
 __version__ = "0.1.0"

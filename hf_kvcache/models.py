@@ -224,6 +224,12 @@ def _convert(model: GGUFModel, source: Path, out: Path) -> None:
     (out / COMPLETE).write_text(json.dumps(record, indent=1) + "\n")
 
 
+def load_reference_model(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", **kwargs):
+    """``(model, tokenizer)`` of the embedded reference model in eval mode (:func:`load_model` ``("reference")``);
+    ``kwargs`` go to ``from_pretrained``."""
+    return load_model("reference", dtype, device, **kwargs)
+
+
 def load_model(
     model: str | None = None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", **kwargs
 ):

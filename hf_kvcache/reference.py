@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "load_reference_model",
     "reference_model_path",
     "reference_text",
     "reference_training_summary",
@@ -54,15 +53,6 @@ def reference_text(with_header: bool = False) -> str:
 def reference_training_summary() -> dict:
     """``training.json`` of the reference model: corpus, hyperparameters, loss curve, held-out perplexity."""
     return json.loads((Path(reference_model_path()) / "training.json").read_text())
-
-
-def load_reference_model(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", **kwargs):
-    """``(model, tokenizer)`` of the reference model in eval mode; ``kwargs`` go to ``from_pretrained``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = reference_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
-    return model, AutoTokenizer.from_pretrained(path)
 
 
 @torch.no_grad()

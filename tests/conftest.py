@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="module")
 def reference():
     """The embedded reference model and its tokenizer (``hf_kvcache.reference``)."""
-    from hf_kvcache.reference import load_reference_model
+    from hf_kvcache import load_reference_model
 
     return load_reference_model()
 

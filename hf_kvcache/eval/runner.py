@@ -61,8 +61,7 @@ def load_model(config: ModelOptions):
 
     Expected failures (no such folder, a hub id that cannot be fetched, the hub switched off) become one-line
     ``ValueError``s that say what to do."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    from ..models import load_model as load
     from ..models import model_path
 
     if config.quiet:
@@ -81,8 +80,7 @@ def load_model(config: ModelOptions):
     elif config.load_in_8bit or config.load_in_4bit:
         kwargs["device_map"] = device
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        return load(path, kwargs.pop("dtype"), device, **kwargs)
     except OSError as err:
         why = str(err).strip().splitlines()[0].rstrip(".") if str(err).strip() else type(err).__name__
         offline = " (HF_HUB_OFFLINE=1: only models already in the local cache load)" if hub_offline() else ""
@@ -90,9 +88,6 @@ def load_model(config: ModelOptions):
             f"cannot load --model {path!r}{offline}: {why}. Pass a local model folder, or omit --model for the "
             "default model (smollm2 when installed, else the embedded reference model)"
         ) from err
-    if "device_map" not in kwargs:
-        model = model.to(device)
-    return model.eval(), tokenizer
 
 
 def tokenize(tokenizer, text: str) -> torch.Tensor:

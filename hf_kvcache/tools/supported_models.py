@@ -51,6 +51,7 @@ LATER = "hf_kvcache-later"
 # (column, spec, lossless, logit bound as a multiple of the reference logits' std; the test matrix's bounds)
 CACHES = (
     ("int8", "int8", False, 0.06),
+    ("fp8", "fp8", False, 0.25),
     ("int4", "int4:residual_length=2:group_size=8", False, 0.35),
     ("sink", "sink:window=256:sinks=4", True, 0.0),  # larger than the text: nothing evicted, so exact
     ("paged", "paged:block_size=4", True, 0.0),

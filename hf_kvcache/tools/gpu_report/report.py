@@ -54,8 +54,9 @@ KINDS = {
     "int4 pre-RoPE": "int4:pre_rope=true",
     "paged": "paged",
     "paged int8": "paged:bits=8",
+    "fp8": "fp8",
 }
-STORAGE = {"dense": "DenseSegment", "int8": "Int8Segment"}
+STORAGE = {"dense": "DenseSegment", "int8": "Int8Segment", "fp8": "Fp8Segment"}
 STORAGE |= dict.fromkeys(("int4", "int3", "int2", "int4 pre-RoPE"), "KiviSegment")
 STORAGE |= {"paged": "PagedSegment", "paged int8": "PagedSegment"}
 Q_LENS = (1, 4, 16)

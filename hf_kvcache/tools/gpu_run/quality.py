@@ -16,7 +16,8 @@ import torch
 
 from ...eval.runner import tokenize
 from ...eval.tasks.perplexity import window_perplexity
-from ...reference import load_reference_model, reference_text
+from ...models import load_reference_model
+from ...reference import reference_text
 from ...registry import make_cache
 from .record import StageRecord
 from .shapes import cache_kinds
