@@ -8,16 +8,14 @@
 
 Under it, a layer of :class:`~hf_kvcache.QuantizedKVCache`, :class:`~hf_kvcache.SlidingWindowKVCache` or
 :class:`~hf_kvcache.PagedKVCache` answers a decode forward (1 to :data:`MAX_DECODE_QUERY` new tokens: decoding,
-assisted and prompt-lookup verification) with a :class:`~hf_kvcache.kernels.KVHandle`: typed views of its codes,
-scales, zero points, residual, block tables and the new tokens, instead of a dequantized or gathered copy. This
-function hands the handle to the kernels of :mod:`hf_kvcache.kernels` (Triton on CUDA, the pure-torch reference
-elsewhere), which never build a full-length full-precision copy of the history. Everything else (a prefill, another
-cache, no cache, a hybrid model's own sliding layers, latent-attention models whose attention reads expanded K/V)
-arrives as plain tensors and goes to sdpa, or, when the layer asks for logit softcapping (Gemma 2) or learned sinks
-(GPT-OSS ``s_aux``), which sdpa cannot do, to the reference kernel over those tensors. The attention never calls
-back into the cache.
-
-``"hf_kvcache_paged"``, the name of the earlier paged-only implementation, is the same function.
+assisted and prompt-lookup verification) with a :class:`~hf_kvcache.formats.KVHandle`: typed views of its codes,
+scales, zero points, residual, block tables and the new tokens, instead of a dequantized or gathered copy. This function
+hands the handle to its formats' kernels (:mod:`hf_kvcache.formats` over :mod:`hf_kvcache.kernels`: Triton on CUDA, the
+pure-torch reference elsewhere), which never build a full-length full-precision copy of the history. Everything else (a
+prefill, another cache, no cache, a hybrid model's own sliding layers, latent-attention models whose attention reads
+expanded K/V) arrives as plain tensors and goes to sdpa, or, when the layer asks for logit softcapping (Gemma 2) or
+learned sinks (GPT-OSS ``s_aux``), which sdpa cannot do, to the reference kernel over those tensors. The attention never
+calls back into the cache.
 """
 
 from __future__ import annotations
@@ -29,22 +27,18 @@ from .formats import DenseSegment, KVHandle, decode_attention
 __all__ = [
     "ATTENTION",
     "MAX_DECODE_QUERY",
-    "PAGED_ATTENTION",
     "hf_kvcache_attention",
     "is_hf_kvcache_attention",
     "register_attention",
-    "register_paged_attention",
-    "use_paged_attention",
 ]
 
 ATTENTION = "hf_kvcache"
-PAGED_ATTENTION = "hf_kvcache_paged"  # the earlier name, kept working
 MAX_DECODE_QUERY = 16  # new tokens per forward that the kernels serve; longer forwards get materialized K/V
 
 
 def is_hf_kvcache_attention(name: str | None) -> bool:
     """Whether an ``attn_implementation`` name is ours (layers then hand attention their storage)."""
-    return name in (ATTENTION, PAGED_ATTENTION)
+    return name == ATTENTION
 
 
 def _causal_mask(batch: int, q: int, total: int, device: torch.device) -> torch.Tensor:
@@ -100,25 +94,13 @@ def _mask(*args, **kwargs):
 
 
 def register_attention() -> str:
-    """Register ``hf_kvcache`` (and its earlier name) and their mask function with transformers (idempotent)."""
+    """Register ``hf_kvcache`` and its mask function with transformers (idempotent)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     from ._legacy_attention import install
 
-    for name in (ATTENTION, PAGED_ATTENTION):
-        AttentionInterface.register(name, hf_kvcache_attention)
-        AttentionMaskInterface.register(name, _mask)
-        install(name)  # models that pick attention classes from their own dicts refuse the name clearly at load
+    AttentionInterface.register(ATTENTION, hf_kvcache_attention)
+    AttentionMaskInterface.register(ATTENTION, _mask)
+    install(ATTENTION)  # models that pick attention classes from their own dicts refuse the name clearly at load
     return ATTENTION
-
-
-def register_paged_attention() -> str:
-    """The earlier entry point: registers the implementation, returns its earlier name."""
-    register_attention()
-    return PAGED_ATTENTION
-
-
-def use_paged_attention(model) -> None:
-    """Switch ``model`` to the ``hf_kvcache`` attention (kept for the earlier paged-only name)."""
-    model.set_attn_implementation(register_attention())
