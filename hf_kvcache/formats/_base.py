@@ -25,7 +25,7 @@ import torch
 
 from ..kernels import reference
 from ..kernels._available import fall_back, fell_back
-from ..kernels.storage import KernelStorage, LaunchPlan
+from ..kernels.storage import MIN_ROWS, KernelStorage, LaunchPlan, block
 
 Partials = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 Parts = dict[str, torch.Tensor]  # a codec's stored tensors by name
@@ -126,8 +126,6 @@ def swapped(query: torch.Tensor, heads: int) -> bool:
     """Whether tiles dequantized in registers enter the products as their first operand (s^T = k q^T,
     acc^T += v^T p^T): while a program holds at most 16 query rows (2-8% fewer main-loop instructions at the 8B shape
     on sm_90, wgmma over the head dimension); with 64 rows (16 query tokens) the swapped tiles spilled."""
-    from ..kernels.storage import MIN_ROWS, block
-
     return block(LaunchPlan.rows(query, heads), MIN_ROWS) <= 16
 
 
