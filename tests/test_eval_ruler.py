@@ -107,3 +107,14 @@ def test_ruler_through_the_cli_writes_its_table_and_heatmap(tmp_path, capsys):
     report = (tmp_path / "report.md").read_text()
     assert "RULER retrieval and tracing" in report and "niah_multikey 300" in report and "95% interval" in report
     assert (tmp_path / "ruler_heatmap.png").stat().st_size > 0
+
+
+def test_a_ruler_length_past_the_model_context_fails_before_the_first_document(capsys, monkeypatch):
+    import hf_kvcache.eval.tasks.ruler as ruler
+
+    monkeypatch.setattr(ruler, "passkey_answer", lambda *a, **k: pytest.fail("a document ran"))
+    args = ["eval", "--model", "reference", "--quiet", "--task", "ruler", "--ruler-lengths", "1024,4096"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "--ruler-lengths 4096: longer than the model's context (2048 tokens" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

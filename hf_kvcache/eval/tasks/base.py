@@ -29,9 +29,11 @@ import torch
 
 __all__ = [
     "TASKS",
+    "DocumentTask",
     "EvalData",
     "Task",
     "cache_for",
+    "check_lengths_fit",
     "get_task",
     "model_context",
     "option_fields",
@@ -112,6 +114,29 @@ class Task:
     def plots(self, results: dict, out: Path) -> list[str]:
         """PNG files written into ``out`` (names), none if matplotlib is missing."""
         return []
+
+
+class DocumentTask(Task):
+    """A task that goes document by document, handing each document's prefill to every cache (passkey, ruler,
+    repeat): it implements ``run_caches``, and ``run`` is that for one cache."""
+
+    def run(self, data: EvalData, spec: str, config, progress=None) -> dict:
+        return self.run_caches(data, [spec], config, progress)[0]
+
+    def run_caches(self, data: EvalData, specs: list[str], config, progress=None, **kwargs) -> list[dict]:
+        raise NotImplementedError
+
+
+def check_lengths_fit(flag: str, lengths, model_config, why: str = "") -> None:
+    """Refuse, naming ``flag``, the document ``lengths`` longer than the model's trained context (``why``: a clause
+    saying what must fit it)."""
+    limit = model_context(model_config)
+    beyond = [n for n in lengths if limit and n > limit]
+    if beyond:
+        raise ValueError(
+            f"{flag} {','.join(map(str, beyond))}: longer than the model's context ({limit} tokens, "
+            f"max_position_embeddings){why}"
+        )
 
 
 def cache_for(spec: str, model, prefill=None) -> tuple[object, bool]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..._validate import check_int
-from .base import EvalData, Task, cache_for, model_context, register_task
+from .base import DocumentTask, EvalData, cache_for, check_lengths_fit, register_task
 
 __all__ = ["PasskeyOptions", "build_passkey_document"]
 
@@ -162,7 +162,7 @@ def _answers(data: EvalData, doc: PasskeyDocument, specs: list[str], separate: b
 
 
 @register_task
-class PasskeyTask(Task):
+class PasskeyTask(DocumentTask):
     name = "passkey"
     title = "Passkey retrieval through the cache (exact match)"
     options = PasskeyOptions
@@ -173,13 +173,7 @@ class PasskeyTask(Task):
         return len(config.lengths) * len(config.depths) * config.samples
 
     def check_model(self, config, model_config) -> None:
-        limit = model_context(model_config)
-        beyond = [n for n in config.lengths if limit and n > limit]
-        if beyond:
-            raise ValueError(
-                f"--lengths {','.join(map(str, beyond))}: longer than the model's context ({limit} tokens, "
-                "max_position_embeddings); a passkey document must fit it"
-            )
+        check_lengths_fit("--lengths", config.lengths, model_config, "; a passkey document must fit it")
 
     def describe(self, config) -> str:
         return (
@@ -190,9 +184,6 @@ class PasskeyTask(Task):
 
     def tokens_needed(self, config) -> int:
         return max(config.lengths) * config.samples * 2
-
-    def run(self, data: EvalData, spec: str, config, progress=None) -> dict:
-        return self.run_caches(data, [spec], config, progress)[0]
 
     def run_caches(self, data: EvalData, specs: list[str], config, progress=None) -> list[dict]:
         """Every cache on the same documents, one document at a time: its context prefilled once and handed to each

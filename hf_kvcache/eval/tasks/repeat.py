@@ -21,7 +21,7 @@ import torch
 
 from ..._validate import check_int
 from ...prefill import SharedPrefill
-from .base import EvalData, Task, cache_for, model_context, register_task
+from .base import DocumentTask, EvalData, cache_for, model_context, register_task
 from .perplexity import token_nll
 
 __all__ = ["RepeatOptions", "repeat_nll"]
@@ -80,7 +80,7 @@ def repeat_prefill(model, passages: torch.Tensor, gaps: torch.Tensor) -> SharedP
 
 
 @register_task
-class RepeatTask(Task):
+class RepeatTask(DocumentTask):
     name = "repeat"
     title = "Repeated passage: second-copy perplexity through the cache"
     options = RepeatOptions
@@ -107,9 +107,6 @@ class RepeatTask(Task):
 
     def tokens_needed(self, config) -> int:
         return (config.passage + max(config.distances)) * config.samples * 2
-
-    def run(self, data: EvalData, spec: str, config, progress=None) -> dict:
-        return self.run_caches(data, [spec], config, progress)[0]
 
     def run_caches(self, data: EvalData, specs: list[str], config, progress=None) -> list[dict]:
         """Every cache on the same passages, one distance at a time: the passages and the text after them prefilled

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..._validate import check_int
-from .base import EvalData, Task, cache_for, model_context, register_task
+from .base import DocumentTask, EvalData, cache_for, check_lengths_fit, register_task
 from .passkey import _encode, chat_parts, passkey_answer
 
 __all__ = ["RULER_TASKS", "RulerDocument", "RulerOptions", "build_ruler_document", "string_match_all"]
@@ -302,7 +302,7 @@ def interval(scores: list[float], z: float = 1.96) -> tuple[float, float]:
 
 
 @register_task
-class RulerTask(Task):
+class RulerTask(DocumentTask):
     name = "ruler"
     title = "RULER retrieval and tracing through the cache (string_match_all, %)"
     options = RulerOptions
@@ -312,13 +312,7 @@ class RulerTask(Task):
         return len(config.ruler_tasks) * len(config.ruler_lengths) * config.ruler_samples
 
     def check_model(self, config, model_config) -> None:
-        limit = model_context(model_config)
-        beyond = [n for n in config.ruler_lengths if limit and n > limit]
-        if beyond:
-            raise ValueError(
-                f"--ruler-lengths {','.join(map(str, beyond))}: longer than the model's context ({limit} tokens, "
-                "max_position_embeddings)"
-            )
+        check_lengths_fit("--ruler-lengths", config.ruler_lengths, model_config)
 
     def describe(self, config) -> str:
         return (
@@ -330,9 +324,6 @@ class RulerTask(Task):
     def tokens_needed(self, config) -> int:
         # room for random starts; cwe reads its words from CWE_POOL_TOKENS after its start
         return max(config.ruler_lengths) * 4 + (CWE_POOL_TOKENS if "cwe" in config.ruler_tasks else 0)
-
-    def run(self, data: EvalData, spec: str, config, progress=None) -> dict:
-        return self.run_caches(data, [spec], config, progress)[0]
 
     def run_caches(self, data: EvalData, specs: list[str], config, progress=None) -> list[dict]:
         from ...prefill import SharedPrefill
