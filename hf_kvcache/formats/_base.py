@@ -80,6 +80,13 @@ class SegmentFormat:
         scales into the weights)."""
         return torch.einsum("bhgqn,bhnd->bhgqd", weights, self.read_values(a, b))
 
+    def in_launch(self) -> tuple[SegmentFormat, dict]:
+        """The stored segment whose op reads this one, and the op's extra arguments (a Hadamard rotation's
+        ``rotations``, pre-RoPE keys' ``rope``): ``(self, {})`` for a stored segment. Attention calls
+        ``segment.partial(..., **extras)`` on what this returns, so a transform read inside its format's launch adds
+        no call to the decode step."""
+        return self, {}
+
     def kernel_storage(self) -> KernelStorage | None:
         """What the Triton kernel reads of this segment; None: the kernel does not read it (the reference serves)."""
         return None

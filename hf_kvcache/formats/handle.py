@@ -106,6 +106,9 @@ def decode_attention(
 ) -> torch.Tensor:
     """Attention ``(B, q, Hq, Dv)`` of ``query`` ``(B, Hq, q, D)`` over a cache layer's storage handle (``mask``: see
     :func:`segment_inputs`; ``sinks``: one learned logit per query head, GPT-OSS's ``s_aux``)."""
-    partials = [s.partial(query, m, scaling, softcap, n) for s, m, n in segment_inputs(query, handle, mask)]
+    partials = []
+    for segment, part_mask, splits in segment_inputs(query, handle, mask):
+        stored, extras = segment.in_launch()  # a rotation or pre-RoPE keys read in the stored format's own launch
+        partials.append(stored.partial(query, part_mask, scaling, softcap, splits, **extras))
     m, l_, acc = (list(x) for x in zip(*partials))
     return combine_partials(m, l_, acc, sinks, query.dtype)  # one launch: the splits of every segment reduced together

@@ -36,9 +36,17 @@ class PreRopeSegment(OverSegment):
     def weighted_values(self, weights: torch.Tensor, a: int, b: int) -> torch.Tensor:
         return self.inner.weighted_values(weights, a, b)  # values are stored as they are: the inner format's fold
 
+    def in_launch(self) -> tuple[SegmentFormat, dict]:
+        """The stored segment with ``rope`` where its op turns the keys inside its launch; else this segment."""
+        if not self.inner.ROPE_IN_LAUNCH:
+            return self, {}
+        stored, extras = self.inner.in_launch()
+        return stored, {**extras, "rope": (self.rotary, self.first)}
+
     def partial(self, query, mask, scaling, softcap, splits) -> Partials:
-        if self.inner.ROPE_IN_LAUNCH:  # turned in the inner format's own launch
-            return self.inner.partial(query, mask, scaling, softcap, splits, rope=(self.rotary, self.first))
+        stored, extras = self.in_launch()
+        if stored is not self:  # turned in the stored format's own launch
+            return stored.partial(query, mask, scaling, softcap, splits, **extras)
         if query.is_cuda:  # not a custom op: the Triton launch called directly on CUDA (when triton imports)
             return launch(query, self, mask, scaling, softcap, splits)
         return reference.partial(query, self, mask, scaling, softcap, splits)

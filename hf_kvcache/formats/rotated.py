@@ -51,13 +51,18 @@ class RotatedSegment(OverSegment):
     def ROPE_IN_LAUNCH(self) -> bool:  # noqa: N802 (the flag every format has)
         return self.inner.ROTATIONS_IN_LAUNCH and self.inner.ROPE_IN_LAUNCH
 
-    def partial(self, query, mask, scaling, softcap, splits, rope=None) -> Partials:
-        """``rope``: ``(rotary, first)`` of keys stored before RoPE (:mod:`.pre_rope`), when :attr:`ROPE_IN_LAUNCH`."""
-        if self.inner.ROTATIONS_IN_LAUNCH:  # the query rotated and the accumulator rotated back in one launch
-            rotations = (self.key_rotation, self.value_rotation)
-            if rope is not None:
-                return self.inner.partial(query, mask, scaling, softcap, splits, rotations=rotations, rope=rope)
-            return self.inner.partial(query, mask, scaling, softcap, splits, rotations=rotations)
+    def in_launch(self) -> tuple[SegmentFormat, dict]:
+        """The inner segment with ``rotations`` where its op reads rotated codes in place (the query rotated and the
+        accumulator rotated back in the same launch); else this segment."""
+        if not self.inner.ROTATIONS_IN_LAUNCH:
+            return self, {}
+        stored, extras = self.inner.in_launch()
+        return stored, {**extras, "rotations": (self.key_rotation, self.value_rotation)}
+
+    def partial(self, query, mask, scaling, softcap, splits) -> Partials:
+        stored, extras = self.in_launch()
+        if stored is not self:
+            return stored.partial(query, mask, scaling, softcap, splits, **extras)
         return fold_rotation(_inner_partial, query, self, mask, scaling, softcap, splits)
 
     def kernel_storage(self) -> KernelStorage | None:
