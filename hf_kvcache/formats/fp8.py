@@ -17,7 +17,7 @@ import torch
 
 from .. import quant
 from ..kernels import reference
-from ..kernels.storage import FP8, KernelStorage
+from ..kernels.storage import FP8
 from ._base import Partials, register_partial
 from .int8 import Int8Codec, Int8Segment
 
@@ -30,6 +30,7 @@ class Fp8Segment(Int8Segment):
     the scales fold into the scores and the weights as int8's per-token scales do (the same launch plan)."""
 
     ROTATIONS_IN_LAUNCH = False  # its op takes no rotations: a rotated fp8 segment folds them around the op
+    KIND = FP8
 
     @staticmethod
     def codes(x: torch.Tensor) -> torch.Tensor:
@@ -37,9 +38,6 @@ class Fp8Segment(Int8Segment):
 
     def partial(self, query, mask, scaling, softcap, splits) -> Partials:
         return _OP(query, self.k, self.ks, self.v, self.vs, mask, scaling, softcap, splits)
-
-    def kernel_storage(self) -> KernelStorage:
-        return super().kernel_storage().replace(kind=FP8)
 
 
 def _partial(

@@ -38,6 +38,7 @@ class Int8Segment(SegmentFormat):
     vs: torch.Tensor  # (B, H, T, Dv / Gv)
 
     ROTATIONS_IN_LAUNCH = True
+    KIND = INT8  # how the kernel reads the codes (fp8 reuses this layout with its own kind)
 
     @property
     def length(self) -> int:
@@ -81,7 +82,7 @@ class Int8Segment(SegmentFormat):
     def kernel_storage(self) -> KernelStorage:
         k, v, ks, vs = self.k, self.v, self.ks, self.vs
         return KernelStorage(
-            INT8, k, v, k.shape[-1], v.shape[-1], self.length, tuple(k.stride()), tuple(v.stride()),
+            self.KIND, k, v, k.shape[-1], v.shape[-1], self.length, tuple(k.stride()), tuple(v.stride()),
             ks=ks, vs=vs, ks_strides=tuple(ks.stride()), vs_strides=tuple(vs.stride()),
             key_group=k.shape[-1] // ks.shape[-1], value_group=v.shape[-1] // vs.shape[-1],
             fold=self.per_token_scales,
