@@ -22,6 +22,9 @@ from hf_kvcache import make_cache
 from hf_kvcache.tools.gpu_report import aot
 from hf_kvcache.tools.gpu_report import report as gpu_report
 
+# The module's fixtures are built once: its tests all go to one xdist worker (scripts/test.sh: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("test_gpu_report")
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -315,7 +315,9 @@ class _RecordBytes(LogitsProcessor):
 
 
 @pytest.mark.slow
-def test_memory_is_flat_from_100_to_10000_tokens():
+def test_memory_is_flat_from_100_to_2500_tokens():
+    """Past the window's first fill, stored and reserved bytes never change: over 2,500 tokens each layer's buffers
+    compact about 30 times (the 68-token window turned over)."""
     model = tiny_model("llama", "sdpa")
     cache = SlidingWindowKVCache(model, window=64, sinks=4)
     record = _RecordBytes(cache)
@@ -324,12 +326,12 @@ def test_memory_is_flat_from_100_to_10000_tokens():
         ids,
         attention_mask=torch.ones_like(ids),
         past_key_values=cache,
-        max_new_tokens=10_000,
-        min_new_tokens=10_000,
+        max_new_tokens=2_500,
+        min_new_tokens=2_500,
         do_sample=True,
         logits_processor=LogitsProcessorList([record]),
     )
-    assert cache.get_seq_length() == 8 + 10_000 - 1
+    assert cache.get_seq_length() == 8 + 2_500 - 1
     assert len(set(record.nbytes[100:])) == 1, "nbytes changed after the window filled"
     assert max(record.reserved[100:]) == record.reserved[100]
     layer = cache.layers[0]

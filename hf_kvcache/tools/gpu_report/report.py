@@ -96,7 +96,7 @@ CUDA graphs a decode step is host-bound when host time per layer exceeds the GPU
 # --- a decode step of a real cache, on CPU, with the kernel launches intercepted -----------------------------------
 
 
-def _model(head_dim: int, layers: int = 1, heads: tuple[int, int] = (32, 8), hidden: int = 256):
+def _model(head_dim: int, layers: int = 1, heads: tuple[int, int] = (32, 8), hidden: int = 64):
     """A random Llama with the given attention shape (bfloat16), a small hidden size: only the attention matters."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
