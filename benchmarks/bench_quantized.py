@@ -19,7 +19,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, QuantizedCache
 
 from hf_kvcache import make_cache
-from hf_kvcache.compare import LLAMA3_8B, compare_caches, format_table, tiny_llama
+from hf_kvcache.compare import LLAMA3_8B, compare_caches, format_table
+from hf_kvcache.tools.tiny import tiny_llama
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvcache import QuantizedKVCache, quant
-from hf_kvcache.compare import tiny_llama
+from hf_kvcache.tools.tiny import tiny_llama
 
 
 def reconstruction_error(x: torch.Tensor, group: int) -> float:

@@ -1,8 +1,8 @@
 """Side-by-side generation comparison of caches: tokens vs the reference, bytes held, speed.
 
 Used by ``hf-kvcache demo`` and ``benchmarks/bench_quantized.py``; the full evaluation harness (perplexity through
-the cache, reports, plots) builds on the same measurements. ``TINY_FAMILIES`` are the tiny random model configs the
-test matrix and ``benchmarks/compare_builtin.py`` share.
+the cache, reports, plots) builds on the same measurements. The tiny random models of the tests and benchmarks are
+:mod:`hf_kvcache.tools.tiny`'s.
 """
 
 from __future__ import annotations
@@ -14,13 +14,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 from transformers import (
-    Gemma3TextConfig,
-    GPT2Config,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    Phi3Config,
-    Qwen2Config,
     StoppingCriteria,
     StoppingCriteriaList,
 )
@@ -36,8 +29,6 @@ LOGIT_BOUNDS = {"int8": 0.06, "fp8": 0.25, "int4": 0.25, "int3": 0.5, "int2": 1.
 __all__ = [
     "LLAMA3_8B",
     "LOGIT_BOUNDS",
-    "TINY_FAMILIES",
-    "TINY_VOCAB",
     "CompareRow",
     "compare_caches",
     "format_table",
@@ -47,10 +38,7 @@ __all__ = [
     "time_decode",
     "time_decode_interleaved",
     "timed_generate",
-    "tiny_llama",
 ]
-
-TINY_VOCAB = 128
 
 # Llama-3-8B's architecture (LlamaConfig arguments), for benchmarks with random weights and for memory plans.
 LLAMA3_8B = dict(
@@ -64,30 +52,6 @@ LLAMA3_8B = dict(
     max_position_embeddings=131072,
     rope_theta=500000.0,
 )
-_COMMON = dict(vocab_size=TINY_VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, **_COMMON)
-
-# name -> config factory of a tiny random model: head_dim 16 everywhere, so 4/2-bit groups of 8 fit; windows small
-# enough to slide within short generations (Mistral 12, Gemma 3 10 on its sliding layers).
-TINY_FAMILIES = {
-    "llama": lambda: LlamaConfig(num_key_value_heads=2, max_position_embeddings=512, **_SMALL),
-    "mistral": lambda: MistralConfig(num_key_value_heads=2, sliding_window=12, max_position_embeddings=512, **_SMALL),
-    "qwen2": lambda: Qwen2Config(num_key_value_heads=2, max_position_embeddings=512, **_SMALL),
-    "phi3": lambda: Phi3Config(num_key_value_heads=2, max_position_embeddings=512, **_SMALL),
-    "gpt2": lambda: GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, **_COMMON),
-    "gemma3": lambda: Gemma3TextConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=10,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        max_position_embeddings=512,
-        **_COMMON,
-    ),
-}
 
 
 @dataclass
@@ -104,25 +68,6 @@ class CompareRow:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def tiny_llama(head_dim: int = 64, layers: int = 4, seed: int = 0, dtype=torch.float32) -> LlamaForCausalLM:
-    """A seeded random Llama (GQA, RoPE) for offline demos; no download."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=4 * head_dim,
-        intermediate_size=8 * head_dim,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=head_dim,
-        max_position_embeddings=32768,
-    )
-    model = LlamaForCausalLM(config).to(dtype).eval()
-    model.generation_config.pad_token_id = 0
-    model.generation_config.eos_token_id = None
-    return model
 
 
 def synchronize(device: torch.device) -> None:

@@ -8,11 +8,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_kvcache  # noqa: F401  (registers the hf_kvcache attention implementation)
-from hf_kvcache.compare import TINY_FAMILIES, TINY_VOCAB
+from hf_kvcache.tools.tiny import TINY_FAMILIES, TINY_VOCAB
 
 VOCAB = TINY_VOCAB
 PAD = 0
-FAMILIES = TINY_FAMILIES  # name -> config factory (hf_kvcache.compare; benchmarks/compare_builtin.py uses them too)
+FAMILIES = TINY_FAMILIES  # name -> config factory (hf_kvcache.tools.tiny; the peer comparison uses them too)
 ATTENTION = ("eager", "sdpa")
 
 

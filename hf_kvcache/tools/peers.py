@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, QuantizedCache
 from transformers.cache_utils import Cache
 
 from hf_kvcache import PagedKVCache, QuantizedKVCache, SlidingWindowKVCache
-from hf_kvcache.compare import TINY_FAMILIES, TINY_VOCAB, tiny_llama
+from hf_kvcache.tools.tiny import TINY_FAMILIES, TINY_VOCAB, tiny_llama
 
 # The behaviour rows: head_dim 16, so one quantization group of 16 spans a head; a residual of 16 tokens fills
 # (and, in the built-in, flushes) several times within a short generation.
