@@ -100,6 +100,16 @@ CACHE_CASES = [
         families=VARIANT,
         attn="hf_kvcache",
     ),
+    # The first and last layers in int8, the others in 2 bits: Gemma 3's sliding layers 0 and 2 int8, its full-attention
+    # layer 1 int2, each read by its own kernel under hf_kvcache.
+    CacheCase(
+        "int2-boundary-hf",
+        "int2:residual_length=4:group_size=8:boundary_layers=1",
+        lossless=False,
+        logit_bound=LOGIT_BOUNDS["int2"],
+        families=("gemma3",),
+        attn="hf_kvcache",
+    ),
     # The first real tokens of each row kept in full precision (attention sinks), left padding included: a dense
     # segment before the codes, under sdpa and read in place by the kernels under hf_kvcache.
     CacheCase(

@@ -793,3 +793,46 @@ def test_values_at_the_edge_of_the_16_bit_range_stay_finite(spec, dtype, magnitu
     else:
         out = decode_attention(torch.randn(1, 2, 1, 64, generator=g).to(dtype) * 1e-2, keys, None, 0.125)
         assert torch.isfinite(out).all()
+
+
+def test_boundary_layers_store_int8_as_bits_8_does():
+    """The first and last ``boundary_layers`` layers hold what a ``bits=8`` cache's layers hold (bytes, codes), the
+    others what the ``bits`` cache holds; ``bytes_per_token`` and ``plan`` count each layer's own layout."""
+    from hf_kvcache.plan import kv_bytes
+
+    config = _config(layers=6)
+    k, v = _kv(300)
+    mixed = QuantizedKVCache(config, bits=2, boundary_layers=2)
+    int8, int2 = QuantizedKVCache(config, bits=8), QuantizedKVCache(config, bits=2)
+    for cache in (mixed, int8, int2):
+        _feed(cache, k, v, (200, 1, 1))
+    assert [mixed.is_boundary(i) for i in range(6)] == [True, True, False, False, True, True]
+    for i, layer in enumerate(mixed.layers):
+        same = int8.layers[i] if mixed.is_boundary(i) else int2.layers[i]
+        assert type(layer.codec) is type(same.codec) and layer.residual_length == same.residual_length
+        assert layer.nbytes == same.nbytes and layer.stored_tokens == same.stored_tokens
+    # the next token's keys handed to attention: a boundary layer's are int8's, bit for bit
+    step = k[:, :, 202:203], v[:, :, 202:203]
+    assert torch.equal(mixed.layers[0].update(*step)[0], int8.layers[0].update(*step)[0])
+    assert torch.equal(mixed.layers[2].update(*step)[0], int2.layers[2].update(*step)[0])
+    per_layer = {8: int8.bytes_per_token() / 6, 2: int2.bytes_per_token() / 6}
+    assert mixed.bytes_per_token() == pytest.approx(4 * per_layer[8] + 2 * per_layer[2])
+    planned = {s: kv_bytes(s, config, tokens=4096) for s in ("int8", "int2", "int2:boundary_layers=2")}
+    assert planned["int2:boundary_layers=2"] == pytest.approx((4 * planned["int8"] + 2 * planned["int2"]) / 6, abs=6)
+    assert "boundary_layers=2" in repr(mixed)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(bits=8, boundary_layers=1), "boundary_layers applies to the 4/3/2-bit kinds"),
+        (dict(bits=2, boundary_layers=-1), "boundary_layers must be an integer >= 0, got -1"),
+        (dict(bits=2, boundary_layers=True), "boundary_layers must be an integer, got True"),
+        (dict(bits=4, boundary_layers=2), "leaving none at 4 bits: use at most 1, or bits=8"),
+    ],
+)
+def test_boundary_layers_refusals(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        QuantizedKVCache(_config(layers=4), **kwargs)
+    with pytest.raises(ValueError, match="cache kind 'fp8' has no option boundary_layers"):
+        make_cache("fp8:boundary_layers=1", _config(layers=4))

@@ -106,6 +106,11 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             (the rotation is read from its rotary embedding; layers without RoPE store keys as they are); ``True`` is
             refused for latent attention and models without RoPE, where ``"auto"`` leaves it off. Default
             ``"auto"`` (:data:`MEASURED_DEFAULTS`).
+        boundary_layers: 4/3/2 bits only: the first and last ``boundary_layers`` decoder layers store int8 (as
+            ``bits=8``: one scale per token and head, no residual, rotation, sinks or pre-RoPE keys) and the others
+            ``bits``, as vLLM's low-bit presets keep the boundary layers at higher precision; at least one layer must
+            stay at ``bits``. Default 0 (every layer at ``bits``). ``bytes_per_token``, ``nbytes`` and ``plan`` count
+            each layer's own layout.
 
     Example:
         >>> from transformers import LlamaConfig
@@ -128,6 +133,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         rotate: str | None = AUTO,
         sinks: int | str = AUTO,
         pre_rope: bool | str = AUTO,
+        boundary_layers: int = 0,
     ):
         model, config = split_model(config)
         check_choice("bits", bits, (*quant.SUPPORTED_BITS, "fp8"))
@@ -161,7 +167,19 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
                 import bitsandbytes  # noqa: F401
             except ImportError as err:
                 raise ImportError("backend='bitsandbytes' needs bitsandbytes: pip install 'hf-kvcache[bnb]'") from err
+        check_int("boundary_layers", boundary_layers, 0)
+        if boundary_layers and width == 8:
+            raise ValueError(
+                f"boundary_layers applies to the 4/3/2-bit kinds (it stores their first and last layers in int8), got "
+                f"boundary_layers={boundary_layers} with bits={bits!r}"
+            )
         specs = self._bind_model(model, config)
+        if 2 * boundary_layers >= len(specs):
+            raise ValueError(
+                f"boundary_layers={boundary_layers} keeps the first and last {boundary_layers} of the model's "
+                f"{len(specs)} layers in int8, leaving none at {bits} bits: use at most {(len(specs) - 1) // 2}, or "
+                "bits=8"
+            )
         widths = sorted({d for s in specs for d in (s.key_dim, s.value_dim)})
         if group_size is None and width != 8:
             group_size = next(g for g in (64, 32, 16, 8, 4, 2, 1) if all(d % g == 0 for d in widths))
@@ -188,6 +206,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         self.rotate = rotate
         self.sinks = sinks
         self.pre_rope = pre_rope
+        self.boundary_layers = boundary_layers
         self.key_ropes = {}
         if pre_rope:
             try:
@@ -205,16 +224,24 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         group = self._codec_group if self.bits in (8, "fp8") else self.group_size
         return codec_for(self.bits, group, self.scale_dtype, self.key_axis, self.rotate, self.backend)
 
+    def is_boundary(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` is one of the first or last ``boundary_layers``, stored in int8."""
+        return layer_idx < self.boundary_layers or layer_idx >= len(self.layer_specs) - self.boundary_layers
+
     def _make_layer(self, layer_idx: int, spec: LayerSpec) -> QuantizedLayer:
         owner, codec = type(self).__name__, self._codec()
         key_rope = self.key_ropes.get(spec.layer_type) if spec.uses_rope else None
+        residual, sinks = self.residual_length, self.sinks
+        if self.is_boundary(layer_idx):  # int8 as bits=8 stores it: no residual, rotation, sinks or pre-RoPE keys
+            codec = codec_for(8, None, self.scale_dtype)
+            key_rope, residual, sinks = None, 0, 0
         if spec.layer_type != "full_attention":  # the model's own window: its sinks would be evicted anyway
             return QuantizedSlidingWindowLayer(
-                spec, layer_idx, owner, codec, self.residual_length, self.workspace, self.attention_mode, key_rope
+                spec, layer_idx, owner, codec, residual, self.workspace, self.attention_mode, key_rope
             )
         return QuantizedLayer(
-            spec, layer_idx, owner, codec, self.residual_length, self.workspace, self.attention_mode,
-            self.sinks, self.padding, key_rope,
+            spec, layer_idx, owner, codec, residual, self.workspace, self.attention_mode, sinks, self.padding,
+            key_rope,
         )  # fmt: skip
 
     def before_forward(self, kwargs: dict) -> None:
@@ -236,6 +263,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         axis += f", rotate={self.rotate!r}" if self.rotate else ""
         axis += f", sinks={self.sinks}" if self.sinks else ""
         axis += ", pre_rope=True" if self.pre_rope else ""
+        axis += f", boundary_layers={self.boundary_layers}" if self.boundary_layers else ""
         return (
             f"{type(self).__name__}(bits={self.bits!r}, group_size={self.group_size}, "
             f"residual_length={self.residual_length}, backend={self.backend!r}{axis}, layers={len(self.layers)})"
@@ -281,10 +309,12 @@ def _register(bits: int | str, summary: str) -> None:
         rotate: str | None = AUTO,
         sinks: int | str = AUTO,
         pre_rope: bool | str = AUTO,
+        boundary_layers: int = 0,
     ) -> QuantizedKVCache:
         return QuantizedKVCache(
-            config, bits, group_size, residual_length, backend, scale_dtype, key_axis, rotate, sinks, pre_rope
-        )
+            config, bits, group_size, residual_length, backend, scale_dtype, key_axis, rotate, sinks, pre_rope,
+            boundary_layers,
+        )  # fmt: skip
 
     # key_axis is a KIVI option, group_size and backend int8 / KIVI ones: a spec that names an option its kind does
     # not have is refused by name.
@@ -292,7 +322,7 @@ def _register(bits: int | str, summary: str) -> None:
     if bits != "fp8":
         options = ("group_size", *options[:1], "backend", *options[1:])
     if bits not in (8, "fp8"):
-        options += ("key_axis",)
+        options += ("key_axis", "boundary_layers")
     register_cache("fp8" if bits == "fp8" else f"int{bits}", summary, options=options)(factory)
 
 

@@ -81,6 +81,13 @@ RUNS: dict[str, list[str]] = {
         *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
         *["--caches", "dynamic,int8,fp8"],
     ],
+    # int2 with its first and last layers in int8 (boundary_layers), next to int2, on the default run's protocol.
+    "eval-boundary": [
+        "eval",
+        *REAL,
+        *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
+        *["--caches", "dynamic,int2,int2:boundary_layers=1,int2:boundary_layers=2,int2:boundary_layers=4"],
+    ],
     "eval-ablation": [
         "eval",
         *REAL,
