@@ -120,6 +120,24 @@ class OverSegment(SegmentFormat):
     def value_dim(self) -> int:
         return self.inner.value_dim
 
+    def _in_inner_launch(self, read: bool, name: str, value) -> tuple[SegmentFormat, dict]:
+        """:meth:`in_launch` of a transform the inner format's op reads as its argument ``name`` (``read``: whether
+        it does): the stored segment under every such transform, with each one's argument."""
+        if not read:
+            return self, {}
+        stored, extras = self.inner.in_launch()
+        return stored, {**extras, name: value}
+
+    def partial(self, query, mask, scaling, softcap, splits) -> Partials:
+        stored, extras = self.in_launch()
+        if stored is not self:  # read in the stored format's own launch
+            return stored.partial(query, mask, scaling, softcap, splits, **extras)
+        return self.partial_apart(query, mask, scaling, softcap, splits)
+
+    def partial_apart(self, query, mask, scaling, softcap, splits) -> Partials:
+        """The partials where the stored format's op does not read this transform."""
+        raise NotImplementedError
+
 
 def plan_warps(query: torch.Tensor, heads: int, mask: torch.Tensor | None, rotary_dim: int) -> int:
     """Warps of a launch: :meth:`LaunchPlan.base_warps`, and eight for keys turned per tile under a causal mask tile

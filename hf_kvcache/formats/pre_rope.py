@@ -38,15 +38,9 @@ class PreRopeSegment(OverSegment):
 
     def in_launch(self) -> tuple[SegmentFormat, dict]:
         """The stored segment with ``rope`` where its op turns the keys inside its launch; else this segment."""
-        if not self.inner.ROPE_IN_LAUNCH:
-            return self, {}
-        stored, extras = self.inner.in_launch()
-        return stored, {**extras, "rope": (self.rotary, self.first)}
+        return self._in_inner_launch(self.inner.ROPE_IN_LAUNCH, "rope", (self.rotary, self.first))
 
-    def partial(self, query, mask, scaling, softcap, splits) -> Partials:
-        stored, extras = self.in_launch()
-        if stored is not self:  # turned in the stored format's own launch
-            return stored.partial(query, mask, scaling, softcap, splits, **extras)
+    def partial_apart(self, query, mask, scaling, softcap, splits) -> Partials:
         if query.is_cuda:  # not a custom op: the Triton launch called directly on CUDA (when triton imports)
             return launch(query, self, mask, scaling, softcap, splits)
         return reference.partial(query, self, mask, scaling, softcap, splits)

@@ -54,15 +54,11 @@ class RotatedSegment(OverSegment):
     def in_launch(self) -> tuple[SegmentFormat, dict]:
         """The inner segment with ``rotations`` where its op reads rotated codes in place (the query rotated and the
         accumulator rotated back in the same launch); else this segment."""
-        if not self.inner.ROTATIONS_IN_LAUNCH:
-            return self, {}
-        stored, extras = self.inner.in_launch()
-        return stored, {**extras, "rotations": (self.key_rotation, self.value_rotation)}
+        rotations = (self.key_rotation, self.value_rotation)
+        return self._in_inner_launch(self.inner.ROTATIONS_IN_LAUNCH, "rotations", rotations)
 
-    def partial(self, query, mask, scaling, softcap, splits) -> Partials:
-        stored, extras = self.in_launch()
-        if stored is not self:
-            return stored.partial(query, mask, scaling, softcap, splits, **extras)
+    def partial_apart(self, query, mask, scaling, softcap, splits) -> Partials:
+        """The query rotated and the accumulators rotated back around the inner format's own op."""
         return fold_rotation(_inner_partial, query, self, mask, scaling, softcap, splits)
 
     def kernel_storage(self) -> KernelStorage | None:
