@@ -110,6 +110,16 @@ CACHE_CASES = [
         families=("gemma3",),
         attn="hf_kvcache",
     ),
+    # 4-bit keys beside 2-bit values (with int2's rotation, sinks and pre-RoPE keys): each tile's keys and values
+    # unpacked at their own width in one launch under hf_kvcache.
+    CacheCase(
+        "int2-k4-hf",
+        "int2:residual_length=4:group_size=8:key_bits=4",
+        lossless=False,
+        logit_bound=LOGIT_BOUNDS["int2"],
+        families=VARIANT,
+        attn="hf_kvcache",
+    ),
     # The first real tokens of each row kept in full precision (attention sinks), left padding included: a dense
     # segment before the codes, under sdpa and read in place by the kernels under hf_kvcache.
     CacheCase(

@@ -27,7 +27,14 @@ from hf_kvcache.paging import PAD_BLOCK
 triton_decode = pytest.importorskip("hf_kvcache.kernels.triton_decode", reason="needs triton")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-KINDS = ("dense", "int8", "int8-g16", "fp8", "kivi4", "kivi3", "kivi2", "paged", "paged-int8")
+# kivi{K}: K-bit keys and values; kivi{K}v{V}: K-bit keys beside V-bit values.
+KINDS = ("dense", "int8", "int8-g16", "fp8", "kivi4", "kivi3", "kivi2", "kivi4v2", "kivi2v3", "paged", "paged-int8")
+
+
+def _kivi_codec(kind: str, group: int, scale_dtype=torch.float32) -> KiviCodec:
+    """The KIVI codec a kind names (``kivi4``, ``kivi4v2``, with or without a ``-rot`` suffix)."""
+    widths = kind.removeprefix("kivi").removesuffix("-rot").split("v")
+    return KiviCodec(int(widths[-1]), group, scale_dtype, key_bits=int(widths[0]))
 
 
 def _segment(kind: str, k: torch.Tensor, v: torch.Tensor, start: int = 0, block_size: int = 5):
@@ -44,9 +51,10 @@ def _segment(kind: str, k: torch.Tensor, v: torch.Tensor, start: int = 0, block_
     elif kind.startswith("kivi"):
         group = 16
         t = k.shape[2] - k.shape[2] % group
-        codec = KiviCodec(int(kind[-1]), group, torch.float32)
+        codec = _kivi_codec(kind, group)
         p = codec.encode(k[:, :, :t].float(), v[:, :, :t].float())
-        seg = KiviSegment(codec.bits, group, start, t - start, p["k"], p["ks"], p["kz"], p["v"], p["vs"], p["vz"])
+        bits = (codec.key_bits, codec.value_bits)
+        seg = KiviSegment(*bits, group, start, t - start, p["k"], p["ks"], p["kz"], p["v"], p["vs"], p["vz"])
     else:
         seg = _paged(k, v, block_size, int8=kind == "paged-int8")
     keys, values = seg.read(0, seg.length)
@@ -243,7 +251,7 @@ def test_kivi_group_sizes(bits, group, head_dim, dtype):
     codec = KiviCodec(bits, group, torch.float32)
     p = codec.encode(k, v)
     start = group // 2 + 3
-    seg = KiviSegment(bits, group, start, t - start, p["k"], p["ks"], p["kz"], p["v"], p["vs"], p["vz"])
+    seg = KiviSegment(bits, bits, group, start, t - start, p["k"], p["ks"], p["kz"], p["v"], p["vs"], p["vz"])
     mask = _two_query_mask(seg.length, 9)
     query = torch.randn(2, 8, 2, head_dim, generator=g).to(dtype)
     ref, tri = _run(query, seg, mask, splits=3)
@@ -284,7 +292,7 @@ def test_reference_scratch_is_bounded_by_its_chunk(monkeypatch):
     assert max(widths) == chunk < 2000 and sum(widths) == 2000
 
 
-@pytest.mark.parametrize("inner", ["int8", "kivi4", "kivi3", "kivi2"])
+@pytest.mark.parametrize("inner", ["int8", "kivi4", "kivi3", "kivi2", "kivi4v2"])
 @pytest.mark.parametrize("head_dim", [64, 96])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_rotated_segment_folds_the_rotation(inner, head_dim, dtype):
@@ -296,7 +304,7 @@ def test_rotated_segment_folds_the_rotation(inner, head_dim, dtype):
     g = torch.Generator().manual_seed(head_dim)
     k, v = torch.randn(2, 2, 160, head_dim, generator=g), torch.randn(2, 2, 160, head_dim, generator=g)
     k[..., 3] *= 20  # an outlier channel, what the rotation is for
-    base = Int8Codec(None, torch.float32) if inner == "int8" else KiviCodec(int(inner[-1]), 16, torch.float32)
+    base = Int8Codec(None, torch.float32) if inner == "int8" else _kivi_codec(inner, 16)
     codec = RotatedCodec(base)
     seg = codec.segment(codec.encode(k, v), 0)
     assert isinstance(seg, RotatedSegment) and seg.length == 160
@@ -317,7 +325,8 @@ def test_rotated_segment_folds_the_rotation(inner, head_dim, dtype):
     "inner, layout, first",
     [
         pytest.param(inner, layout, first, id=f"{inner}-{layout}-{first}")
-        for inner in ("dense", "int8", "fp8", "kivi4", "kivi3", "kivi2", "kivi4-rot", "kivi2-rot", "int8-rot")
+        for inner in ("dense", "int8", "fp8", "kivi4", "kivi3", "kivi2", "kivi4-rot", "kivi2-rot", "kivi4v2-rot")
+        + ("int8-rot",)
         for layout in ("half", "interleaved", "partial")
         # positions past 30,000 (the kernel's own angle reduction) for every format; near 0 for one plain and one
         # rotated format (the angles are computed alike whatever the storage)
@@ -349,7 +358,7 @@ def test_pre_rope_segment_turns_keys_per_tile(inner, layout, first, dtype, monke
         elif inner.startswith("int8"):
             base = Int8Codec(None, torch.float32)
         else:
-            base = KiviCodec(int(inner[4]), 16, torch.float32)
+            base = _kivi_codec(inner, 16)
         codec = RotatedCodec(base) if inner.endswith("-rot") else base
         seg = codec.segment(codec.encode(pre, v), 0)
     seg = PreRopeSegment(seg, spec, first)
@@ -506,6 +515,8 @@ def _awkward_tokens(dtype, n, head_dim, gen):
         pytest.param(3, 8, 64, "channel", marks=SLOW),
         pytest.param(2, 24, 96, "channel", marks=SLOW),
         (3, 8, 64, "token"),
+        ((4, 2), 16, 64, "channel"),  # (key bits, value bits)
+        pytest.param((2, 3), 8, 64, "token", marks=SLOW),
     ],
 )
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -516,15 +527,17 @@ def test_kivi_encode_kernel_is_bit_exact(bits, group, head_dim, key_axis, dtype)
     values there, as the sign of a zero point changes no decoded value.)"""
     from hf_kvcache.kernels.triton_append import kivi_encodable, triton_kivi_encode
 
+    key_bits, value_bits = bits if isinstance(bits, tuple) else (bits, bits)
     n = 2 * group
-    k, v = _awkward_tokens(dtype, n, head_dim, torch.Generator().manual_seed(bits + group))
-    codec = KiviCodec(bits, group, None, key_axis=key_axis)
+    k, v = _awkward_tokens(dtype, n, head_dim, torch.Generator().manual_seed(key_bits + value_bits + group))
+    codec = KiviCodec(value_bits, group, None, key_axis=key_axis, key_bits=key_bits)
     want = codec.encode(k, v)
-    assert kivi_encodable(bits, group, head_dim, head_dim, key_axis == "token")
+    assert want["k"].shape[-1] == head_dim * key_bits // 8 and want["v"].shape[-1] == head_dim * value_bits // 8
+    assert kivi_encodable(key_bits, value_bits, group, head_dim, head_dim, key_axis == "token")
     # the slots of the middle half of buffers twice as long, as TokenBuffers.reserve hands them out
     bufs = {name: torch.zeros(*t.shape[:2], 2 * t.shape[2], *t.shape[3:], dtype=t.dtype) for name, t in want.items()}
     out = {name: bufs[name][:, :, t.shape[2] // 2 : t.shape[2] // 2 + t.shape[2]] for name, t in want.items()}
-    triton_kivi_encode(k, v, out, bits, group, key_axis == "token")
+    triton_kivi_encode(k, v, out, key_bits, value_bits, group, key_axis == "token")
     for name in want:
         assert torch.equal(_tensor_bits(out[name] + 0), _tensor_bits(want[name] + 0)), name  # + 0: -0.0 -> 0.0
         rows = want[name].shape[2]
@@ -635,7 +648,7 @@ def test_encoders_saturate_scales_past_a_16_bit_dtype_bit_exactly(bits):
         codec = KiviCodec(bits, 16, torch.float16)
         want = codec.encode(k, v)
         got = {name: torch.empty_like(t) for name, t in want.items()}
-        triton_kivi_encode(k, v, got, bits, 16, False)
+        triton_kivi_encode(k, v, got, bits, bits, 16, False)
         for name in want:
             assert torch.equal(_tensor_bits(got[name] + 0), _tensor_bits(want[name] + 0)), name
         scales = [want[name] for name in ("ks", "kz", "vs", "vz")]

@@ -836,3 +836,50 @@ def test_boundary_layers_refusals(kwargs, match):
         QuantizedKVCache(_config(layers=4), **kwargs)
     with pytest.raises(ValueError, match="cache kind 'fp8' has no option boundary_layers"):
         make_cache("fp8:boundary_layers=1", _config(layers=4))
+
+
+def test_key_bits_store_keys_and_values_at_their_own_widths():
+    """``bits=2, key_bits=4``: keys stored and read as a 4-bit cache stores them, values as a 2-bit cache's, bit for
+    bit (keys and values are encoded apart; the options follow ``bits``); bytes, ``bytes_per_token`` and ``plan``
+    count each width."""
+    from hf_kvcache.plan import kv_bytes
+
+    config = _config(layers=2)
+    k, v = _kv(300)
+    int2_options = dict(rotate="hadamard", sinks=4, pre_rope=True)  # int2's measured defaults, which key_bits keeps
+    mixed = QuantizedKVCache(config, bits=2, key_bits=4)
+    keys4, values2 = QuantizedKVCache(config, bits=4, **int2_options), QuantizedKVCache(config, bits=2)
+    for cache in (mixed, keys4, values2):
+        _feed(cache, k, v, (200, 1, 1))
+    assert (mixed.key_bits, mixed.bits, mixed.rotate, mixed.sinks, mixed.pre_rope) == (4, 2, "hadamard", 4, True)
+    stored, want_k, want_v = (c.layers[1].store.views() for c in (mixed, keys4, values2))
+    assert stored["k"].shape[-1] == 16 * 4 // 8 and stored["v"].shape[-1] == 16 * 2 // 8
+    for name in ("k", "ks", "kz"):
+        assert torch.equal(stored[name], want_k[name]), name
+    for name in ("v", "vs", "vz"):
+        assert torch.equal(stored[name], want_v[name]), name
+    step = k[:, :, 202:203], v[:, :, 202:203]
+    got, four, two = (c.layers[1].update(*step) for c in (mixed, keys4, values2))
+    assert torch.equal(got[0], four[0]) and torch.equal(got[1], two[1])
+    assert mixed.bytes_per_token() == pytest.approx((keys4.bytes_per_token() + values2.bytes_per_token()) / 2)
+    assert mixed.nbytes == (keys4.nbytes + values2.nbytes) // 2
+    planned = {s: kv_bytes(s, config, tokens=4096) for s in ("int4:rotate=hadamard:sinks=4:pre_rope=true", "int2")}
+    assert kv_bytes("int2:key_bits=4", config, tokens=4096) == pytest.approx(sum(planned.values()) / 2, abs=2)
+    assert "key_bits=4" in repr(mixed) and "key_bits" not in repr(values2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(bits=2, key_bits=8), "key_bits must be one of 4, 3, 2, got 8"),
+        (dict(bits=2, key_bits="4"), "key_bits must be one of 4, 3, 2, got '4'"),
+        (dict(bits=8, key_bits=4), "key_bits applies to the 4/3/2-bit kinds"),
+        (dict(bits=2, key_bits=3, head_dim=12), r"3-bit codes pack 8 per whole bytes: head widths \[12\]"),
+    ],
+)
+def test_key_bits_refusals(kwargs, match):
+    head_dim = kwargs.pop("head_dim", 16)
+    with pytest.raises(ValueError, match=match):
+        QuantizedKVCache(_config(head_dim=head_dim), group_size=4, **kwargs)
+    with pytest.raises(ValueError, match="cache kind 'fp8' has no option key_bits"):
+        make_cache("fp8:key_bits=4", _config())

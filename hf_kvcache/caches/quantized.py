@@ -20,6 +20,7 @@ from ._base import KVCacheReportMixin, PaddingObserverMixin, split_model
 __all__ = ["MEASURED_DEFAULTS", "QuantizedKVCache"]
 
 _BACKENDS = ("torch", "bitsandbytes")
+_KIVI_BITS = (4, 3, 2)
 _DEFAULT_RESIDUAL = {8: 0, 4: 128, 3: 128, 2: 128}
 AUTO = "auto"
 # What rotate / sinks / pre_rope = "auto" (the defaults) mean at each width: the best setting measured on SmolLM2
@@ -66,7 +67,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
 
     Args:
         config: the model's ``PretrainedConfig``, or the model itself.
-        bits: 8, ``"fp8"``, 4, 3 or 2.
+        bits: 8, ``"fp8"``, 4, 3 or 2 (the values' width where ``key_bits`` sets the keys').
         group_size: elements that share a scale. 8 bits: channels per scale group (default: the whole head, one scale
             per token and head). 4/3/2 bits: tokens per key group and channels per value group (default: the largest
             of 64, 32, 16, 8, 4, 2, 1 that divides the head width). Must divide the key and value widths.
@@ -111,6 +112,13 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             ``bits``, as vLLM's low-bit presets keep the boundary layers at higher precision; at least one layer must
             stay at ``bits``. Default 0 (every layer at ``bits``). ``bytes_per_token``, ``nbytes`` and ``plan`` count
             each layer's own layout.
+        key_bits: 4/3/2 bits only: the keys' width, 4, 3 or 2, the values staying at ``bits`` (default: ``bits``).
+            Keys carry per-channel outliers and steer every attention weight; values are averaged by them, so
+            ``bits=2, key_bits=4`` (spec ``int2:key_bits=4``, 3 bits per element on average) spends the bytes where
+            the errors cost most, as vLLM's ``k8v4`` / ``k4v2``-style presets do. Read in place by the kernels (each
+            tile's keys and values unpacked at their own width), counted by ``bytes_per_token``, ``nbytes`` and
+            ``plan``. The other options (residual, rotation, sinks, pre-RoPE keys, their ``"auto"`` defaults) follow
+            ``bits``.
 
     Example:
         >>> from transformers import LlamaConfig
@@ -134,6 +142,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         sinks: int | str = AUTO,
         pre_rope: bool | str = AUTO,
         boundary_layers: int = 0,
+        key_bits: int | None = None,
     ):
         model, config = split_model(config)
         check_choice("bits", bits, (*quant.SUPPORTED_BITS, "fp8"))
@@ -167,6 +176,13 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
                 import bitsandbytes  # noqa: F401
             except ImportError as err:
                 raise ImportError("backend='bitsandbytes' needs bitsandbytes: pip install 'hf-kvcache[bnb]'") from err
+        if key_bits is not None:
+            check_choice("key_bits", key_bits, _KIVI_BITS)
+            if width == 8:
+                raise ValueError(
+                    f"key_bits applies to the 4/3/2-bit kinds (their keys at another of those widths), got "
+                    f"key_bits={key_bits} with bits={bits!r}"
+                )
         check_int("boundary_layers", boundary_layers, 0)
         if boundary_layers and width == 8:
             raise ValueError(
@@ -187,17 +203,22 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             check_int("group_size", group_size, 1)
             if any(d % group_size for d in widths):
                 raise ValueError(f"group_size must divide head_dim ({', '.join(map(str, widths))}), got {group_size}")
-        per_pack = 8 if width == 3 else 8 // width  # codes that fill whole bytes
-        if any(d % per_pack for d in widths):
-            raise ValueError(
-                f"{bits}-bit codes pack {per_pack} per whole bytes: head widths {widths} must be multiples"
-            )
+        key_dims, value_dims = {s.key_dim for s in specs}, {s.value_dim for s in specs}
+        coded = [(width, key_dims | value_dims)] if key_bits is None else [(width, value_dims), (key_bits, key_dims)]
+        for code_bits, dims in coded:
+            per_pack = 8 if code_bits == 3 else 8 // code_bits  # codes that fill whole bytes
+            if any(d % per_pack for d in dims):
+                raise ValueError(
+                    f"{code_bits}-bit codes pack {per_pack} per whole bytes: head widths {sorted(dims)} must be "
+                    "multiples"
+                )
         residual_length = _DEFAULT_RESIDUAL[width] if residual_length is None else residual_length
         check_int("residual_length", residual_length, 0)
         if scale_dtype is not None:
             scale_dtype = dtype_from_name("scale_dtype", scale_dtype)
 
         self.bits, self.residual_length = bits, residual_length
+        self.key_bits = bits if key_bits is None else key_bits
         # int8's default group is the whole head (a width per tensor); report it as an int when all widths agree.
         self.group_size = group_size if group_size is not None or len(widths) > 1 else widths[0]
         self._codec_group = group_size
@@ -222,7 +243,8 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
 
     def _codec(self):
         group = self._codec_group if self.bits in (8, "fp8") else self.group_size
-        return codec_for(self.bits, group, self.scale_dtype, self.key_axis, self.rotate, self.backend)
+        key_bits = None if self.key_bits == self.bits else self.key_bits
+        return codec_for(self.bits, group, self.scale_dtype, self.key_axis, self.rotate, self.backend, key_bits)
 
     def is_boundary(self, layer_idx: int) -> bool:
         """Whether layer ``layer_idx`` is one of the first or last ``boundary_layers``, stored in int8."""
@@ -259,7 +281,8 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         )
 
     def __repr__(self) -> str:
-        axis = f", key_axis={self.key_axis!r}" if self.key_axis == "token" else ""
+        axis = f", key_bits={self.key_bits}" if self.key_bits != self.bits else ""
+        axis += f", key_axis={self.key_axis!r}" if self.key_axis == "token" else ""
         axis += f", rotate={self.rotate!r}" if self.rotate else ""
         axis += f", sinks={self.sinks}" if self.sinks else ""
         axis += ", pre_rope=True" if self.pre_rope else ""
@@ -310,10 +333,11 @@ def _register(bits: int | str, summary: str) -> None:
         sinks: int | str = AUTO,
         pre_rope: bool | str = AUTO,
         boundary_layers: int = 0,
+        key_bits: int | None = None,
     ) -> QuantizedKVCache:
         return QuantizedKVCache(
             config, bits, group_size, residual_length, backend, scale_dtype, key_axis, rotate, sinks, pre_rope,
-            boundary_layers,
+            boundary_layers, key_bits,
         )  # fmt: skip
 
     # key_axis is a KIVI option, group_size and backend int8 / KIVI ones: a spec that names an option its kind does
@@ -322,7 +346,7 @@ def _register(bits: int | str, summary: str) -> None:
     if bits != "fp8":
         options = ("group_size", *options[:1], "backend", *options[1:])
     if bits not in (8, "fp8"):
-        options += ("key_axis", "boundary_layers")
+        options += ("key_bits", "key_axis", "boundary_layers")
     register_cache("fp8" if bits == "fp8" else f"int{bits}", summary, options=options)(factory)
 
 

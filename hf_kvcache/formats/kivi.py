@@ -1,12 +1,14 @@
 """KIVI storage, 4, 3 and 2 bits: keys per channel over groups of ``G`` tokens, values per token over groups of ``G``
 channels, asymmetric (scale and zero point), codes packed ``8 / bits`` per byte, low bits first (3 bits: a 2-bit
-plane, then a 1-bit plane; :func:`hf_kvcache.quant.pack`). With ``key_axis="token"`` (the paper's ablation) keys are
-quantized like the values.
+plane, then a 1-bit plane; :func:`hf_kvcache.quant.pack`). Keys and values each have their own width (``key_bits``,
+``value_bits``: equal unless a cache asks for e.g. 4-bit keys beside 2-bit values). With ``key_axis="token"`` (the
+paper's ablation) keys are quantized like the values.
 
-Stored ``k`` / ``v`` uint8 ``(B, H, T, D * bits / 8)``; keys' ``ks`` / ``kz`` ``(B, H, T / G, Dk)`` (per token:
-``(B, H, T, Dk / G)``), values' ``vs`` / ``vz`` ``(B, H, T, Dv / G)``. Read by ``hf_kvcache::partial_kivi`` (with
-optional Hadamard rotations, :mod:`.rotated`, and keys stored before RoPE, :mod:`.pre_rope`, all in one launch) and,
-per-token keys, ``hf_kvcache::partial_kivi_token`` (the reference on every device).
+Stored ``k`` uint8 ``(B, H, T, Dk * key_bits / 8)``, ``v`` ``(B, H, T, Dv * value_bits / 8)``; keys' ``ks`` /
+``kz`` ``(B, H, T / G, Dk)`` (per token: ``(B, H, T, Dk / G)``), values' ``vs`` / ``vz`` ``(B, H, T, Dv / G)``. Read
+by ``hf_kvcache::partial_kivi`` (with optional Hadamard rotations, :mod:`.rotated`, and keys stored before RoPE,
+:mod:`.pre_rope`, all in one launch) and, per-token keys, ``hf_kvcache::partial_kivi_token`` (the reference on every
+device).
 """
 
 from __future__ import annotations
@@ -53,14 +55,14 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _float32_arithmetic(decode):
-    """A decoder ``(self, codes, scale, zero, out)`` run on a float32 copy when ``out`` is float16: ``code x scale``
-    of a group spanning most of float16's range overflows it before the zero point brings it back."""
+    """A decoder ``(self, codes, scale, zero, out, bits)`` run on a float32 copy when ``out`` is float16: ``code x
+    scale`` of a group spanning most of float16's range overflows it before the zero point brings it back."""
 
-    def run(self, codes, scale, zero, out):
+    def run(self, codes, scale, zero, out, bits):
         if out.dtype != torch.float16:
-            return decode(self, codes, scale, zero, out)
+            return decode(self, codes, scale, zero, out, bits)
         wide = torch.empty(out.shape, dtype=torch.float32, device=out.device)
-        decode(self, codes, scale.float(), zero.float(), wide)
+        decode(self, codes, scale.float(), zero.float(), wide, bits)
         out.copy_(wide)
 
     return run
@@ -88,14 +90,15 @@ def _token_groups_weighted(weights: torch.Tensor, packed: torch.Tensor, scale: t
 
 @dataclass(frozen=True)
 class KiviSegment(SegmentFormat):
-    bits: int
+    key_bits: int
+    value_bits: int
     group: int  # G: tokens per key group, channels per value group
     start: int  # first token of the segment in the arrays' token axis (a sliding layer may start inside a group)
     length: int
-    k: torch.Tensor  # (B, H, T, Dk * bits / 8) uint8
+    k: torch.Tensor  # (B, H, T, Dk * key_bits / 8) uint8
     ks: torch.Tensor  # (B, H, T / G, Dk)
     kz: torch.Tensor
-    v: torch.Tensor  # (B, H, T, Dv * bits / 8) uint8
+    v: torch.Tensor  # (B, H, T, Dv * value_bits / 8) uint8
     vs: torch.Tensor  # (B, H, T, Dv / G)
     vz: torch.Tensor
 
@@ -104,14 +107,14 @@ class KiviSegment(SegmentFormat):
 
     @property
     def value_dim(self) -> int:
-        return self.v.shape[-1] * 8 // self.bits
+        return self.v.shape[-1] * 8 // self.value_bits
 
     def _key_groups(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, slice]:
         """The whole key groups covering tokens ``a:b``: codes ``(B, H, groups, G, Dk)``, their channel scales and
         zero points ``(B, H, groups, Dk)`` in float32, and where ``a:b`` sits in the groups' tokens."""
         a, b = a + self.start, b + self.start
         g, g0, g1 = self.group, a // self.group, -(-b // self.group)
-        codes = _unpack(self.k[:, :, g0 * g : g1 * g], self.bits)  # (B, H, groups x G, Dk)
+        codes = _unpack(self.k[:, :, g0 * g : g1 * g], self.key_bits)  # (B, H, groups x G, Dk)
         grouped = codes.view(*codes.shape[:2], g1 - g0, g, codes.shape[-1])
         return grouped, self.ks[:, :, g0:g1].float(), self.kz[:, :, g0:g1].float(), slice(a - g0 * g, b - g0 * g)
 
@@ -121,7 +124,7 @@ class KiviSegment(SegmentFormat):
 
     def read_values(self, a: int, b: int) -> torch.Tensor:
         a, b = a + self.start, b + self.start
-        return _token_groups_read(self.v[:, :, a:b], self.vs[:, :, a:b], self.vz[:, :, a:b], self.bits)
+        return _token_groups_read(self.v[:, :, a:b], self.vs[:, :, a:b], self.vz[:, :, a:b], self.value_bits)
 
     def scores(self, query: torch.Tensor, a: int, b: int) -> torch.Tensor:
         # q . (code x scale_c + zero_c) = (q x scale) . code + q . zero, with each key group's channel scales (the
@@ -134,7 +137,8 @@ class KiviSegment(SegmentFormat):
 
     def weighted_values(self, weights: torch.Tensor, a: int, b: int) -> torch.Tensor:
         a, b = a + self.start, b + self.start
-        return _token_groups_weighted(weights, self.v[:, :, a:b], self.vs[:, :, a:b], self.vz[:, :, a:b], self.bits)
+        v, vs, vz = self.v[:, :, a:b], self.vs[:, :, a:b], self.vz[:, :, a:b]
+        return _token_groups_weighted(weights, v, vs, vz, self.value_bits)
 
     def partial(self, query, mask, scaling, softcap, splits, rotations=(None, None), rope=None) -> Partials:
         """``rotations``: the ``(H_k, H_v)`` the codes were stored rotated by; ``rope``: ``(rotary, first)`` of keys
@@ -145,15 +149,17 @@ class KiviSegment(SegmentFormat):
             turn = (rotary.inv_freq.to(device=query.device, dtype=torch.float32), rotary.rotary_dim,
                     rotary.interleaved, first)  # fmt: skip
         s = self
-        args = (s.k, s.ks, s.kz, s.v, s.vs, s.vz, mask, s.bits, s.group, s.start, s.length, *rotations, *turn)
+        args = (s.k, s.ks, s.kz, s.v, s.vs, s.vz, mask, s.key_bits, s.value_bits, s.group, s.start, s.length,
+                *rotations, *turn)  # fmt: skip
         return _OP(query, *args, scaling, softcap, splits)
 
     def kernel_storage(self) -> KernelStorage:
         k, v, ks, vs = self.k, self.v, self.ks, self.vs
         return KernelStorage(
-            KIVI, k, v, k.shape[-1] * 8 // self.bits, self.value_dim, self.length, tuple(k.stride()),
+            KIVI, k, v, k.shape[-1] * 8 // self.key_bits, self.value_dim, self.length, tuple(k.stride()),
             tuple(v.stride()), ks=ks, kz=self.kz, vs=vs, vz=self.vz, ks_strides=tuple(ks.stride()),
-            vs_strides=tuple(vs.stride()), start=self.start, bits=self.bits, key_group=self.group,
+            vs_strides=tuple(vs.stride()), start=self.start, key_bits=self.key_bits,
+            value_bits=self.value_bits, key_group=self.group,
             value_group=self.group,
         )  # fmt: skip
 
@@ -174,10 +180,11 @@ class KiviSegment(SegmentFormat):
         return LaunchPlan(block_n=64, stages=3, warps=warps, swap=swap)
 
 
-def _segment(k, ks, kz, v, vs, vz, bits, group, start, length, hk, hv, inv_freq, rotary_dim, interleaved, first):
+def _segment(k, ks, kz, v, vs, vz, key_bits, value_bits, group, start, length, hk, hv, inv_freq, rotary_dim,
+             interleaved, first):  # fmt: skip
     """A KIVI segment, read through its rotations (``hk``) and with its keys turned to their positions (pre-RoPE:
     ``inv_freq``) when it has them."""
-    segment = rotated(KiviSegment(bits, group, start, length, k, ks, kz, v, vs, vz), hk, hv)
+    segment = rotated(KiviSegment(key_bits, value_bits, group, start, length, k, ks, kz, v, vs, vz), hk, hv)
     if inv_freq is None:
         return segment
     return PreRopeSegment(segment, RotarySpec(inv_freq, rotary_dim, interleaved), first)
@@ -192,7 +199,8 @@ def _partial(
     vs: torch.Tensor,
     vz: torch.Tensor,
     mask: torch.Tensor | None,
-    bits: int,
+    key_bits: int,
+    value_bits: int,
     group: int,
     start: int,
     length: int,
@@ -206,20 +214,20 @@ def _partial(
     softcap: float,
     splits: int,
 ) -> Partials:
-    segment = _segment(k, ks, kz, v, vs, vz, bits, group, start, length, key_rotation, value_rotation,
-                       inv_freq, rotary_dim, interleaved, first)  # fmt: skip
+    segment = _segment(k, ks, kz, v, vs, vz, key_bits, value_bits, group, start, length, key_rotation,
+                       value_rotation, inv_freq, rotary_dim, interleaved, first)  # fmt: skip
     return reference.partial(query, segment, mask, scaling, softcap, splits)
 
 
 _OP = register_partial(
     "partial_kivi",
     _partial,
-    lambda k, ks, kz, v, vs, vz, mask, bits, group, start, length, *rest: (
-        _segment(k, ks, kz, v, vs, vz, bits, group, start, length, *rest[:6]),
+    lambda k, ks, kz, v, vs, vz, mask, key_bits, value_bits, group, start, length, *rest: (
+        _segment(k, ks, kz, v, vs, vz, key_bits, value_bits, group, start, length, *rest[:6]),
         mask,
         *rest[6:],
     ),
-    lambda q, k, ks, kz, v, vs, vz, mask, bits, *rest: (k.shape[1], v.shape[-1] * 8 // bits),
+    lambda q, k, ks, kz, v, vs, vz, mask, key_bits, value_bits, *rest: (k.shape[1], v.shape[-1] * 8 // value_bits),
 )
 
 
@@ -228,12 +236,13 @@ class KiviTokenSegment(SegmentFormat):
     """KIVI codes with keys quantized per token like the values (``key_axis="token"``): served by the pure-torch
     reference on every device (the Triton kernel reads per-channel keys only)."""
 
-    bits: int
+    key_bits: int
+    value_bits: int
     group: int  # G: channels per key group and per value group
-    k: torch.Tensor  # (B, H, T, Dk * bits / 8) uint8
+    k: torch.Tensor  # (B, H, T, Dk * key_bits / 8) uint8
     ks: torch.Tensor  # (B, H, T, Dk / G)
     kz: torch.Tensor
-    v: torch.Tensor  # (B, H, T, Dv * bits / 8) uint8
+    v: torch.Tensor  # (B, H, T, Dv * value_bits / 8) uint8
     vs: torch.Tensor  # (B, H, T, Dv / G)
     vz: torch.Tensor
 
@@ -243,20 +252,22 @@ class KiviTokenSegment(SegmentFormat):
 
     @property
     def value_dim(self) -> int:
-        return self.v.shape[-1] * 8 // self.bits
+        return self.v.shape[-1] * 8 // self.value_bits
 
     def read_keys(self, a: int, b: int) -> torch.Tensor:
-        return _token_groups_read(self.k[:, :, a:b], self.ks[:, :, a:b], self.kz[:, :, a:b], self.bits)
+        return _token_groups_read(self.k[:, :, a:b], self.ks[:, :, a:b], self.kz[:, :, a:b], self.key_bits)
 
     def read_values(self, a: int, b: int) -> torch.Tensor:
-        return _token_groups_read(self.v[:, :, a:b], self.vs[:, :, a:b], self.vz[:, :, a:b], self.bits)
+        return _token_groups_read(self.v[:, :, a:b], self.vs[:, :, a:b], self.vz[:, :, a:b], self.value_bits)
 
     def weighted_values(self, weights: torch.Tensor, a: int, b: int) -> torch.Tensor:
-        return _token_groups_weighted(weights, self.v[:, :, a:b], self.vs[:, :, a:b], self.vz[:, :, a:b], self.bits)
+        v, vs, vz = self.v[:, :, a:b], self.vs[:, :, a:b], self.vz[:, :, a:b]
+        return _token_groups_weighted(weights, v, vs, vz, self.value_bits)
 
     def partial(self, query, mask, scaling, softcap, splits) -> Partials:
         s = self
-        return _TOKEN_OP(query, s.k, s.ks, s.kz, s.v, s.vs, s.vz, mask, s.bits, s.group, scaling, softcap, splits)
+        return _TOKEN_OP(query, s.k, s.ks, s.kz, s.v, s.vs, s.vz, mask, s.key_bits, s.value_bits, s.group, scaling,
+                         softcap, splits)  # fmt: skip
 
 
 def _token_partial(
@@ -268,13 +279,14 @@ def _token_partial(
     vs: torch.Tensor,
     vz: torch.Tensor,
     mask: torch.Tensor | None,
-    bits: int,
+    key_bits: int,
+    value_bits: int,
     group: int,
     scaling: float,
     softcap: float,
     splits: int,
 ) -> Partials:
-    segment = KiviTokenSegment(bits, group, k, ks, kz, v, vs, vz)
+    segment = KiviTokenSegment(key_bits, value_bits, group, k, ks, kz, v, vs, vz)
     return reference.partial(query, segment, mask, scaling, softcap, splits)
 
 
@@ -282,16 +294,18 @@ _TOKEN_OP = register_partial(
     "partial_kivi_token",
     _token_partial,
     None,  # per-token keys: the reference on every device
-    lambda q, k, ks, kz, v, vs, vz, mask, bits, *rest: (k.shape[1], v.shape[-1] * 8 // bits),
+    lambda q, k, ks, kz, v, vs, vz, mask, key_bits, value_bits, *rest: (k.shape[1], v.shape[-1] * 8 // value_bits),
 )
 
 
 _STORED = ("k", "ks", "kz", "v", "vs", "vz")
 
 
-def _encode_reference(k: torch.Tensor, v: torch.Tensor, out: tuple, bits: int, group: int, per_token: bool) -> None:
+def _encode_reference(k: torch.Tensor, v: torch.Tensor, out: tuple, key_bits: int, value_bits: int, group: int,
+                      per_token: bool) -> None:  # fmt: skip
     """:meth:`KiviCodec.encode` copied into ``out``, the storage views in :data:`_STORED` order."""
-    parts = KiviCodec(bits, group, out[1].dtype, "token" if per_token else "channel").encode(k, v)
+    key_axis = "token" if per_token else "channel"
+    parts = KiviCodec(value_bits, group, out[1].dtype, key_axis, key_bits).encode(k, v)
     for name, dest in zip(_STORED, out):
         dest.copy_(parts[name])
 
@@ -306,7 +320,8 @@ def encode_kivi(
     vp: torch.Tensor,
     vs: torch.Tensor,
     vz: torch.Tensor,
-    bits: int,
+    key_bits: int,
+    value_bits: int,
     group: int,
     per_token_keys: bool,
 ) -> None:
@@ -314,27 +329,29 @@ def encode_kivi(
     points, as :meth:`KiviCodec.encode` returns them; the scale dtype the views'): one launch on CUDA
     (:func:`~hf_kvcache.kernels.triton_append.triton_kivi_encode`, bit-exact to this reference) where the geometry
     packs whole bytes per channel group, the reference elsewhere."""
-    _encode_reference(k, v, (kp, ks, kz, vp, vs, vz), bits, group, per_token_keys)
+    _encode_reference(k, v, (kp, ks, kz, vp, vs, vz), key_bits, value_bits, group, per_token_keys)
 
 
 @encode_kivi.register_fake
-def _(k, v, kp, ks, kz, vp, vs, vz, bits, group, per_token_keys):
+def _(k, v, kp, ks, kz, vp, vs, vz, key_bits, value_bits, group, per_token_keys):
     return None
 
 
 @encode_kivi.register_kernel("cuda")
-def _(k, v, kp, ks, kz, vp, vs, vz, bits, group, per_token_keys):
+def _(k, v, kp, ks, kz, vp, vs, vz, key_bits, value_bits, group, per_token_keys):
+    stored = (kp, ks, kz, vp, vs, vz)
     if triton_available():
         from ..kernels.triton_append import kivi_encodable, triton_kivi_encode
 
-        if kivi_encodable(bits, group, k.shape[-1], v.shape[-1], per_token_keys):
-            out = dict(zip(_STORED, (kp, ks, kz, vp, vs, vz)))
+        if kivi_encodable(key_bits, value_bits, group, k.shape[-1], v.shape[-1], per_token_keys):
             return guarded(
-                f"encode_kivi:{bits}",
-                lambda: triton_kivi_encode(k, v, out, bits, group, per_token_keys),
-                lambda: _encode_reference(k, v, (kp, ks, kz, vp, vs, vz), bits, group, per_token_keys),
+                f"encode_kivi:{key_bits}:{value_bits}",
+                lambda: triton_kivi_encode(
+                    k, v, dict(zip(_STORED, stored)), key_bits, value_bits, group, per_token_keys
+                ),
+                lambda: _encode_reference(k, v, stored, key_bits, value_bits, group, per_token_keys),
             )
-    return _encode_reference(k, v, (kp, ks, kz, vp, vs, vz), bits, group, per_token_keys)
+    return _encode_reference(k, v, stored, key_bits, value_bits, group, per_token_keys)
 
 
 class KiviCodec:
@@ -348,13 +365,24 @@ class KiviCodec:
     With ``key_axis="token"`` (the paper's ablation) keys are quantized like the values: per token over groups of
     ``group_size`` channels, so every token is encoded on its own (``unit = 1``).
 
-    Stored: ``k`` / ``v`` uint8 ``(B, H, T, D * bits / 8)``; ``ks`` / ``kz`` ``(B, H, T / G, Dk)`` (one per key
-    group and channel; ``(B, H, T, Dk / G)`` per token and channel group with ``key_axis="token"``); ``vs`` / ``vz``
-    ``(B, H, T, Dv / G)`` (one per token and channel group).
+    ``bits`` is the values' width and, unless ``key_bits`` says otherwise, the keys' (4-bit keys beside 2-bit values:
+    ``KiviCodec(2, G, None, key_bits=4)``).
+
+    Stored: ``k`` uint8 ``(B, H, T, Dk * key_bits / 8)``, ``v`` ``(B, H, T, Dv * value_bits / 8)``; ``ks`` / ``kz``
+    ``(B, H, T / G, Dk)`` (one per key group and channel; ``(B, H, T, Dk / G)`` per token and channel group with
+    ``key_axis="token"``); ``vs`` / ``vz`` ``(B, H, T, Dv / G)`` (one per token and channel group).
     """
 
-    def __init__(self, bits: int, group_size: int, scale_dtype: torch.dtype | None, key_axis: str = "channel"):
-        self.bits = bits
+    def __init__(
+        self,
+        bits: int,
+        group_size: int,
+        scale_dtype: torch.dtype | None,
+        key_axis: str = "channel",
+        key_bits: int | None = None,
+    ):
+        self.value_bits = bits
+        self.key_bits = bits if key_bits is None else key_bits
         self.group_size = group_size
         self.scale_dtype = scale_dtype  # None: see kivi_scale_dtype
         self.key_axis = key_axis
@@ -363,22 +391,21 @@ class KiviCodec:
         key_units = 1 if self.per_token_keys else group_size
         self.units = {"k": 1, "ks": key_units, "kz": key_units, "v": 1, "vs": 1, "vz": 1}
 
-    def _encode_per_token(self, x: torch.Tensor, sdt: torch.dtype) -> tuple[torch.Tensor, ...]:
-        codes, scale, zero = quant.quantize_asymmetric(
-            channel_groups(x, self.group_size), self.bits, dim=-1, scale_dtype=sdt
-        )
-        return quant.pack(codes.view(x.shape), self.bits), scale.squeeze(-1), zero.squeeze(-1)  # (B, H, n, D/G)
+    def _encode_per_token(self, x: torch.Tensor, bits: int, sdt: torch.dtype) -> tuple[torch.Tensor, ...]:
+        groups = channel_groups(x, self.group_size)
+        codes, scale, zero = quant.quantize_asymmetric(groups, bits, dim=-1, scale_dtype=sdt)
+        return quant.pack(codes.view(x.shape), bits), scale.squeeze(-1), zero.squeeze(-1)  # (B, H, n, D/G)
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
         b, h, n, dk = k.shape
         sdt = kivi_scale_dtype(self.scale_dtype, k.dtype)
         if self.per_token_keys:
-            kp, ks, kz = self._encode_per_token(k, sdt)
+            kp, ks, kz = self._encode_per_token(k, self.key_bits, sdt)
         else:
             kg = k.view(b, h, n // self.group_size, self.group_size, dk)  # (B, H, n/G, G, Dk): a group is G tokens
-            kc, ks, kz = quant.quantize_asymmetric(kg, self.bits, dim=3, scale_dtype=sdt)
-            kp, ks, kz = quant.pack(kc.view(b, h, n, dk), self.bits), ks.squeeze(3), kz.squeeze(3)  # (B, H, n/G, Dk)
-        vp, vs, vz = self._encode_per_token(v, sdt)
+            kc, ks, kz = quant.quantize_asymmetric(kg, self.key_bits, dim=3, scale_dtype=sdt)
+            kp, ks, kz = quant.pack(kc.view(b, h, n, dk), self.key_bits), ks.squeeze(3), kz.squeeze(3)  # (B,H,n/G,Dk)
+        vp, vs, vz = self._encode_per_token(v, self.value_bits, sdt)
         return {"k": kp, "ks": ks, "kz": kz, "v": vp, "vs": vs, "vz": vz}
 
     def like(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
@@ -388,10 +415,10 @@ class KiviCodec:
         sdt = kivi_scale_dtype(self.scale_dtype, k.dtype)
         key_params = dk // self.group_size if self.per_token_keys else dk
         return {
-            "k": k.new_empty((b, h, 0, quant.pack_width(dk, self.bits)), dtype=torch.uint8),
+            "k": k.new_empty((b, h, 0, quant.pack_width(dk, self.key_bits)), dtype=torch.uint8),
             "ks": k.new_empty((b, h, 0, key_params), dtype=sdt),
             "kz": k.new_empty((b, h, 0, key_params), dtype=sdt),
-            "v": v.new_empty((b, h, 0, quant.pack_width(dv, self.bits)), dtype=torch.uint8),
+            "v": v.new_empty((b, h, 0, quant.pack_width(dv, self.value_bits)), dtype=torch.uint8),
             "vs": v.new_empty((b, h, 0, dv // self.group_size), dtype=sdt),
             "vz": v.new_empty((b, h, 0, dv // self.group_size), dtype=sdt),
         }
@@ -399,46 +426,50 @@ class KiviCodec:
     def encode_into(self, k: torch.Tensor, v: torch.Tensor, out: Parts) -> None:
         """:meth:`encode` written straight into ``out`` (views of the storage for these tokens): one kernel per layer
         on CUDA (``hf_kvcache::encode_kivi``)."""
-        encode_kivi(k, v, out["k"], out["ks"], out["kz"], out["v"], out["vs"], out["vz"], self.bits,
-                    self.group_size, self.per_token_keys)  # fmt: skip
+        encode_kivi(k, v, out["k"], out["ks"], out["kz"], out["v"], out["vs"], out["vz"], self.key_bits,
+                    self.value_bits, self.group_size, self.per_token_keys)  # fmt: skip
 
     def width(self, parts: Parts, name: str) -> int:
         """Channels per head of the stored ``"k"`` or ``"v"`` codes (packed ``8 / bits`` per byte)."""
-        return parts[name].shape[-1] * 8 // self.bits
+        return parts[name].shape[-1] * 8 // (self.key_bits if name == "k" else self.value_bits)
 
     def segment(self, parts: Parts, start: int = 0) -> KiviSegment | KiviTokenSegment:
         """The tokens of ``parts`` (aligned to key groups) from ``start`` on, as the kernels read them."""
         if self.per_token_keys:
-            return KiviTokenSegment(self.bits, self.group_size, *(parts[n][:, :, start:] for n in _STORED))
+            stored = (parts[n][:, :, start:] for n in _STORED)
+            return KiviTokenSegment(self.key_bits, self.value_bits, self.group_size, *stored)
         length = parts["k"].shape[2] - start
-        return KiviSegment(self.bits, self.group_size, start, length, *(parts[n] for n in _STORED))
+        bits = (self.key_bits, self.value_bits)
+        return KiviSegment(*bits, self.group_size, start, length, *(parts[n] for n in _STORED))
 
     @_float32_arithmetic
-    def _decode_per_token(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out: torch.Tensor):
-        quant.unpack(codes, self.bits, out=out)
+    def _decode_per_token(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out: torch.Tensor,
+                          bits: int):  # fmt: skip
+        quant.unpack(codes, bits, out=out)
         g = channel_groups(out, self.group_size)
         g.mul_(scale.unsqueeze(-1)).add_(zero.unsqueeze(-1))
 
     @_float32_arithmetic
-    def _decode_key_groups(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out: torch.Tensor):
+    def _decode_key_groups(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out: torch.Tensor,
+                           bits: int):  # fmt: skip
         b, h, t, dk = out.shape
-        quant.unpack(codes, self.bits, out=out)
+        quant.unpack(codes, bits, out=out)
         kg = out.view(b, h, t // self.group_size, self.group_size, dk)
         kg.mul_(scale.unsqueeze(3)).add_(zero.unsqueeze(3))
 
     def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
         if self.per_token_keys:
-            self._decode_per_token(parts["k"], parts["ks"], parts["kz"], k_out)
+            self._decode_per_token(parts["k"], parts["ks"], parts["kz"], k_out, self.key_bits)
         else:
-            self._decode_key_groups(parts["k"], parts["ks"], parts["kz"], k_out)
-        self._decode_per_token(parts["v"], parts["vs"], parts["vz"], v_out)
+            self._decode_key_groups(parts["k"], parts["ks"], parts["kz"], k_out, self.key_bits)
+        self._decode_per_token(parts["v"], parts["vs"], parts["vz"], v_out, self.value_bits)
 
     def bytes_per_token(
         self, num_kv_heads: int, key_dim: int, value_dim: int, kv_dtype: torch.dtype = torch.bfloat16
     ) -> float:
         """Stored bytes per quantized token of one layer (keys and values, all heads); excludes the residual."""
         scale = kivi_scale_dtype(self.scale_dtype, kv_dtype).itemsize
-        data = (key_dim + value_dim) * self.bits / 8
+        data = (key_dim * self.key_bits + value_dim * self.value_bits) / 8
         if self.per_token_keys:  # scale + zero per token and group of G channels
             key_params = 2 * (key_dim // self.group_size) * scale
         else:  # scale + zero per channel, shared by G tokens

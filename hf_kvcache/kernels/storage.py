@@ -75,7 +75,8 @@ class KernelStorage:
     table: torch.Tensor | None = None  # paged: (B, blocks) block table
     block_size: int = 1
     start: int = 0  # KIVI: first token of the segment in the arrays
-    bits: int = 8
+    key_bits: int = 8  # KIVI: bits per key code and per value code
+    value_bits: int = 8
     key_group: int = 1
     value_group: int = 1
     fold: bool = False  # one scale per token and head, folded into scores and probabilities

@@ -359,7 +359,8 @@ def _kivi_encode_kernel(
     skp_b, skp_h, skp_t, skp_d, sks_b, sks_h, sks_t, sks_d,
     svp_b, svp_h, svp_t, svp_d, svs_b, svs_h, svs_t, svs_d,
     H, n, NK,
-    DK: tl.constexpr, DV: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, KEY_TOKEN: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+    KEY_TOKEN: tl.constexpr,
     SDT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_GK: tl.constexpr,
     BLOCK_GV: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
@@ -374,33 +375,41 @@ def _kivi_encode_kernel(
             t = item.to(tl.int64)
             _kivi_token_planes(
                 K, KP, KS, KZ, b * sk_b + h * sk_h + t * sk_t, b * skp_b + h * skp_h + t * skp_t,
-                b * sks_b + h * sks_h + t * sks_t, sk_d, skp_d, sks_d, DK, G, BITS, SDT, BLOCK_GK, BLOCK_C,
+                b * sks_b + h * sks_h + t * sks_t, sk_d, skp_d, sks_d, DK, G, KBITS, SDT, BLOCK_GK, BLOCK_C,
             )  # fmt: skip
         else:
             t0 = item.to(tl.int64) * G
             _kivi_group_planes(
                 K, KP, KS, KZ, b * sk_b + h * sk_h + t0 * sk_t, b * skp_b + h * skp_h + t0 * skp_t,
                 b * sks_b + h * sks_h + item * sks_t, sk_t, sk_d, skp_t, skp_d, sks_d, G,
-                DK, BITS, SDT, BLOCK_T, BLOCK_DK,
+                DK, KBITS, SDT, BLOCK_T, BLOCK_DK,
             )  # fmt: skip
     else:
         t = (item - NK).to(tl.int64)
         _kivi_token_planes(
             V, VP, VS, VZ, b * sv_b + h * sv_h + t * sv_t, b * svp_b + h * svp_h + t * svp_t,
-            b * svs_b + h * svs_h + t * svs_t, sv_d, svp_d, svs_d, DV, G, BITS, SDT, BLOCK_GV, BLOCK_C,
+            b * svs_b + h * svs_h + t * svs_t, sv_d, svp_d, svs_d, DV, G, VBITS, SDT, BLOCK_GV, BLOCK_C,
         )  # fmt: skip
 
 
-def kivi_encodable(bits: int, group: int, key_dim: int, value_dim: int, per_token_keys: bool = False) -> bool:
-    """Whether :func:`triton_kivi_encode` takes this geometry: every channel group a whole number of packed bytes
-    (``group`` a multiple of the codes per byte: 8 at 3 bits, whose high-bit plane packs 8) and whole groups of
-    channels."""
-    per = 8 if bits == 3 else 8 // bits
-    return group % per == 0 and value_dim % group == 0 and key_dim % (group if per_token_keys else per) == 0
+def _per_byte(bits: int) -> int:
+    """Codes that fill whole bytes: 8 at 3 bits (whose high-bit plane packs 8), else ``8 / bits``."""
+    return 8 if bits == 3 else 8 // bits
 
 
-def triton_kivi_encode(k: torch.Tensor, v: torch.Tensor, out: dict[str, torch.Tensor], bits: int, group: int,
-                       per_token_keys: bool = False) -> None:  # fmt: skip
+def kivi_encodable(key_bits: int, value_bits: int, group: int, key_dim: int, value_dim: int,
+                   per_token_keys: bool = False) -> bool:  # fmt: skip
+    """Whether :func:`triton_kivi_encode` takes this geometry: every channel group of a token a whole number of packed
+    bytes (``group`` a multiple of the codes per byte) and whole groups of channels; per-channel keys a whole number
+    of bytes per token."""
+    values = group % _per_byte(value_bits) == 0 and value_dim % group == 0
+    if per_token_keys:
+        return values and group % _per_byte(key_bits) == 0 and key_dim % group == 0
+    return values and key_dim % _per_byte(key_bits) == 0
+
+
+def triton_kivi_encode(k: torch.Tensor, v: torch.Tensor, out: dict[str, torch.Tensor], key_bits: int,
+                       value_bits: int, group: int, per_token_keys: bool = False) -> None:  # fmt: skip
     """KIVI-encode ``k`` / ``v`` ``(B, H, n, D)`` into ``out`` (views of a layer's storage for ``n`` tokens: ``k`` /
     ``v`` packed codes, ``ks`` / ``kz`` ``(B, H, n / G, Dk)`` (per token: ``(B, H, n, Dk / G)``), ``vs`` / ``vz``
     ``(B, H, n, Dv / G)``) in one launch, bit for bit :meth:`hf_kvcache.formats.KiviCodec.encode`. Needs
@@ -415,7 +424,8 @@ def triton_kivi_encode(k: torch.Tensor, v: torch.Tensor, out: dict[str, torch.Te
         k, v, out["k"], out["ks"], out["kz"], out["v"], out["vs"], out["vz"],
         *k.stride(), *v.stride(), *strides(out["k"]), *strides(out["ks"]), *strides(out["v"]), *strides(out["vs"]),
         h, n, nk,
-        DK=dk, DV=dv, G=group, BITS=bits, KEY_TOKEN=per_token_keys, SDT=_SCALE_TYPES[out["ks"].dtype],
+        DK=dk, DV=dv, G=group, KBITS=key_bits, VBITS=value_bits, KEY_TOKEN=per_token_keys,
+        SDT=_SCALE_TYPES[out["ks"].dtype],
         BLOCK_T=triton.next_power_of_2(group), BLOCK_DK=triton.next_power_of_2(dk),
         BLOCK_GK=triton.next_power_of_2(max(dk // group, 1)), BLOCK_GV=triton.next_power_of_2(max(dv // group, 1)),
         BLOCK_C=triton.next_power_of_2(group),

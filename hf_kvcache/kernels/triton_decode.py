@@ -271,8 +271,8 @@ def _partial_kernel(
     stab_b, stab_n, sm_b, sm_q, sm_t,
     H, T, START, q_len, G, per_split, scaling, softcap, POS0,
     DK: tl.constexpr, DV: tl.constexpr,
-    KIND: tl.constexpr, BITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, BS: tl.constexpr,
-    HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, FOLD: tl.constexpr,
+    KIND: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
+    BS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, FOLD: tl.constexpr,
     KIVI_TILE: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr, ROTATED: tl.constexpr, RCH: tl.constexpr,
     LARGE: tl.constexpr, ONE_QUERY: tl.constexpr, SWAP: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -323,7 +323,7 @@ def _partial_kernel(
             tok_ok = tok_ok & (t >= lo)
             ta = t + START
             # keys: q . (code x scale_c + zero_c) = (q x scale) . code + q . zero, with this group's channel scales
-            k = _kivi_codes(K, b * sk_b + h * sk_h, ta, tok_ok, sk_t, sk_d, DK, BITS, BLOCK_N, BLOCK_DK)
+            k = _kivi_codes(K, b * sk_b + h * sk_h, ta, tok_ok, sk_t, sk_d, DK, KBITS, BLOCK_N, BLOCK_DK)
             kgroup = b * sks_b + h * sks_h + ((t0 + START) // GK) * sks_t + dk * sks_d
             k_scale = tl.load(KS + kgroup, mask=dk_ok, other=0).to(tl.float32)
             k_zero = tl.load(KZ + kgroup, mask=dk_ok, other=0).to(tl.float32)
@@ -346,7 +346,7 @@ def _partial_kernel(
             # where float32 math rounded again when converted for the tensor cores)
             VT: tl.constexpr = tl.float32 if DOT_FP32 else q.dtype
             vbase = b * svs_b + h * svs_h
-            v = _codes_as(_kivi_codes(V, b * sv_b + h * sv_h, ta, tok_ok, sv_t, sv_d, DV, BITS, BLOCK_N, BLOCK_DV), VT)
+            v = _codes_as(_kivi_codes(V, b * sv_b + h * sv_h, ta, tok_ok, sv_t, sv_d, DV, VBITS, BLOCK_N, BLOCK_DV), VT)
             v_scale = _kivi_group_expand(VS, vbase, ta, tok_ok, svs_t, svs_d, DV, GV, BLOCK_N, BLOCK_DV, VT)
             v = v * v_scale + _kivi_group_expand(VZ, vbase, ta, tok_ok, svs_t, svs_d, DV, GV, BLOCK_N, BLOCK_DV, VT)
             if ROPE:
@@ -363,11 +363,11 @@ def _partial_kernel(
         else:
             k = _load_kv(
                 K, KS, KZ, b, h, t, tok_ok, dk, dk_ok, sk_b, sk_h, sk_t, sk_d, sks_b, sks_h, sks_t, sks_d,
-                TABLE, stab_b, stab_n, START, KIND, BITS, GK, True, BS, FOLD, DK, LARGE,
+                TABLE, stab_b, stab_n, START, KIND, KBITS, GK, True, BS, FOLD, DK, LARGE,
             )  # fmt: skip
             v = _load_kv(
                 V, VS, VZ, b, h, t, tok_ok, dv, dv_ok, sv_b, sv_h, sv_t, sv_d, svs_b, svs_h, svs_t, svs_d,
-                TABLE, stab_b, stab_n, START, KIND, BITS, GV, False, BS, FOLD, DV, LARGE,
+                TABLE, stab_b, stab_n, START, KIND, VBITS, GV, False, BS, FOLD, DV, LARGE,
             )  # fmt: skip
             if ROPE:  # keys stored before RoPE: turned to their positions in registers
                 if ROT_DIM == BLOCK_DK:
@@ -376,7 +376,7 @@ def _partial_kernel(
                     pair = _rope_partner(dk, ROPE, ROT_DIM)
                     kp = _load_kv(
                         K, KS, KZ, b, h, t, tok_ok, pair, dk_ok, sk_b, sk_h, sk_t, sk_d, sks_b, sks_h, sks_t, sks_d,
-                        TABLE, stab_b, stab_n, START, KIND, BITS, GK, True, BS, FOLD, DK, LARGE,
+                        TABLE, stab_b, stab_n, START, KIND, KBITS, GK, True, BS, FOLD, DK, LARGE,
                     )  # fmt: skip
                     k = _rope_tile(k, kp, t, dk, INV_FREQ, POS0, ROPE, ROT_DIM)
             if DOT_FP32:
@@ -490,8 +490,9 @@ def triton_partial(
         *strides(s.table, 2), *strides(mask_u8, 3),
         hkv, s.length, s.start, q_len, g, per_split, float(scaling), float(softcap or 0.0), s.first,
         DK=s.key_dim, DV=dv,
-        KIND=s.kind, BITS=s.bits, GK=s.key_group, GV=s.value_group, BS=s.block_size, HAS_MASK=mask is not None,
-        SOFTCAP=bool(softcap), DOT_FP32=query.dtype == torch.float32, FOLD=s.fold, KIVI_TILE=plan.group_tiles,
+        KIND=s.kind, KBITS=s.key_bits, VBITS=s.value_bits, GK=s.key_group, GV=s.value_group, BS=s.block_size,
+        HAS_MASK=mask is not None, SOFTCAP=bool(softcap), DOT_FP32=query.dtype == torch.float32, FOLD=s.fold,
+        KIVI_TILE=plan.group_tiles,
         ROPE=s.rope, ROT_DIM=s.rotary_dim, ROTATED=hk is not None, RCH=min(64, block(dk), block(dv)),
         LARGE=any(_reach(x) >= 2**31 for x in (s.k, s.v, s.ks, s.vs, s.kz, s.vz, query)),
         ONE_QUERY=q_len == 1, SWAP=plan.swap, BLOCK_R=block(rows, MIN_ROWS), BLOCK_N=plan.block_n,

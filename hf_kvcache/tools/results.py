@@ -88,6 +88,14 @@ RUNS: dict[str, list[str]] = {
         *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
         *["--caches", "dynamic,int2,int2:boundary_layers=1,int2:boundary_layers=2,int2:boundary_layers=4"],
     ],
+    # Keys and values at their own widths (key_bits), next to the uniform widths of the same bytes, on the default
+    # run's protocol: int2:key_bits=4 and int3 store 3 bits per element, int2:key_bits=3 2.5, int3:key_bits=4 3.5.
+    "eval-kvbits": [
+        "eval",
+        *REAL,
+        *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
+        *["--caches", "dynamic,int2,int2:key_bits=3,int2:key_bits=4,int3,int3:key_bits=4,int4:key_bits=2"],
+    ],
     "eval-ablation": [
         "eval",
         *REAL,

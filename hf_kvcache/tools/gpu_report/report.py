@@ -55,9 +55,10 @@ KINDS = {
     "paged": "paged",
     "paged int8": "paged:bits=8",
     "fp8": "fp8",
+    "int2 k4": "int2:key_bits=4",  # 4-bit keys beside 2-bit values (int3's bytes), int2's options
 }
 STORAGE = {"dense": "DenseSegment", "int8": "Int8Segment", "fp8": "Fp8Segment"}
-STORAGE |= dict.fromkeys(("int4", "int3", "int2", "int4 pre-RoPE"), "KiviSegment")
+STORAGE |= dict.fromkeys(("int4", "int3", "int2", "int4 pre-RoPE", "int2 k4"), "KiviSegment")
 STORAGE |= {"paged": "PagedSegment", "paged int8": "PagedSegment"}
 Q_LENS = (1, 4, 16)
 HEAD_DIMS = (64, 128, 96)
@@ -398,7 +399,7 @@ def helper_launches() -> list[tuple[str, object]]:
             ]
             for name, t in codec.like(flushed, flushed).items()
         }
-        encode = lambda out=out, bits=bits: triton_kivi_encode(flushed, flushed, out, bits, group)  # noqa: E731
+        encode = lambda out=out, bits=bits: triton_kivi_encode(flushed, flushed, out, bits, bits, group)  # noqa: E731
         calls.append((f"KIVI encode {bits}-bit ({group} tokens)", encode))
     out = []
     for name, call in calls:

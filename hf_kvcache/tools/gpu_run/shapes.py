@@ -31,7 +31,8 @@ CACHE_KINDS = {
     "paged": "paged",
     "paged int8": "paged:bits=8",
     "int2 KIVI layout": "int2:rotate=none:sinks=0:pre_rope=false",
-    "fp8": "fp8",  # last: measured when the budget allows (its e4m3 bits are only ever read in bfloat16 on a GPU)
+    "fp8": "fp8",  # late: measured when the budget allows (its e4m3 bits are only ever read in bfloat16 on a GPU)
+    "int2 k4": "int2:key_bits=4",  # 4-bit keys beside 2-bit values: int3's bytes, each tile read at two widths
 }
 
 
