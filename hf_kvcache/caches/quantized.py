@@ -25,8 +25,8 @@ _DEFAULT_RESIDUAL = {8: 0, 4: 128, 3: 128, 2: 128}
 AUTO = "auto"
 # What rotate / sinks / pre_rope = "auto" (the defaults) mean at each width: the best setting measured on SmolLM2
 # through the harness's perplexity protocol (docs/results/eval-ablation.json; tests/test_quantized_cache.py checks
-# the defaults against it). 2 bits: KIVI +32.9%, all three options +3.4%; 3 bits: +2.8% -> +0.4%. At 4 bits every
-# setting is within 0.2% of DynamicCache, so KIVI's layout, the cheapest, stays; int8 needs none of them.
+# the defaults against it). 2 bits: KIVI +32.9%, all three options +2.5%; 3 bits: +2.8% -> +0.1%. At 4 bits every
+# setting is within 0.25% of DynamicCache, so KIVI's layout, the cheapest, stays; int8 needs none of them.
 MEASURED_DEFAULTS = {
     8: {"rotate": None, "sinks": 0, "pre_rope": False},
     "fp8": {"rotate": None, "sinks": 0, "pre_rope": False},  # not in the ablation: int8's, the same bytes per token
