@@ -120,6 +120,16 @@ CACHE_CASES = [
         families=VARIANT,
         attn="hf_kvcache",
     ),
+    # The residual in int8: read by the int8 kernel beside the 2-bit codes under hf_kvcache, and by the crop of a
+    # partly removed key group (its survivors re-join the int8 residual).
+    CacheCase(
+        "int2-res8-hf",
+        "int2:residual_length=4:group_size=8:residual_bits=8",
+        lossless=False,
+        logit_bound=LOGIT_BOUNDS["int2"],
+        families=VARIANT,
+        attn="hf_kvcache",
+    ),
     # The first real tokens of each row kept in full precision (attention sinks), left padding included: a dense
     # segment before the codes, under sdpa and read in place by the kernels under hf_kvcache.
     CacheCase(

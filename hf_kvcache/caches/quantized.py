@@ -119,6 +119,12 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             tile's keys and values unpacked at their own width), counted by ``bytes_per_token``, ``nbytes`` and
             ``plan``. The other options (residual, rotation, sinks, pre-RoPE keys, their ``"auto"`` defaults) follow
             ``bits``.
+        residual_bits: 4/3/2 bits only: ``None`` (default: the residual holds its tokens in full precision) or 8:
+            the residual holds them in int8 as ``bits=8`` stores tokens (one float32 scale per token and head),
+            about half of a bf16 residual's bytes, which is most of what short contexts pay (at 2k tokens and 2 bits
+            the residual is a third of the stored bytes). A forward still attends to its own new tokens exactly; the
+            residual's tokens are int8-rounded when they later join the codes. Read by the int8 kernel under
+            ``hf_kvcache``; counted by ``nbytes`` and ``plan``.
 
     Example:
         >>> from transformers import LlamaConfig
@@ -143,6 +149,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         pre_rope: bool | str = AUTO,
         boundary_layers: int = 0,
         key_bits: int | None = None,
+        residual_bits: int | None = None,
     ):
         model, config = split_model(config)
         check_choice("bits", bits, (*quant.SUPPORTED_BITS, "fp8"))
@@ -183,6 +190,13 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
                     f"key_bits applies to the 4/3/2-bit kinds (their keys at another of those widths), got "
                     f"key_bits={key_bits} with bits={bits!r}"
                 )
+        if residual_bits is not None:
+            check_choice("residual_bits", residual_bits, (8,))
+            if width == 8:
+                raise ValueError(
+                    f"residual_bits applies to the 4/3/2-bit kinds (whose residual is otherwise full precision), got "
+                    f"residual_bits={residual_bits} with bits={bits!r}"
+                )
         check_int("boundary_layers", boundary_layers, 0)
         if boundary_layers and width == 8:
             raise ValueError(
@@ -219,6 +233,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
 
         self.bits, self.residual_length = bits, residual_length
         self.key_bits = bits if key_bits is None else key_bits
+        self.residual_bits = residual_bits
         # int8's default group is the whole head (a width per tensor); report it as an int when all widths agree.
         self.group_size = group_size if group_size is not None or len(widths) > 1 else widths[0]
         self._codec_group = group_size
@@ -254,16 +269,17 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         owner, codec = type(self).__name__, self._codec()
         key_rope = self.key_ropes.get(spec.layer_type) if spec.uses_rope else None
         residual, sinks = self.residual_length, self.sinks
+        residual_codec = codec_for(self.residual_bits)  # int8 as bits=8 stores it, or None: exact
         if self.is_boundary(layer_idx):  # int8 as bits=8 stores it: no residual, rotation, sinks or pre-RoPE keys
             codec = codec_for(8, None, self.scale_dtype)
-            key_rope, residual, sinks = None, 0, 0
+            key_rope, residual, sinks, residual_codec = None, 0, 0, None
         if spec.layer_type != "full_attention":  # the model's own window: its sinks would be evicted anyway
             return QuantizedSlidingWindowLayer(
-                spec, layer_idx, owner, codec, residual, self.workspace, self.attention_mode, key_rope
+                spec, layer_idx, owner, codec, residual, self.workspace, self.attention_mode, key_rope, residual_codec
             )
         return QuantizedLayer(
             spec, layer_idx, owner, codec, residual, self.workspace, self.attention_mode, sinks, self.padding,
-            key_rope,
+            key_rope, residual_codec,
         )  # fmt: skip
 
     def before_forward(self, kwargs: dict) -> None:
@@ -287,6 +303,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         axis += f", sinks={self.sinks}" if self.sinks else ""
         axis += ", pre_rope=True" if self.pre_rope else ""
         axis += f", boundary_layers={self.boundary_layers}" if self.boundary_layers else ""
+        axis += f", residual_bits={self.residual_bits}" if self.residual_bits else ""
         return (
             f"{type(self).__name__}(bits={self.bits!r}, group_size={self.group_size}, "
             f"residual_length={self.residual_length}, backend={self.backend!r}{axis}, layers={len(self.layers)})"
@@ -334,10 +351,11 @@ def _register(bits: int | str, summary: str) -> None:
         pre_rope: bool | str = AUTO,
         boundary_layers: int = 0,
         key_bits: int | None = None,
+        residual_bits: int | None = None,
     ) -> QuantizedKVCache:
         return QuantizedKVCache(
             config, bits, group_size, residual_length, backend, scale_dtype, key_axis, rotate, sinks, pre_rope,
-            boundary_layers, key_bits,
+            boundary_layers, key_bits, residual_bits,
         )  # fmt: skip
 
     # key_axis is a KIVI option, group_size and backend int8 / KIVI ones: a spec that names an option its kind does
@@ -346,7 +364,7 @@ def _register(bits: int | str, summary: str) -> None:
     if bits != "fp8":
         options = ("group_size", *options[:1], "backend", *options[1:])
     if bits not in (8, "fp8"):
-        options += ("key_bits", "key_axis", "boundary_layers")
+        options += ("key_bits", "residual_bits", "key_axis", "boundary_layers")
     register_cache("fp8" if bits == "fp8" else f"int{bits}", summary, options=options)(factory)
 
 

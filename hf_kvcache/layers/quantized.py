@@ -85,9 +85,13 @@ class QuantizedLayer(KVLayer):
         sinks: int = 0,
         padding: PaddingTracker | None = None,
         key_rope: RotarySpec | None = None,
+        residual_codec=None,
     ):
         super().__init__(spec, layer_idx, owner, mode)
         self.codec = codec
+        # None: the residual holds the tokens as they came (exact); a codec (int8): it holds them in that format,
+        # encoded as they arrive and decoded when they leave for the codes (still read exact by their own forward).
+        self.residual_codec = residual_codec
         # pre_rope=True (KVQuant): keys are turned back to before RoPE for quantizing (RoPE mixes each outlier
         # channel with its pair at a different angle every token, which per-channel groups cannot follow) and turned
         # forward again when read. The angle is the token's index in the layer, the same both ways, so a row's left
@@ -106,7 +110,7 @@ class QuantizedLayer(KVLayer):
 
     def _initialize(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.store = TokenBuffers(self.codec.units)
-        self.residual = TokenBuffers({"k": 1, "v": 1})
+        self.residual = TokenBuffers(self.residual_codec.units if self.residual_codec is not None else {"k": 1, "v": 1})
         if self.sinks:  # row r's first real token sits at its left padding p_r (zeros where none was observed)
             pads = self.padding.pads(self.batch_size) if self.padding is not None else (0,) * self.batch_size
             self.sink = RowSinks(self.sinks, pads, key_states, value_states)
@@ -127,7 +131,7 @@ class QuantizedLayer(KVLayer):
         if not self._hands_storage(n, visible):
             keys, values = self._attended(key_states, value_states, visible)
             self._append(key_states, value_states)
-        elif self._joins_residual(n):
+        elif self.residual_codec is None and self._joins_residual(n):
             # The new tokens only join the residual: stored first and read with it, one segment (one launch) fewer.
             self._take_sinks(key_states, value_states)
             self.residual.append_kv(key_states, value_states)
@@ -213,8 +217,13 @@ class QuantizedLayer(KVLayer):
         encoded, residual = self._planned_split(tokens, prompt)
         spec = self.spec
         coded = self.codec.bytes_per_token(spec.num_kv_heads, spec.key_dim, spec.value_dim, dtype)
-        exact = residual + (self.sinks if tokens else 0)
-        return encoded * coded + exact * spec.bytes_per_token_factor * dtype.itemsize
+        exact = (residual if self.residual_codec is None else 0) + (self.sinks if tokens else 0)
+        held = 0.0
+        if self.residual_codec is not None:
+            held = residual * self.residual_codec.bytes_per_token(
+                spec.num_kv_heads, spec.key_dim, spec.value_dim, dtype
+            )
+        return encoded * coded + held + exact * spec.bytes_per_token_factor * dtype.itemsize
 
     def _planned_split(self, tokens: int, prompt: int) -> tuple[int, int]:
         return encoded_split(tokens, self.residual_length, self.codec.unit)
@@ -235,7 +244,9 @@ class QuantizedLayer(KVLayer):
         if nq:
             self.codec.decode(self.store.views(), keys[:, :, :nq], values[:, :, :nq])
             self._to_positions(keys[:, :, :nq])
-        if nr:
+        if nr and self.residual_codec is not None:
+            self.residual_codec.decode(self.residual.views(), keys[:, :, nq : nq + nr], values[:, :, nq : nq + nr])
+        elif nr:
             keys[:, :, nq : nq + nr].copy_(self.residual.view("k"))
             values[:, :, nq : nq + nr].copy_(self.residual.view("v"))
         keys[:, :, nq + nr :].copy_(k_new)
@@ -278,7 +289,10 @@ class QuantizedLayer(KVLayer):
             segments.append(segment)
         if self.residual.length > max(skip - nq, 0):  # with the new tokens at its end when they joined it
             r0 = max(skip - nq, 0)
-            segments.append(DenseSegment(self.residual.view("k")[:, :, r0:], self.residual.view("v")[:, :, r0:]))
+            if self.residual_codec is not None:
+                segments.append(self.residual_codec.segment(self.residual.views(), r0))
+            else:
+                segments.append(DenseSegment(self.residual.view("k")[:, :, r0:], self.residual.view("v")[:, :, r0:]))
         if not joined:
             segments.append(DenseSegment(k_new, v_new))
         return KVHandle(tuple(segments), self.mode.model_type, columns, extra)
@@ -300,7 +314,7 @@ class QuantizedLayer(KVLayer):
             from_new = n_encode - from_res
             ke, ve = k[:, :, :from_new], v[:, :, :from_new]
             if from_res:  # the residual's oldest tokens (read in place when no new token joins them)
-                kr, vr = self.residual.view("k")[:, :, :from_res], self.residual.view("v")[:, :, :from_res]
+                kr, vr = self._residual_front(from_res)
                 ke, ve = (torch.cat([kr, ke], dim=2), torch.cat([vr, ve], dim=2)) if from_new else (kr, vr)
             first = self._store_position() + self.store.length  # the chunk's first token follows the stored codes
             if self.key_rope is not None:
@@ -317,7 +331,25 @@ class QuantizedLayer(KVLayer):
             self.residual.drop_front(from_res)
             k, v = k[:, :, from_new:], v[:, :, from_new:]
         if k.shape[-2]:
+            self._residual_append(k, v)
+
+    def _residual_front(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual's oldest ``n`` tokens as K/V (views, or decoded from an int8 residual)."""
+        if self.residual_codec is None:
+            return self.residual.view("k")[:, :, :n], self.residual.view("v")[:, :, :n]
+        front = {name: t[:, :, :n] for name, t in self.residual.views().items()}
+        b, h = self.batch_size, self.spec.num_kv_heads
+        k = torch.empty((b, h, n, self.spec.key_dim), dtype=self.dtype, device=self.device)
+        v = torch.empty((b, h, n, self.spec.value_dim), dtype=self.dtype, device=self.device)
+        self.residual_codec.decode(front, k, v)
+        return k, v
+
+    def _residual_append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.residual_codec is None:
             self.residual.append_kv(k, v)
+            return
+        codec = self.residual_codec
+        self.residual.append_written(k.shape[-2], lambda: codec.like(k, v), lambda out: codec.encode_into(k, v, out))
 
     def _crop_limit_message(self, n: int) -> str:
         return f"cannot crop {n} tokens: this layer holds {self.cumulative_length}"
@@ -337,12 +369,9 @@ class QuantizedLayer(KVLayer):
             # Decode the partly removed group; its survivors rejoin the (now empty) residual.
             full_k, full_v = self._decode_all()
             start = self.store.length - popped
-            survivors = {
-                "k": full_k[:, :, start : start + keep].clone(),
-                "v": full_v[:, :, start : start + keep].clone(),
-            }
+            survivors = full_k[:, :, start : start + keep].clone(), full_v[:, :, start : start + keep].clone()
             self.store.truncate(popped)
-            self.residual.append(survivors)
+            self._residual_append(*survivors)
         else:
             self.store.truncate(popped)
 
@@ -395,8 +424,12 @@ class QuantizedSlidingWindowLayer(QuantizedLayer):
         workspace: Workspace,
         mode: AttentionMode | None = None,
         key_rope: RotarySpec | None = None,
+        residual_codec=None,
     ):
-        super().__init__(spec, layer_idx, owner, codec, residual_length, workspace, mode, key_rope=key_rope)
+        super().__init__(
+            spec, layer_idx, owner, codec, residual_length, workspace, mode, key_rope=key_rope,
+            residual_codec=residual_codec,
+        )  # fmt: skip
         self.sliding_window = spec.sliding_window
         self.record_past = False
 
