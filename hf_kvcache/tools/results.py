@@ -96,6 +96,13 @@ RUNS: dict[str, list[str]] = {
         *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
         *["--caches", "dynamic,int2,int2:key_bits=3,int2:key_bits=4,int3,int3:key_bits=4,int4:key_bits=2"],
     ],
+    # The residual in int8 (residual_bits=8) next to the full-precision residual, on the default run's protocol.
+    "eval-residual": [
+        "eval",
+        *REAL,
+        *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
+        *["--caches", "dynamic,int2,int2:residual_bits=8,int3,int3:residual_bits=8"],
+    ],
     "eval-ablation": [
         "eval",
         *REAL,
