@@ -3,8 +3,9 @@
 A layer's sequence is ``[quantized tokens ; residual tokens]``. New tokens enter the residual; whenever it holds more
 than ``residual_length`` tokens, its oldest tokens are encoded, ``unit`` at a time (one token for int8 and for KIVI
 with ``key_axis="token"``, one group of ``group_size`` tokens for KIVI's per-channel keys). So the most recent
-``residual_length`` tokens are always exact, the residual never holds more than ``residual_length + unit - 1``
-tokens, and every token is encoded exactly once.
+``residual_length`` tokens are always exact (int8-rounded with ``residual_bits=8``: the residual then holds int8
+codes), the residual never holds more than ``residual_length + unit - 1`` tokens, and every token is encoded into the
+history exactly once.
 
 A forward attends to ``[decoded history ; residual ; new tokens]``, with the new tokens exact: the tokens a forward
 produces are never read back quantized by that same forward (so prefill logits equal ``DynamicCache``'s). Under the
