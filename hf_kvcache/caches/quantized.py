@@ -115,7 +115,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         key_bits: 4/3/2 bits only: the keys' width, 4, 3 or 2, the values staying at ``bits`` (default: ``bits``).
             Keys carry per-channel outliers and steer every attention weight; values are averaged by them, so
             ``bits=2, key_bits=4`` (spec ``int2:key_bits=4``, 3 bits per element on average) spends the bytes where
-            the errors cost most, as vLLM's ``k8v4`` / ``k4v2``-style presets do. Read in place by the kernels (each
+            the errors cost most, as vLLM's ``k8v4``-style KV presets do. Read in place by the kernels (each
             tile's keys and values unpacked at their own width), counted by ``bytes_per_token``, ``nbytes`` and
             ``plan``. The other options (residual, rotation, sinks, pre-RoPE keys, their ``"auto"`` defaults) follow
             ``bits``.

@@ -122,6 +122,13 @@ RUNS: dict[str, list[str]] = {
         *"--task ruler --chat-template --ruler-lengths 1024,2048 --ruler-samples 10".split(),
         *["--caches", EVAL_CACHES],
     ],
+    # RULER through int2 with 3-bit keys, next to int2 and int3 (keys and values at their own widths).
+    "eval-ruler-kvbits": [
+        "eval",
+        *REAL,
+        *"--task ruler --chat-template --ruler-lengths 1024,2048 --ruler-samples 10".split(),
+        *["--caches", "dynamic,int2,int2:key_bits=3,int3"],
+    ],
     # CPU speed and memory on the real model (2 cores, one thread each; 1 repeat: read ratios, not spreads).
     "bench-cpu": ["bench", *REAL, *BENCH, "--contexts", "1024,4096", "--attn", "sdpa,hf_kvcache"],
     "bench-cpu-8k": ["bench", *REAL, *BENCH, "--contexts", "8000"],
