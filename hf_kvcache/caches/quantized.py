@@ -121,10 +121,10 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             ``bits``.
         residual_bits: 4/3/2 bits only: ``None`` (default: the residual holds its tokens in full precision) or 8:
             the residual holds them in int8 as ``bits=8`` stores tokens (one float32 scale per token and head),
-            about half of a bf16 residual's bytes, which is most of what short contexts pay (at 2k tokens and 2 bits
-            the residual is a third of the stored bytes). A forward still attends to its own new tokens exactly; the
-            residual's tokens are int8-rounded when they later join the codes. Read by the int8 kernel under
-            ``hf_kvcache``; counted by ``nbytes`` and ``plan``.
+            about half of a bf16 residual's bytes (at 2k tokens and 2 bits a bf16 residual is about 30% of what the
+            cache stores). A forward still attends to its own new tokens exactly; a token that waited in the residual
+            joins the codes int8-rounded. Read by the int8 kernel under ``hf_kvcache``; counted by ``nbytes`` and
+            ``plan``.
 
     Example:
         >>> from transformers import LlamaConfig
