@@ -34,6 +34,7 @@ __all__ = [
     "dequantize_asymmetric",
     "pack",
     "pack_width",
+    "codes_per_byte",
     "unpack",
     "levels",
 ]
@@ -203,8 +204,14 @@ def pack_width(width: int, bits: int) -> int:
     return width * bits // 8
 
 
+def codes_per_byte(bits: int) -> int:
+    """Codes of ``bits`` bits that fill whole bytes in :func:`pack`'s layout: 8 at 3 bits (a 2-bit plane and a 1-bit
+    plane, whose high bits pack 8 per byte), else ``8 / bits``; packed widths must be multiples of it."""
+    return 8 if bits == 3 else 8 // bits
+
+
 def _check_packable(width: int, bits: int) -> None:
-    multiple = 8 if bits == 3 else 8 // bits
+    multiple = codes_per_byte(bits)
     if width % multiple:
         raise ValueError(f"last dimension ({width}) must be a multiple of {multiple} to pack {bits}-bit codes")
 

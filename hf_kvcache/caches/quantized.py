@@ -220,7 +220,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         key_dims, value_dims = {s.key_dim for s in specs}, {s.value_dim for s in specs}
         coded = [(width, key_dims | value_dims)] if key_bits is None else [(width, value_dims), (key_bits, key_dims)]
         for code_bits, dims in coded:
-            per_pack = 8 if code_bits == 3 else 8 // code_bits  # codes that fill whole bytes
+            per_pack = quant.codes_per_byte(code_bits)
             if any(d % per_pack for d in dims):
                 raise ValueError(
                     f"{code_bits}-bit codes pack {per_pack} per whole bytes: head widths {sorted(dims)} must be "

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quant import codes_per_byte
 from .storage import pool_strides, strides
 
 __all__ = ["kivi_encodable", "triton_append", "triton_kivi_encode"]
@@ -392,20 +393,15 @@ def _kivi_encode_kernel(
         )  # fmt: skip
 
 
-def _per_byte(bits: int) -> int:
-    """Codes that fill whole bytes: 8 at 3 bits (whose high-bit plane packs 8), else ``8 / bits``."""
-    return 8 if bits == 3 else 8 // bits
-
-
 def kivi_encodable(key_bits: int, value_bits: int, group: int, key_dim: int, value_dim: int,
                    per_token_keys: bool = False) -> bool:  # fmt: skip
     """Whether :func:`triton_kivi_encode` takes this geometry: every channel group of a token a whole number of packed
     bytes (``group`` a multiple of the codes per byte) and whole groups of channels; per-channel keys a whole number
     of bytes per token."""
-    values = group % _per_byte(value_bits) == 0 and value_dim % group == 0
+    values = group % codes_per_byte(value_bits) == 0 and value_dim % group == 0
     if per_token_keys:
-        return values and group % _per_byte(key_bits) == 0 and key_dim % group == 0
-    return values and key_dim % _per_byte(key_bits) == 0
+        return values and group % codes_per_byte(key_bits) == 0 and key_dim % group == 0
+    return values and key_dim % codes_per_byte(key_bits) == 0
 
 
 def triton_kivi_encode(k: torch.Tensor, v: torch.Tensor, out: dict[str, torch.Tensor], key_bits: int,
