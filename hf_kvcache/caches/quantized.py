@@ -185,24 +185,18 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
                 raise ImportError("backend='bitsandbytes' needs bitsandbytes: pip install 'hf-kvcache[bnb]'") from err
         if key_bits is not None:
             check_choice("key_bits", key_bits, _KIVI_BITS)
-            if width == 8:
-                raise ValueError(
-                    f"key_bits applies to the 4/3/2-bit kinds (their keys at another of those widths), got "
-                    f"key_bits={key_bits} with bits={bits!r}"
-                )
         if residual_bits is not None:
             check_choice("residual_bits", residual_bits, (8,))
-            if width == 8:
-                raise ValueError(
-                    f"residual_bits applies to the 4/3/2-bit kinds (whose residual is otherwise full precision), got "
-                    f"residual_bits={residual_bits} with bits={bits!r}"
-                )
         check_int("boundary_layers", boundary_layers, 0)
-        if boundary_layers and width == 8:
-            raise ValueError(
-                f"boundary_layers applies to the 4/3/2-bit kinds (it stores their first and last layers in int8), got "
-                f"boundary_layers={boundary_layers} with bits={bits!r}"
-            )
+        for name, value, why in (
+            ("key_bits", key_bits, "their keys at another of those widths"),
+            ("residual_bits", residual_bits, "whose residual is otherwise full precision"),
+            ("boundary_layers", boundary_layers, "it stores their first and last layers in int8"),
+        ):
+            if value and width == 8:  # set (not None / 0) where the kind has no such layout
+                raise ValueError(
+                    f"{name} applies to the 4/3/2-bit kinds ({why}), got {name}={value} with bits={bits!r}"
+                )
         specs = self._bind_model(model, config)
         if 2 * boundary_layers >= len(specs):
             raise ValueError(
