@@ -21,7 +21,7 @@ import dataclasses
 import torch
 
 from .._config import LayerSpec
-from ..formats import DenseSegment, KVHandle, PreRopeSegment
+from ..formats import DenseSegment, IdentityCodec, KVHandle, PreRopeSegment
 from ..rope import RotarySpec, rotate_positions
 from ._common import AttentionMode, KVLayer, PaddingTracker, tokens_to_crop
 from ._sinks import RowSinks
@@ -90,9 +90,9 @@ class QuantizedLayer(KVLayer):
     ):
         super().__init__(spec, layer_idx, owner, mode)
         self.codec = codec
-        # None: the residual holds the tokens as they came (exact); a codec (int8): it holds them in that format,
-        # encoded as they arrive and decoded when they leave for the codes (still read exact by their own forward).
-        self.residual_codec = residual_codec
+        # The residual's format: the tokens as they came (IdentityCodec, the default: exact) or int8, encoded as they
+        # arrive and decoded when they leave for the codes (a forward still reads its own new tokens exact).
+        self.residual_codec = residual_codec or IdentityCodec()
         # pre_rope=True (KVQuant): keys are turned back to before RoPE for quantizing (RoPE mixes each outlier
         # channel with its pair at a different angle every token, which per-channel groups cannot follow) and turned
         # forward again when read. The angle is the token's index in the layer, the same both ways, so a row's left
@@ -111,7 +111,7 @@ class QuantizedLayer(KVLayer):
 
     def _initialize(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.store = TokenBuffers(self.codec.units)
-        self.residual = TokenBuffers(self.residual_codec.units if self.residual_codec is not None else {"k": 1, "v": 1})
+        self.residual = TokenBuffers(self.residual_codec.units)
         if self.sinks:  # row r's first real token sits at its left padding p_r (zeros where none was observed)
             pads = self.padding.pads(self.batch_size) if self.padding is not None else (0,) * self.batch_size
             self.sink = RowSinks(self.sinks, pads, key_states, value_states)
@@ -132,10 +132,10 @@ class QuantizedLayer(KVLayer):
         if not self._hands_storage(n, visible):
             keys, values = self._attended(key_states, value_states, visible)
             self._append(key_states, value_states)
-        elif self.residual_codec is None and self._joins_residual(n):
+        elif self._exact_residual and self._joins_residual(n):
             # The new tokens only join the residual: stored first and read with it, one segment (one launch) fewer.
             self._take_sinks(key_states, value_states)
-            self.residual.append_kv(key_states, value_states)
+            self._residual_append(key_states, value_states)
             keys = values = self._handle(key_states, value_states, visible, joined=True)
         else:
             keys = values = self._handle(key_states, value_states, visible)
@@ -218,13 +218,9 @@ class QuantizedLayer(KVLayer):
         encoded, residual = self._planned_split(tokens, prompt)
         spec = self.spec
         coded = self.codec.bytes_per_token(spec.num_kv_heads, spec.key_dim, spec.value_dim, dtype)
-        exact = (residual if self.residual_codec is None else 0) + (self.sinks if tokens else 0)
-        held = 0.0
-        if self.residual_codec is not None:
-            held = residual * self.residual_codec.bytes_per_token(
-                spec.num_kv_heads, spec.key_dim, spec.value_dim, dtype
-            )
-        return encoded * coded + held + exact * spec.bytes_per_token_factor * dtype.itemsize
+        held = self.residual_codec.bytes_per_token(spec.num_kv_heads, spec.key_dim, spec.value_dim, dtype)
+        sinks = self.sinks if tokens else 0
+        return encoded * coded + residual * held + sinks * spec.bytes_per_token_factor * dtype.itemsize
 
     def _planned_split(self, tokens: int, prompt: int) -> tuple[int, int]:
         return encoded_split(tokens, self.residual_length, self.codec.unit)
@@ -245,11 +241,8 @@ class QuantizedLayer(KVLayer):
         if nq:
             self.codec.decode(self.store.views(), keys[:, :, :nq], values[:, :, :nq])
             self._to_positions(keys[:, :, :nq])
-        if nr and self.residual_codec is not None:
+        if nr:
             self.residual_codec.decode(self.residual.views(), keys[:, :, nq : nq + nr], values[:, :, nq : nq + nr])
-        elif nr:
-            keys[:, :, nq : nq + nr].copy_(self.residual.view("k"))
-            values[:, :, nq : nq + nr].copy_(self.residual.view("v"))
         keys[:, :, nq + nr :].copy_(k_new)
         values[:, :, nq + nr :].copy_(v_new)
         if self.sink is not None:  # each row's exact sinks over their codes' copies
@@ -289,11 +282,7 @@ class QuantizedLayer(KVLayer):
                 segment = PreRopeSegment(segment, self.key_rope, self._store_position() + skip)
             segments.append(segment)
         if self.residual.length > max(skip - nq, 0):  # with the new tokens at its end when they joined it
-            r0 = max(skip - nq, 0)
-            if self.residual_codec is not None:
-                segments.append(self.residual_codec.segment(self.residual.views(), r0))
-            else:
-                segments.append(DenseSegment(self.residual.view("k")[:, :, r0:], self.residual.view("v")[:, :, r0:]))
+            segments.append(self.residual_codec.segment(self.residual.views(), max(skip - nq, 0)))
         if not joined:
             segments.append(DenseSegment(k_new, v_new))
         return KVHandle(tuple(segments), self.mode.model_type, columns, extra)
@@ -334,9 +323,14 @@ class QuantizedLayer(KVLayer):
         if k.shape[-2]:
             self._residual_append(k, v)
 
+    @property
+    def _exact_residual(self) -> bool:
+        """Whether the residual holds the tokens as they came (then they are read in place, as views)."""
+        return isinstance(self.residual_codec, IdentityCodec)
+
     def _residual_front(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual's oldest ``n`` tokens as K/V (views, or decoded from an int8 residual)."""
-        if self.residual_codec is None:
+        if self._exact_residual:
             return self.residual.view("k")[:, :, :n], self.residual.view("v")[:, :, :n]
         front = {name: t[:, :, :n] for name, t in self.residual.views().items()}
         b, h = self.batch_size, self.spec.num_kv_heads
@@ -346,9 +340,7 @@ class QuantizedLayer(KVLayer):
         return k, v
 
     def _residual_append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.residual_codec is None:
-            self.residual.append_kv(k, v)
-            return
+        """Store ``k`` / ``v`` at the residual's end in its format (one launch on CUDA)."""
         codec = self.residual_codec
         self.residual.append_written(k.shape[-2], lambda: codec.like(k, v), lambda out: codec.encode_into(k, v, out))
 
