@@ -1,5 +1,7 @@
 """``hf-kvcache`` command line: ``list`` the cache kinds, ``demo``, ``eval`` and ``bench`` them, ``plan`` memory.
 
+``calibrate`` measures per-layer key widths for ``key_bits=``.
+
 Every subcommand defaults to the embedded reference model and runs offline; ``eval`` and ``bench`` need the ``eval``
 extra (``hf_kvcache.eval``). ``eval`` and ``bench`` take flags generated from their config dataclasses. Expected
 failures (a bad flag value, a missing model or dataset, no CUDA) print one line and exit with status 2.
@@ -272,6 +274,38 @@ def _plan(args) -> int:
     return 0
 
 
+def _add_calibrate_parser(sub) -> None:
+    from .eval.calibration import CalibrateConfig
+    from .eval.config import ModelOptions
+    from .eval.flags import add_flags
+
+    p = sub.add_parser(
+        "calibrate",
+        help="per-layer key widths under a bits budget, measured on the model (a file for key_bits=)",
+        description="Measure what each layer's keys cost at 2, 3 and 4 bits (KL of next-token distributions against "
+        "a full-precision cache, on rows whose tail copies their beginning), choose the widths with the least loss "
+        "within --budget key bits on average, and write them to --output: use it as "
+        "QuantizedKVCache(key_bits=FILE) or the spec int2:key_bits=FILE.",
+    )
+    names = add_flags(p.add_argument_group("model options"), ModelOptions, skip=("seed",))
+    names += add_flags(p.add_argument_group("calibrate options"), CalibrateConfig)
+    p.set_defaults(func=_calibrate, names=names)
+
+
+def _calibrate(args) -> int:
+    from .eval.calibration import CalibrateConfig, format_widths, run_calibration
+    from .eval.flags import given_fields
+
+    config = CalibrateConfig(**given_fields(args, args.names))
+    config.validate()
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    widths = run_calibration(config)
+    print(format_widths(widths))
+    print(f"\nwrote {config.output}: use it as key_bits={config.output}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hf-kvcache", description=__doc__.splitlines()[0].replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True)
@@ -280,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval_parser(sub)
     _add_bench_parser(sub)
     _add_plan_parser(sub)
+    _add_calibrate_parser(sub)
     return parser
 
 

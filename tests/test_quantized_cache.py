@@ -872,8 +872,8 @@ def test_key_bits_store_keys_and_values_at_their_own_widths():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(bits=2, key_bits=8), "key_bits must be one of 4, 3, 2, got 8"),
-        (dict(bits=2, key_bits="4"), "key_bits must be one of 4, 3, 2, got '4'"),
+        (dict(bits=2, key_bits=8), r"key_bits must be one of 4, 3, 2 \(or one per layer\), got 8"),
+        (dict(bits=2, key_bits="4"), r"key_bits: no file '4' \(key_bits takes a width, 4, 3 or 2"),
         (dict(bits=8, key_bits=4), "key_bits applies to the 4/3/2-bit kinds"),
         (dict(bits=2, key_bits=3, head_dim=12), r"3-bit codes pack 8 per whole bytes: head widths \[12\]"),
     ],

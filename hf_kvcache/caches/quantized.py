@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
@@ -11,6 +14,7 @@ from .. import quant
 from .._config import LayerSpec, is_latent_attention
 from .._validate import check_choice, check_int, dtype_from_name
 from ..formats import KEY_AXES, ROTATIONS, codec_for
+from ..layer_widths import LayerKeyWidths, resolve_key_bits
 from ..layers._storage import Workspace
 from ..layers.quantized import QuantizedLayer, QuantizedSlidingWindowLayer
 from ..registry import register_cache
@@ -118,7 +122,10 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             the errors cost most, as vLLM's ``k8v4``-style KV presets do. Read in place by the kernels (each
             tile's keys and values unpacked at their own width), counted by ``bytes_per_token``, ``nbytes`` and
             ``plan``. The other options (residual, rotation, sinks, pre-RoPE keys, their ``"auto"`` defaults) follow
-            ``bits``.
+            ``bits``. Per layer: a sequence of widths, one per decoder layer, or the path of a widths file (spec
+            ``int2:key_bits=widths.json``) that :func:`hf_kvcache.calibrate.search_key_bits` (``hf-kvcache
+            calibrate``) writes after measuring which layers' keys cost most at fewer bits (KVTuner's idea); the
+            attribute is then a tuple, :meth:`layer_key_bits` gives one layer's.
         residual_bits: 4/3/2 bits only: ``None`` (default: the residual holds its tokens in full precision) or 8:
             the residual holds them in int8 as ``bits=8`` stores tokens (one float32 scale per token and head),
             about half of a bf16 residual's bytes (at 2k tokens and 2 bits a bf16 residual is about 30% of what the
@@ -148,7 +155,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         sinks: int | str = AUTO,
         pre_rope: bool | str = AUTO,
         boundary_layers: int = 0,
-        key_bits: int | None = None,
+        key_bits: int | Sequence[int] | LayerKeyWidths | str | os.PathLike | None = None,
         residual_bits: int | None = None,
     ):
         model, config = split_model(config)
@@ -183,8 +190,6 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
                 import bitsandbytes  # noqa: F401
             except ImportError as err:
                 raise ImportError("backend='bitsandbytes' needs bitsandbytes: pip install 'hf-kvcache[bnb]'") from err
-        if key_bits is not None:
-            check_choice("key_bits", key_bits, _KIVI_BITS)
         if residual_bits is not None:
             check_choice("residual_bits", residual_bits, (8,))
         check_int("boundary_layers", boundary_layers, 0)
@@ -198,6 +203,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
                     f"{name} applies to the 4/3/2-bit kinds ({why}), got {name}={value} with bits={bits!r}"
                 )
         specs = self._bind_model(model, config)
+        key_bits = resolve_key_bits(key_bits, len(specs))
         if 2 * boundary_layers >= len(specs):
             raise ValueError(
                 f"boundary_layers={boundary_layers} keeps the first and last {boundary_layers} of the model's "
@@ -212,7 +218,8 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             if any(d % group_size for d in widths):
                 raise ValueError(f"group_size must divide head_dim ({', '.join(map(str, widths))}), got {group_size}")
         key_dims, value_dims = {s.key_dim for s in specs}, {s.value_dim for s in specs}
-        coded = [(width, key_dims | value_dims)] if key_bits is None else [(width, value_dims), (key_bits, key_dims)]
+        key_widths = {width} if key_bits is None else set(key_bits) if isinstance(key_bits, tuple) else {key_bits}
+        coded = [(width, value_dims), *((b, key_dims) for b in sorted(key_widths))]
         for code_bits, dims in coded:
             per_pack = quant.codes_per_byte(code_bits)
             if any(d % per_pack for d in dims):
@@ -250,9 +257,16 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         if sinks:  # the sinks are each row's first real tokens: read the left padding of the prefill's mask
             self._observe_model(model)
 
-    def _codec(self):
+    def layer_key_bits(self, layer_idx: int) -> int:
+        """The width layer ``layer_idx`` stores its keys at (8 for an int8 boundary layer)."""
+        if self.bits in (8, "fp8") or self.is_boundary(layer_idx):
+            return 8
+        return self.key_bits[layer_idx] if isinstance(self.key_bits, tuple) else self.key_bits
+
+    def _codec(self, layer_idx: int):
         group = self._codec_group if self.bits in (8, "fp8") else self.group_size
-        key_bits = None if self.key_bits == self.bits else self.key_bits
+        key_bits = self.layer_key_bits(layer_idx)
+        key_bits = None if key_bits in (8, self.bits) else key_bits
         return codec_for(self.bits, group, self.scale_dtype, self.key_axis, self.rotate, self.backend, key_bits)
 
     def is_boundary(self, layer_idx: int) -> bool:
@@ -260,13 +274,15 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         return layer_idx < self.boundary_layers or layer_idx >= len(self.layer_specs) - self.boundary_layers
 
     def _make_layer(self, layer_idx: int, spec: LayerSpec) -> QuantizedLayer:
-        owner, codec = type(self).__name__, self._codec()
+        owner = type(self).__name__
         key_rope = self.key_ropes.get(spec.layer_type) if spec.uses_rope else None
         residual, sinks = self.residual_length, self.sinks
         residual_codec = codec_for(self.residual_bits)  # int8 as bits=8 stores it, or None: exact
         if self.is_boundary(layer_idx):  # int8 as bits=8 stores it: no residual, rotation, sinks or pre-RoPE keys
             codec = codec_for(8, None, self.scale_dtype)
             key_rope, residual, sinks, residual_codec = None, 0, 0, None
+        else:
+            codec = self._codec(layer_idx)
         if spec.layer_type != "full_attention":  # the model's own window: its sinks would be evicted anyway
             return QuantizedSlidingWindowLayer(
                 spec, layer_idx, owner, codec, residual, self.workspace, self.attention_mode, key_rope, residual_codec
@@ -291,7 +307,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         )
 
     def __repr__(self) -> str:
-        axis = f", key_bits={self.key_bits}" if self.key_bits != self.bits else ""
+        axis = f", key_bits={self.key_bits}" if self.key_bits != self.bits else ""  # a tuple: one width per layer
         axis += f", key_axis={self.key_axis!r}" if self.key_axis == "token" else ""
         axis += f", rotate={self.rotate!r}" if self.rotate else ""
         axis += f", sinks={self.sinks}" if self.sinks else ""
@@ -344,7 +360,7 @@ def _register(bits: int | str, summary: str) -> None:
         sinks: int | str = AUTO,
         pre_rope: bool | str = AUTO,
         boundary_layers: int = 0,
-        key_bits: int | None = None,
+        key_bits: int | str | None = None,
         residual_bits: int | None = None,
     ) -> QuantizedKVCache:
         return QuantizedKVCache(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import sys
@@ -54,6 +55,7 @@ BENCH = [
     *"--new-tokens 8 --repeats 1 --caches".split(),
     "dynamic,int8,int4,int2,sink:window=1024:sinks=4,paged:block_size=16",
 ]
+KEY_WIDTHS_FILE = "results/{}/key_bits.json"  # where a calibrate run writes its widths (relative to the checkout)
 RUNS: dict[str, list[str]] = {
     "eval-default": [
         "eval",
@@ -95,6 +97,27 @@ RUNS: dict[str, list[str]] = {
         *REAL,
         *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
         *["--caches", "dynamic,int2,int2:key_bits=3,int2:key_bits=4,int3,int3:key_bits=4,int4:key_bits=2"],
+    ],
+    # Per-layer key widths (hf-kvcache calibrate): measured once at int2 (budget 2.5 key bits), re-chosen from the same
+    # measurements for 2.25 and 2.1 bits; then the default run's protocol with each, int2 and int2:key_bits=3 beside.
+    # The eval reads the files the calibrate runs write under results/ (run them first: RUNS order).
+    "calibrate-int2": ["calibrate", *REAL, *"--cache int2 --budget 2.5".split()],
+    "calibrate-int2-2.25": ["calibrate", "--reuse", KEY_WIDTHS_FILE.format("calibrate-int2"), "--budget", "2.25"],
+    "calibrate-int2-2.1": ["calibrate", "--reuse", KEY_WIDTHS_FILE.format("calibrate-int2"), "--budget", "2.1"],
+    "eval-keywidths": [
+        "eval",
+        *REAL,
+        *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
+        "--caches",
+        ",".join(
+            [
+                "dynamic",
+                "int2",
+                *(f"int2:key_bits={KEY_WIDTHS_FILE.format(n)}" for n in ("calibrate-int2-2.1", "calibrate-int2-2.25")),
+                f"int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2')}",
+                "int2:key_bits=3",
+            ]
+        ),
     ],
     # The residual in int8 (residual_bits=8) next to the full-precision residual, on the default run's protocol.
     "eval-residual": [
@@ -172,6 +195,13 @@ def render(name: str) -> str:
         from .gpu_run.render import render as render_gpu_run
 
         return render_gpu_run(record)
+    if record["kind"] == "calibrate":
+        from hf_kvcache.eval.calibration import format_widths
+        from hf_kvcache.layer_widths import LayerKeyWidths
+
+        return "\n".join(
+            ["```bash", record["command"], "```", "", format_widths(LayerKeyWidths.from_dict(record["results"]))]
+        )
     if record["kind"] == "bench-cpu":
         from .bench_cpu import render as render_bench_cpu
 
@@ -208,6 +238,10 @@ def run(name: str) -> None:
         if bench_cpu([*argv[1:], "--output", str(out)]) != 0:
             raise SystemExit(f"{name} failed")
         results = json.loads((out / "bench-cpu.json").read_text())
+    elif kind == "calibrate":
+        if cli([*argv, "--output", KEY_WIDTHS_FILE.format(name)]) != 0:
+            raise SystemExit(f"{name} failed")
+        results = json.loads((ROOT / KEY_WIDTHS_FILE.format(name)).read_text())
     else:
         if cli([*argv, "--output", str(out)]) != 0:
             raise SystemExit(f"{name} failed")
@@ -233,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", nargs="*", metavar="NAME", help=f"runs to (re)produce: {', '.join(RUNS)} (all)")
     parser.add_argument("--write", action="store_true", help="re-render the results regions of docs/*.md")
     args = parser.parse_args(argv)
+    os.chdir(ROOT)  # runs name files under results/ relative to the checkout (the published commands show them so)
     if args.run is None and not args.write:
         parser.error("nothing to do: give --run [NAME ...] and/or --write")
     if args.run is not None:

@@ -1,0 +1,139 @@
+"""Per-layer key widths from a calibration run (KVTuner's idea, https://arxiv.org/abs/2502.04420): measure what each
+layer's keys cost at fewer bits, then give the bits to the layers where they buy the most, under a budget.
+
+At 2 bits the keys carry most of the loss (docs/results.md, "Keys and values at their own widths"), but not every
+layer's keys equally: a layer whose heads retrieve (copy, look a fact up) needs its keys to rank the right token
+first, a layer that attends broadly does not. :func:`search_key_bits` measures it on the user's model:
+
+1. the calibration rows' context is prefilled once (:class:`~hf_kvcache.prefill.SharedPrefill`) and handed to a
+   ``QuantizedKVCache`` per configuration; the rows' last ``scored_tokens`` are fed through it in one forward, which
+   reads the context's keys and values as stored (decode reads them the same way), and their next-token
+   distributions are compared with a full-precision cache's (mean KL divergence, nats per token);
+2. the baseline: every layer's keys at the widest width searched; then each layer alone at each narrower width;
+3. the widths: the assignment with the least summed loss (each layer's measured loss above the baseline, taken as
+   additive) whose key bits stay within ``budget`` bits per key element on average, found exactly by dynamic
+   programming over the layers (:meth:`~hf_kvcache.layer_widths.LayerKeyWidths.with_budget`, which re-chooses for
+   another budget from a saved record without running the model again).
+
+:func:`copy_rows` builds rows whose scored tail repeats their beginning, so the measurement is of copying from far
+back, where low-bit keys show their cost (perplexity on running text hides it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from ._validate import check_choice, check_int
+from .caches.quantized import QuantizedKVCache
+from .layer_widths import KEY_WIDTHS, LayerKeyWidths
+from .prefill import SharedPrefill
+
+__all__ = ["copy_rows", "search_key_bits"]
+
+
+def copy_rows(ids: torch.Tensor, rows: int, tokens: int, scored_tokens: int) -> torch.Tensor:
+    """``(rows, tokens)`` calibration rows cut one after another from the 1-D token ids ``ids``: each row is
+    ``tokens - scored_tokens`` tokens of text followed by its own first ``scored_tokens`` tokens again, so the scored
+    tail can only be predicted well by copying from the row's beginning."""
+    check_int("rows", rows, 1)
+    check_int("scored_tokens", scored_tokens, 1)
+    check_int("tokens", tokens, 2 * scored_tokens)
+    context = tokens - scored_tokens
+    if ids.ndim != 1 or ids.numel() < rows * context:
+        raise ValueError(f"copy_rows: {rows} rows of {context} tokens of text need {rows * context} tokens of ids")
+    body = ids[: rows * context].view(rows, context)
+    return torch.cat([body, body[:, :scored_tokens]], dim=1)
+
+
+@torch.inference_mode()
+def search_key_bits(
+    model,
+    input_ids: torch.Tensor,
+    bits: int = 2,
+    budget: float = 2.5,
+    scored_tokens: int = 128,
+    widths: Sequence[int] = KEY_WIDTHS,
+    progress: Callable[[int], None] | None = None,
+    **cache_options,
+) -> LayerKeyWidths:
+    """Each decoder layer's key width, measured on ``model`` (see the module docstring).
+
+    Args:
+        model: a causal LM (any family ``QuantizedKVCache`` serves).
+        input_ids: ``(rows, tokens)`` calibration rows without padding (e.g. :func:`copy_rows`); their last
+            ``scored_tokens`` are scored, the rest is the context they read through the cache.
+        bits: the values' width (4, 3 or 2), as ``QuantizedKVCache(bits=...)``.
+        budget: average key bits per key element allowed, between the narrowest and widest of ``widths`` (2.5 at
+            ``bits=2``: the bytes of ``key_bits=3`` on half the keys, 2.25 bits per element with the values).
+        scored_tokens: tokens per row scored.
+        widths: the key widths to choose from (a subset of 4, 3, 2).
+        progress: called with 1 after each measured configuration (``1 + layers x (len(widths) - 1)`` of them).
+        cache_options: the other ``QuantizedKVCache`` options (``residual_length``, ``group_size``, ``rotate``, ...)
+            the widths are for; measured with them.
+
+    Returns the widths and the measurements (:class:`~hf_kvcache.layer_widths.LayerKeyWidths`; ``.save(path)``
+    writes the file ``QuantizedKVCache(key_bits=path)`` reads).
+    """
+    check_choice("bits", bits, KEY_WIDTHS)
+    widths = sorted({check_choice("widths", w, KEY_WIDTHS) for w in widths})
+    if not widths:
+        raise ValueError("widths must name at least one of 4, 3, 2")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not widths[0] <= budget <= widths[-1]:
+        raise ValueError(f"budget must be a number of bits between {widths[0]} and {widths[-1]}, got {budget!r}")
+    if "key_bits" in cache_options:
+        raise ValueError("cache_options: key_bits is what the search chooses; leave it out")
+    check_int("scored_tokens", scored_tokens, 1)
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be (rows, tokens), got shape {tuple(input_ids.shape)}")
+    context = input_ids.shape[1] - scored_tokens
+    device = next(model.parameters()).device
+    input_ids = input_ids.to(device)
+    probe = QuantizedKVCache(model, bits=bits, **cache_options)
+    layers = len(probe.layers)
+    quantized_from = probe.residual_length + probe.sinks
+    if context <= quantized_from:
+        raise ValueError(
+            f"input_ids: {context} tokens of context before the {scored_tokens} scored ones leave nothing quantized "
+            f"(the cache keeps its last {probe.residual_length} tokens and first {probe.sinks} in full precision): "
+            f"give rows of more than {quantized_from + scored_tokens} tokens"
+        )
+
+    prefill = SharedPrefill(model, input_ids[:, :context])
+    tail = input_ids[:, context:]
+
+    def log_probs(cache) -> torch.Tensor:
+        logits = model(input_ids=tail, past_key_values=prefill.into(cache)).logits
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    reference = log_probs(DynamicCache())
+
+    def loss(key_bits: list[int]) -> float:
+        measured = log_probs(QuantizedKVCache(model, bits=bits, key_bits=key_bits, **cache_options))
+        kl = (reference.exp() * (reference - measured)).sum(-1).mean().item()
+        if progress is not None:
+            progress(1)
+        return kl
+
+    top = widths[-1]
+    baseline = loss([top] * layers)
+    sensitivity = []
+    for layer in range(layers):
+        row = {str(top): baseline}
+        for width in widths[:-1]:
+            row[str(width)] = loss([top if i != layer else width for i in range(layers)])
+        sensitivity.append(row)
+    measured = LayerKeyWidths(
+        key_bits=(top,) * layers,
+        bits=bits,
+        budget=float(budget),
+        model_type=getattr(model.config, "model_type", ""),
+        calibration_tokens=input_ids.numel(),
+        scored_tokens=tail.numel(),
+        baseline=baseline,
+        sensitivity=tuple(sensitivity),
+        key_elements=tuple(spec.num_kv_heads * spec.key_dim for spec in probe.layer_specs),
+    )
+    return measured.with_budget(budget)
