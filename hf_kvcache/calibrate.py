@@ -50,14 +50,14 @@ def copy_rows(ids: torch.Tensor, rows: int, tokens: int, scored_tokens: int) -> 
 
 @torch.inference_mode()
 def search_key_bits(
-    model,
+    model: torch.nn.Module,
     input_ids: torch.Tensor,
     bits: int = 2,
     budget: float = 2.5,
     scored_tokens: int = 128,
     widths: Sequence[int] = KEY_WIDTHS,
     progress: Callable[[int], None] | None = None,
-    **cache_options,
+    **cache_options: object,
 ) -> LayerKeyWidths:
     """Each decoder layer's key width, measured on ``model`` (see the module docstring).
 
