@@ -66,8 +66,9 @@ def search_key_bits(
         input_ids: ``(rows, tokens)`` calibration rows without padding (e.g. :func:`copy_rows`); their last
             ``scored_tokens`` are scored, the rest is the context they read through the cache.
         bits: the values' width (4, 3 or 2), as ``QuantizedKVCache(bits=...)``.
-        budget: average key bits per key element allowed, between the narrowest and widest of ``widths`` (2.5 at
-            ``bits=2``: the bytes of ``key_bits=3`` on half the keys, 2.25 bits per element with the values).
+        budget: average key bits per key element allowed, between the narrowest and widest of ``widths`` (2.5: one
+            more bit than 2 on half the layers' keys, or two more on a quarter; beside 2-bit values, 2.25 bits per
+            stored number).
         scored_tokens: tokens per row scored.
         widths: the key widths to choose from (a subset of 4, 3, 2).
         progress: called with 1 after each measured configuration (``1 + layers x (len(widths) - 1)`` of them).
@@ -83,8 +84,9 @@ def search_key_bits(
         raise ValueError("widths must name at least one of 4, 3, 2")
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not widths[0] <= budget <= widths[-1]:
         raise ValueError(f"budget must be a number of bits between {widths[0]} and {widths[-1]}, got {budget!r}")
-    if "key_bits" in cache_options:
-        raise ValueError("cache_options: key_bits is what the search chooses; leave it out")
+    for name in ("key_bits", "boundary_layers"):
+        if name in cache_options:
+            raise ValueError(f"cache_options: {name} sets layers' key widths, which the search chooses; leave it out")
     check_int("scored_tokens", scored_tokens, 1)
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be (rows, tokens), got shape {tuple(input_ids.shape)}")

@@ -201,7 +201,8 @@ def test_search_measures_each_layer_and_keeps_the_budget():
         (dict(budget=5), "budget must be a number of bits between 2 and 4"),
         (dict(bits=8), "bits must be one of 4, 3, 2"),
         (dict(scored_tokens=110), "leave nothing quantized"),
-        (dict(key_bits=3), "key_bits is what the search chooses"),
+        (dict(key_bits=3), "key_bits sets layers' key widths, which the search chooses"),
+        (dict(boundary_layers=1), "boundary_layers sets layers' key widths"),
     ):
         with pytest.raises(ValueError, match=match):
             search_key_bits(model, ids, **{"scored_tokens": 24, **options, **kwargs})
@@ -228,7 +229,7 @@ def test_calibrate_cli_writes_a_widths_file_and_reuses_it(tmp_path, capsys):
     for bad, message in (
         (["--budget", "2.5"], "--output: name the widths file to write"),
         (["--cache", "int8", "--output", "x.json"], "--cache must be an int4, int3 or int2 spec, got 'int8'"),
-        (["--cache", "int2:key_bits=3", "--output", "x.json"], "key_bits is what calibrate chooses"),
+        (["--cache", "int2:key_bits=3", "--output", "x.json"], "key_bits sets layers' key widths"),
         (["--budget", "5", "--output", "x.json"], "--budget must be between 2 and 4 bits, got 5.0"),
         (["--reuse", "nope.json", "--output", "x.json"], "key_bits: no file 'nope.json'"),
     ):

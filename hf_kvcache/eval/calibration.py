@@ -51,8 +51,9 @@ class CalibrateConfig(ModelOptions):
         if name not in {f"int{b}" for b in KEY_WIDTHS}:
             raise ValueError(f"--cache must be an int4, int3 or int2 spec, got {self.cache!r}")
         check_spec(self.cache)
-        if "key_bits" in options:
-            raise ValueError(f"--cache {self.cache!r}: key_bits is what calibrate chooses; leave it out")
+        for name in ("key_bits", "boundary_layers"):
+            if name in options:
+                raise ValueError(f"--cache {self.cache!r}: {name} sets layers' key widths, which calibrate chooses")
         if not math.isfinite(self.budget) or not min(KEY_WIDTHS) <= self.budget <= max(KEY_WIDTHS):
             raise ValueError(
                 f"--budget must be between {min(KEY_WIDTHS)} and {max(KEY_WIDTHS)} bits, got {self.budget}"
