@@ -119,6 +119,13 @@ RUNS: dict[str, list[str]] = {
             ]
         ),
     ],
+    # RULER through the calibrated widths at 2.25 key bits (beside eval-ruler-kvbits' int2 and int2:key_bits=3).
+    "eval-ruler-keywidths": [
+        "eval",
+        *REAL,
+        *"--task ruler --chat-template --ruler-lengths 1024,2048 --ruler-samples 10".split(),
+        *["--caches", f"dynamic,int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2-2.25')}"],
+    ],
     # The residual in int8 (residual_bits=8) next to the full-precision residual, on the default run's protocol.
     "eval-residual": [
         "eval",
