@@ -28,7 +28,7 @@ from transformers.cache_utils import DynamicCache
 
 from ._validate import check_choice, check_int
 from .caches.quantized import QuantizedKVCache
-from .layer_widths import KEY_WIDTHS, LayerKeyWidths
+from .layer_widths import KEY_WIDTHS, LayerKeyWidths, check_budget
 from .prefill import SharedPrefill
 
 __all__ = ["copy_rows", "search_key_bits"]
@@ -82,8 +82,7 @@ def search_key_bits(
     widths = sorted({check_choice("widths", w, KEY_WIDTHS) for w in widths})
     if not widths:
         raise ValueError("widths must name at least one of 4, 3, 2")
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not widths[0] <= budget <= widths[-1]:
-        raise ValueError(f"budget must be a number of bits between {widths[0]} and {widths[-1]}, got {budget!r}")
+    check_budget(budget, widths)  # before the model runs: with_budget checks it again, after
     for name in ("key_bits", "boundary_layers"):
         if name in cache_options:
             raise ValueError(f"cache_options: {name} sets layers' key widths, which the search chooses; leave it out")

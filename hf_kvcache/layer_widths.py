@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-__all__ = ["KEY_WIDTHS", "LayerKeyWidths", "resolve_key_bits"]
+__all__ = ["KEY_WIDTHS", "LayerKeyWidths", "check_budget", "resolve_key_bits"]
 
 KEY_WIDTHS = (4, 3, 2)  # the KIVI widths a layer's keys can take
 _FORMAT = "hf_kvcache.key_bits/1"
@@ -55,8 +55,7 @@ class LayerKeyWidths:
         if not self.sensitivity:
             raise ValueError("with_budget needs the measurements of a search (this record has no sensitivity)")
         widths = sorted(int(w) for w in self.sensitivity[0])
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not widths[0] <= budget <= widths[-1]:
-            raise ValueError(f"budget must be a number of bits between {widths[0]} and {widths[-1]}, got {budget!r}")
+        check_budget(budget, widths)
         elements = self.key_elements or (1,) * len(self.key_bits)
         unit = math.gcd(*elements)
         sizes = [e // unit for e in elements]
@@ -113,6 +112,13 @@ class LayerKeyWidths:
             return cls.from_dict(record)
         except TypeError as err:
             raise ValueError(f"key_bits: {str(path)!r} has unexpected fields ({err})") from None
+
+
+def check_budget(budget, widths: list[int]) -> float:
+    """``budget`` if it is a number of bits between the narrowest and widest of the sorted ``widths``."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not widths[0] <= budget <= widths[-1]:
+        raise ValueError(f"budget must be a number of bits between {widths[0]} and {widths[-1]}, got {budget!r}")
+    return budget
 
 
 def _check_widths(name: str, widths) -> tuple[int, ...]:

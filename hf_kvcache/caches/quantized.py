@@ -24,7 +24,6 @@ from ._base import KVCacheReportMixin, PaddingObserverMixin, split_model
 __all__ = ["MEASURED_DEFAULTS", "QuantizedKVCache"]
 
 _BACKENDS = ("torch", "bitsandbytes")
-_KIVI_BITS = (4, 3, 2)
 _DEFAULT_RESIDUAL = {8: 0, 4: 128, 3: 128, 2: 128}
 AUTO = "auto"
 # What rotate / sinks / pre_rope = "auto" (the defaults) mean at each width: the best setting measured on SmolLM2
