@@ -76,11 +76,11 @@ def test_each_layer_stores_its_keys_as_a_cache_of_its_width(tmp_path):
     assert QuantizedKVCache(config, bits=2, key_bits=[3, 3, 3]).key_bits == 3  # all equal: one width
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "hf_kvcache"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa", "hf_kvcache"])
 def test_generate_with_per_layer_key_widths(attn):
-    """Greedy generation through a per-layer cache equals a run through the same cache rebuilt (deterministic) and
-    under hf_kvcache reads each layer's codes in place at its own width (the same tokens as sdpa's dequantized
-    read, on this tiny model)."""
+    """Greedy generation through a per-layer cache equals a run through the same cache rebuilt (deterministic), and
+    under eager and hf_kvcache (each layer's codes read in place at its own width) gives sdpa's tokens on this tiny
+    model, left-padded."""
     torch.set_num_threads(1)
     model = tiny_model("llama", attn)
     inputs = prompt("padded", length=40)
