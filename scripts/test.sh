@@ -12,6 +12,6 @@ for arg in "$@"; do
   if [ "$arg" = "--fast" ]; then args+=(-m "not slow"); else args+=("$arg"); fi
 done
 # One worker per core (pytest-xdist); each worker runs torch with one thread (tests/conftest.py). loadgroup: the tests
-# of a module marked xdist_group (its fixtures are costly: the docs site, the GPU report and run, the examples) share
-# one worker, so each such fixture is built once.
+# of a module in conftest's ONE_WORKER_MODULES (costly module fixtures: the docs site, the GPU report and run, the
+# examples) run on one worker, so each such fixture is built once.
 exec .venv/bin/python -m pytest -q -p no:cacheprovider -n auto --dist loadgroup "${args[@]}"

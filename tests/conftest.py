@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +34,39 @@ SLOW_MODULES = {
     "test_supported_models",
     "test_tensor_parallel",
 }
+
+
+# Modules whose module-scoped fixtures are costly (the docs site, the GPU report's compiles, the GPU run's smoke run, a
+# model load, worker processes): each runs whole on one xdist worker, so each fixture is built once per run.
+ONE_WORKER_MODULES = {
+    "test_docs",
+    "test_examples",
+    "test_gpu_report",
+    "test_gpu_run",
+    "test_lmeval",
+    "test_real_model",
+    "test_tensor_parallel",
+}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadgroup`` (scripts/test.sh): every other test is its own unit of work, the modules of
+    ``ONE_WORKER_MODULES`` one unit each.
+
+    xdist's own loadgroup groups the tests marked ``xdist_group`` by a suffix it writes into each test's node id; pytest
+    9.2 computes node ids and ignores what xdist 3.8 writes, so marked modules were split over both workers and their
+    module fixtures built on each (the GPU report's two compile runs, ~175 s, twice per suite run). Grouping by
+    module name here does not depend on either library's internals beyond the scheduler class."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if Path(path).stem in ONE_WORKER_MODULES else nodeid
+
+    return ModuleGroups(config, log)
 
 
 def _slow(item) -> bool:

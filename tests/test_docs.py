@@ -38,9 +38,6 @@ SKIP = re.compile(r"<!-- snippet: skip (?P<reason>[^>]*\S)\s*-->\s*$")
 
 from hf_kvcache.tools import results as build_results  # noqa: E402
 
-# The module's fixtures are built once: its tests all go to one xdist worker (scripts/test.sh: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("test_docs")
-
 
 def blocks(page: Path, lang: str) -> list[tuple[int, str, str | None]]:
     """``(line, code, skip reason)`` of the page's fenced blocks in ``lang`` (snippet includes left out)."""

@@ -18,9 +18,6 @@ import pytest
 import torch
 from tables import table_rows
 
-# The module's fixtures are built once: its tests all go to one xdist worker (scripts/test.sh: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("test_examples")
-
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = {path.stem: path for path in sorted((ROOT / "examples").glob("*.py"))}
 TIMEOUT_S = 300

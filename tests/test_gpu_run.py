@@ -19,9 +19,6 @@ from hf_kvcache.tools.gpu_run import STAGES, runner
 from hf_kvcache.tools.gpu_run import kernels as kernels_stage
 from hf_kvcache.tools.gpu_run.render import NONE_YET, load_run, render, save_run, targets
 
-# The module's fixtures are built once: its tests all go to one xdist worker (scripts/test.sh: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("test_gpu_run")
-
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_run.py"
 

@@ -18,9 +18,6 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 import hf_kvcache.lmeval as lmeval  # noqa: E402
 from hf_kvcache import reference_model_path, reference_text  # noqa: E402
 
-# The module's fixtures are built once: its tests all go to one xdist worker (scripts/test.sh: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("test_lmeval")
-
 torch.set_num_threads(1)
 PATH = str(reference_model_path())
 TEXT = reference_text()

