@@ -5,8 +5,8 @@ The report compiles with Triton's CUDA backend, which cannot run in a process wh
 before triton was imported (conftest sets it without a GPU), so the command runs in a subprocess without it. The
 quick subset (one variant per storage kind at the 8B shape, both targets) and one more process compiling the
 variants that once spilled (and two of the quick ones again, for determinism) keep this file under two minutes on one
-core; the script compiles the whole grid. The thresholds of issue 22 that the kernels meet are tested here (the compiled numbers are
-deterministic); the report lists the ones they do not meet yet (its findings).
+core; the script compiles the whole grid. The thresholds of issue 22 that the kernels meet are tested here (the
+compiled numbers are deterministic); the report lists the ones they do not meet yet (its findings).
 """
 
 import json

@@ -2,7 +2,7 @@
 
 Skipped, with the install command as the reason, only where its package is absent; CI sets
 ``HF_KVCACHE_REQUIRE_REAL_MODEL=1`` so that there it fails instead. Documents are short and samples few: the tier
-adds about a minute of one worker to the suite.
+adds about a minute and a half of one worker to the suite.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def test_quantization_costs_in_order_and_int8_stays_within_its_bound(smollm2):
         max_tokens=1024,
         context=512,
         prefill=384,
-        chunk=4,
+        chunk=16,
         batch_size=2,
         quiet=True,
     )
@@ -97,6 +97,7 @@ def test_it_copies_and_finds_passkeys_and_a_short_window_loses_them(smollm2):
         caches=("dynamic", "sink:window=256:sinks=4"),
         distances=(200,),
         passage=64,
+        repeat_chunk=4,  # the second copy through the cache 4 tokens per forward: a quarter of the forwards
         lengths=(1024,),
         depths=(0.0, 0.25),  # the key is ~750 to 1,000 tokens before the question: outside a 256-token window
         samples=2,
