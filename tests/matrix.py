@@ -237,6 +237,11 @@ FAMILY_IDS = list(FAMILIES)
 BATCHES = ("single", "padded")
 
 
+def allowed_modes(batch: str, modes=tuple(MODES)) -> list[str]:
+    """The modes transformers supports for ``batch``: assisted and prompt-lookup decoding take batch size 1 only."""
+    return [m for m in modes if not (batch == "padded" and m in ("prompt-lookup", "assisted"))]
+
+
 def matrix(batches=BATCHES, modes=tuple(MODES)) -> list:
     """``pytest.param(case, family, attn, batch, mode)`` over every cache case, family, attention and batch shape
     (none skipped at run time).
@@ -246,9 +251,10 @@ def matrix(batches=BATCHES, modes=tuple(MODES)) -> list:
     speculative modes across its attention x batch combinations without the full product: the cache operations a
     mode exercises - reorder, repeat, crop - are the cache's, tested in full on the first family). Left out:
     assisted / prompt-lookup decoding with a padded batch (transformers supports batch size 1 only there), and a case
-    with its own attention implementation under anything but the sdpa reference it is compared with. Marked slow (the
-    full run only): the modes other than greedy outside sdpa, and on the other families all but a padded batch, greedy
-    under sdpa."""
+    with its own attention implementation under anything but the sdpa reference it is compared with. The fast tier
+    (the rest is marked slow: the full run only) takes, on the first family, greedy under every attention and batch
+    shape and each other mode once under sdpa, on the last batch shape that allows it (padded, but for the speculative
+    modes); on the other families a padded batch, greedy under sdpa."""
     params = []
     for case in CACHE_CASES:
         families = case.families or FAMILY_IDS
@@ -258,19 +264,20 @@ def matrix(batches=BATCHES, modes=tuple(MODES)) -> list:
                 if case.attn and attn != "sdpa":
                     continue
                 for batch in batches:
-                    allowed = [m for m in modes if not (batch == "padded" and m in ("prompt-lookup", "assisted"))]
+                    allowed = allowed_modes(batch, modes)
                     others = [m for m in allowed if m != "greedy"]
                     if family != families[0] and len(others) > 1:
                         allowed = [m for m in allowed if m == "greedy" or m == others[turn[batch] % len(others)]]
                         turn[batch] += 1
                     for mode in allowed:
                         parts = [case.id, family, attn] + [batch] * (len(batches) > 1) + [mode] * (len(modes) > 1)
-                        # the fast tier: on the first family every attention greedy and every mode under sdpa; on
-                        # the others a padded batch, greedy under sdpa
-                        first = family == families[0]
-                        fast = (mode == "greedy" or attn == "sdpa") if first else (mode, attn) == ("greedy", "sdpa")
-                        slow = not fast or not first and batch != batches[-1]
-                        marks = (pytest.mark.slow,) if slow else ()
+                        # the fast tier
+                        if family == families[0]:  # every attention greedy, every other mode once under sdpa
+                            once = batch == [b for b in batches if mode in allowed_modes(b, modes)][-1]
+                            fast = mode == "greedy" or (attn == "sdpa" and once)
+                        else:  # a padded batch, greedy under sdpa
+                            fast = (mode, attn, batch) == ("greedy", "sdpa", batches[-1])
+                        marks = () if fast else (pytest.mark.slow,)
                         params.append(pytest.param(case, family, attn, batch, mode, id="-".join(parts), marks=marks))
     return params
 
