@@ -49,6 +49,7 @@ ONE_WORKER_MODULES = {
 }
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: pytest without xdist (-p no:xdist) must still load this file
 def pytest_xdist_make_scheduler(config, log):
     """Under ``--dist loadgroup`` (scripts/test.sh): every other test is its own unit of work, the modules of
     ``ONE_WORKER_MODULES`` one unit each.
