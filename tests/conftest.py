@@ -55,9 +55,9 @@ def pytest_xdist_make_scheduler(config, log):
     ``ONE_WORKER_MODULES`` one unit each.
 
     xdist's own loadgroup groups the tests marked ``xdist_group`` by a suffix it writes into each test's node id; pytest
-    9.2 computes node ids and ignores what xdist 3.8 writes, so marked modules were split over both workers and their
-    module fixtures built on each (the GPU report's two compile runs, ~175 s, twice per suite run). Grouping by
-    module name here does not depend on either library's internals beyond the scheduler class."""
+    9.2 computes node ids and ignores what xdist 3.8 writes, so marked modules are split over both workers and their
+    module fixtures built on each. Grouping by module name here depends on neither library's node-id internals, only
+    on the scheduler class."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling

@@ -255,6 +255,7 @@ def matrix(batches=BATCHES, modes=tuple(MODES)) -> list:
     (the rest is marked slow: the full run only) takes, on the first family, greedy under every attention and batch
     shape and each other mode once under sdpa, on the last batch shape that allows it (padded, but for the speculative
     modes); on the other families a padded batch, greedy under sdpa."""
+    last_batch = {mode: [b for b in batches if mode in allowed_modes(b, modes)][-1] for mode in modes}
     params = []
     for case in CACHE_CASES:
         families = case.families or FAMILY_IDS
@@ -273,8 +274,7 @@ def matrix(batches=BATCHES, modes=tuple(MODES)) -> list:
                         parts = [case.id, family, attn] + [batch] * (len(batches) > 1) + [mode] * (len(modes) > 1)
                         # the fast tier
                         if family == families[0]:  # every attention greedy, every other mode once under sdpa
-                            once = batch == [b for b in batches if mode in allowed_modes(b, modes)][-1]
-                            fast = mode == "greedy" or (attn == "sdpa" and once)
+                            fast = mode == "greedy" or (attn == "sdpa" and batch == last_batch[mode])
                         else:  # a padded batch, greedy under sdpa
                             fast = (mode, attn, batch) == ("greedy", "sdpa", batches[-1])
                         marks = () if fast else (pytest.mark.slow,)

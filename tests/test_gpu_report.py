@@ -40,11 +40,15 @@ def _toolchain_reason() -> str | None:
 needs_ptxas = pytest.mark.skipif(_toolchain_reason() is not None, reason=str(_toolchain_reason()))
 
 
+def _compile_env() -> dict:
+    """This process's environment without ``TRITON_INTERPRET``: a process that compiles for CUDA."""
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"HF_HUB_OFFLINE": "1"}
+
+
 def _run(out: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "benchmarks/gpu_report.py", "--output", str(out), "--quick"]
     cmd += ["--count-steps", "1", "--variant-steps", "8"]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, cwd=ROOT, env=_compile_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (out / "gpu-report.md").read_text().startswith("# GPU report")
     return json.loads((out / "gpu-report.json").read_text())
@@ -62,11 +66,26 @@ def report(tmp_path_factory):
 # element at head_dim 96 (kilobytes), pre-RoPE tiles under a causal mask at head_dim 128 on sm_90, rotated 3-bit codes
 # at head_dim 64 on sm_90 (ptxas held 128 registers), and int2's default (pre-RoPE key tiles rotated back per tile)
 # with 4 warps at head_dim 128 and with 8 at head_dim 64 on sm_80.
-ONCE_SPILLING = [("int4 pre-RoPE", 96, 1, False), ("int4 pre-RoPE", 96, 4, True), ("int4 pre-RoPE", 128, 4, False),
-                 ("int3", 64, 1, False), ("int2", 128, 1, True), ("int2", 64, 1, True)]  # fmt: skip
+ONCE_SPILLING = [
+    dict(kind=k, head_dim=d, q_len=q, padded=p)
+    for k, d, q, p in [("int4 pre-RoPE", 96, 1, False), ("int4 pre-RoPE", 96, 4, True),
+                       ("int4 pre-RoPE", 128, 4, False), ("int3", 64, 1, False), ("int2", 128, 1, True),
+                       ("int2", 64, 1, True)]
+]  # fmt: skip
 # Compiled again in another process, against the report's rows: the simplest quantized kernel and the most
 # specialized one (int2's variant in the quick report is also one of ONCE_SPILLING).
 RECOMPILED_KINDS = ("int8", "int2")
+
+
+def _quick(kinds) -> list[dict]:
+    """The quick report's variants of ``kinds``."""
+    return [v for v in gpu_report.variant_grid(quick=True) if v["kind"] in kinds]
+
+
+def _rows_of(rows: list[dict], variants: list[dict]) -> list[dict]:
+    """The compiled rows (one per target) of ``variants``, sorted by kind and target."""
+    keys = variants[0].keys()
+    return sorted((r for r in rows if {k: r[k] for k in keys} in variants), key=lambda r: (r["kind"], r["arch"]))
 
 
 @pytest.fixture(scope="module")
@@ -75,15 +94,15 @@ def recompiled():
     ``RECOMPILED_KINDS``: ``{"rows": [...], "findings": {...}}``."""
     if _toolchain_reason():
         pytest.skip(_toolchain_reason())
-    grid = [dict(kind=k, head_dim=d, q_len=q, padded=p) for k, d, q, p in ONCE_SPILLING]
-    grid += [v for v in gpu_report.variant_grid(quick=True) if v["kind"] in RECOMPILED_KINDS and v not in grid]
+    grid = ONCE_SPILLING + [v for v in _quick(RECOMPILED_KINDS) if v not in ONCE_SPILLING]
     code = (
         "import json; from hf_kvcache.tools.gpu_report import report as gpu_report; "
         f"rows, findings = gpu_report.compile_variants({grid!r}, lambda *a: None); "
         "print(json.dumps({'rows': rows, 'findings': findings}))"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=_compile_env(), capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(out["rows"]) == 2 * len(grid)
@@ -104,14 +123,9 @@ def test_every_kind_compiles_for_sm80_and_sm90(report):
 def test_compiled_numbers_are_deterministic(report, recompiled):
     """The quick report's rows of ``RECOMPILED_KINDS`` (registers, shared memory, spills, the SASS loop, Triton's
     cache key, occupancy, the estimate's inputs) equal a compile of the same variants in another process."""
-    quick = [v for v in gpu_report.variant_grid(quick=True) if v["kind"] in RECOMPILED_KINDS]
-    again = sorted((r for r in recompiled["rows"] if {k: r[k] for k in quick[0]} in quick), key=_kind_arch)
-    first = sorted((r for r in report["variants"] if r["kind"] in RECOMPILED_KINDS), key=_kind_arch)
-    assert len(first) == 2 * len(RECOMPILED_KINDS) and again == first
-
-
-def _kind_arch(row: dict) -> tuple:
-    return row["kind"], row["arch"]
+    quick = _quick(RECOMPILED_KINDS)
+    first = _rows_of(report["variants"], quick)
+    assert len(first) == 2 * len(RECOMPILED_KINDS) and _rows_of(recompiled["rows"], quick) == first
 
 
 @needs_ptxas
@@ -171,9 +185,8 @@ def test_threshold_no_spills_at_one_and_four_query_tokens(recompiled):
     """Issue 22's threshold beyond the 8B shape: no spills at q_len 1 or 4, checked on the variants that spilled
     (the whole grid is the report's: its findings list any variant that spills)."""
     assert not recompiled["findings"], recompiled["findings"]
-    spilled = [dict(kind=k, head_dim=d, q_len=q, padded=p) for k, d, q, p in ONCE_SPILLING]
-    rows = [r for r in recompiled["rows"] if {k: r[k] for k in spilled[0]} in spilled]
-    assert len(rows) == 2 * len(spilled)
+    rows = _rows_of(recompiled["rows"], ONCE_SPILLING)
+    assert len(rows) == 2 * len(ONCE_SPILLING)
     for r in rows:
         where = (r["kind"], r["head_dim"], r["q_len"], r["padded"], r["arch"])
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["fits"], (where, r["registers"], r["shared"])

@@ -914,8 +914,6 @@ python benchmarks/gpu_report.py --output /tmp/gpu-report --quick
 
 """
 
-TIMING_FIELDS = ("host_us_per_layer_step",)  # measured on this CPU: differ between runs
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
