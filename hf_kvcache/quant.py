@@ -37,6 +37,8 @@ __all__ = [
     "codes_per_byte",
     "unpack",
     "levels",
+    "CODEBOOKS",
+    "codebook_levels",
 ]
 
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -157,11 +159,18 @@ def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_asymmetric(
-    x: torch.Tensor, bits: int, dim: int, scale_dtype: torch.dtype = torch.float32
+    x: torch.Tensor,
+    bits: int,
+    dim: int,
+    scale_dtype: torch.dtype = torch.float32,
+    codebook: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric (min/max) quantization to ``bits`` with one scale and zero point per group along ``dim``.
 
-    ``x ~= codes * scale + zero`` where ``zero`` is the group minimum (KIVI's scheme, zero point in float).
+    ``x ~= codes * scale + zero`` where ``zero`` is the group minimum (KIVI's scheme, zero point in float). With a
+    ``codebook`` (:func:`codebook_levels`: ``2**bits`` increasing levels in units of ``scale``, inside ``[0, 2**bits
+    - 1]``) the same scale and zero point place each element, which is stored as its nearest level's index:
+    ``x ~= codebook[codes] * scale + zero``, within ``scale`` times the codebook's largest half gap or end gap.
 
     Returns:
         ``(codes, scale, zero)``: ``codes`` uint8 in ``[0, 2**bits - 1]`` (unpacked, shape of ``x``); ``scale`` and
@@ -181,8 +190,11 @@ def quantize_asymmetric(
     # +inf -> max, -inf -> min, NaN -> the value nearest 0 inside the group's range.
     nan_value = torch.clamp(torch.zeros_like(mn), mn, mx)
     xf = torch.where(finite, xf, torch.where(torch.isnan(xf), nan_value, torch.where(xf > 0, mx, mn)))
-    codes = torch.round(xf / safe - zero_f / safe).clamp_(0, top).to(torch.uint8)
-    return codes, scale, zero
+    position = xf / safe - zero_f / safe  # where x sits between the group's minimum (0) and maximum (top)
+    if codebook is None:
+        return torch.round(position).clamp_(0, top).to(torch.uint8), scale, zero
+    midpoints = (codebook[1:] + codebook[:-1]).to(position.device) / 2  # nearest level: how many midpoints lie below
+    return torch.bucketize(position.contiguous(), midpoints).to(torch.uint8), scale, zero
 
 
 def dequantize_asymmetric(
@@ -191,12 +203,57 @@ def dequantize_asymmetric(
     zero: torch.Tensor,
     out: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
+    codebook: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_asymmetric`; writes into ``out`` when given."""
+    """Inverse of :func:`quantize_asymmetric` (with the codebook it was quantized with, if any); writes into ``out``
+    when given."""
     if out is None:
         out = torch.empty(codes.shape, dtype=dtype or scale.dtype, device=codes.device)
+    if codebook is not None:
+        codes = codebook.to(codes.device)[codes.long()]
     torch.mul(codes, scale, out=out)
     return out.add_(zero)
+
+
+# Level placements of the asymmetric quantizer: "uniform" (2**bits - 1 equal steps from the group's minimum to its
+# maximum, KIVI's) or "lloyd" (Lloyd-Max levels for normally distributed groups, placed between the same minimum and
+# maximum: what Hadamard-rotated coordinates look like, TurboQuant's scalar step on KIVI's min / max frame).
+CODEBOOKS = ("uniform", "lloyd")
+# Levels are rounded to 1/16 of a step: exact in float16 and bfloat16 up to 15 (4 bits), so a kernel reads them in
+# the dtype it multiplies in.
+_LEVEL_UNIT = 16
+_CODEBOOKS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def codebook_levels(bits: int, group: int) -> torch.Tensor:
+    """Lloyd-Max levels for groups of ``group`` normally distributed values quantized to ``bits`` between their
+    minimum and maximum: ``2**bits`` increasing float32 levels in units of the uniform grid's step (``0`` the
+    group's minimum, ``2**bits - 1`` its maximum), each a multiple of 1/16.
+
+    Found by Lloyd's iteration (each level the mean of the values nearest it, from the uniform grid) on 2^17 standard
+    normal values in groups of ``group`` and their mirror images, drawn from a fixed seed on the CPU and normalized by
+    their group's range, so the levels are the same on every machine and symmetric; cached per ``(bits, group)``. A
+    group of 1 or 2 values has only its extremes: its levels stay uniform.
+    """
+    top = levels(bits)
+    cached = _CODEBOOKS.get((bits, group))
+    if cached is not None:
+        return cached
+    grid = torch.arange(top + 1, dtype=torch.float64)
+    if group > 2:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(-(-(1 << 17) // group), group, generator=generator, dtype=torch.float64)
+        x = torch.cat([x, -x])  # mirrored: the distribution is symmetric, so are the levels
+        mn, mx = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
+        position = ((x - mn) / (mx - mn) * top).flatten()
+        for _ in range(100):
+            cell = torch.bucketize(position, (grid[1:] + grid[:-1]) / 2)
+            total = torch.zeros_like(grid).index_add_(0, cell, position)
+            count = torch.zeros_like(grid).index_add_(0, cell, torch.ones_like(position))
+            grid = torch.where(count > 0, total / count.clamp(min=1), grid)
+    low = torch.round(grid[: (top + 1) // 2] * _LEVEL_UNIT) / _LEVEL_UNIT
+    _CODEBOOKS[(bits, group)] = levels_ = torch.cat([low, top - low.flip(0)]).float()  # exactly symmetric
+    return levels_
 
 
 def pack_width(width: int, bits: int) -> int:

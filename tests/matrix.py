@@ -130,6 +130,23 @@ CACHE_CASES = [
         families=VARIANT,
         attn="hf_kvcache",
     ),
+    # Lloyd-Max levels instead of the uniform grid (codebook=lloyd): decoded into the workspace under eager / sdpa, each
+    # code's level read from its table by the kernels under hf_kvcache (with int3's rotation and pre-RoPE keys).
+    CacheCase(
+        "int2-lloyd",
+        "int2:residual_length=4:group_size=8:codebook=lloyd",
+        lossless=False,
+        logit_bound=LOGIT_BOUNDS["int2"],
+        families=VARIANT,
+    ),
+    CacheCase(
+        "int3-lloyd-hf",
+        "int3:residual_length=4:group_size=8:codebook=lloyd",
+        lossless=False,
+        logit_bound=LOGIT_BOUNDS["int3"],
+        families=VARIANT,
+        attn="hf_kvcache",
+    ),
     # The first real tokens of each row kept in full precision (attention sinks), left padding included: a dense
     # segment before the codes, under sdpa and read in place by the kernels under hf_kvcache.
     CacheCase(

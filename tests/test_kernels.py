@@ -27,14 +27,16 @@ from hf_kvcache.paging import PAD_BLOCK
 triton_decode = pytest.importorskip("hf_kvcache.kernels.triton_decode", reason="needs triton")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# kivi{K}: K-bit keys and values; kivi{K}v{V}: K-bit keys beside V-bit values.
-KINDS = ("dense", "int8", "int8-g16", "fp8", "kivi4", "kivi3", "kivi2", "kivi4v2", "kivi2v3", "paged", "paged-int8")
+# kivi{K}: K-bit keys and values; kivi{K}v{V}: K-bit keys beside V-bit values; -lloyd: the Lloyd-Max codebook.
+KINDS = ("dense", "int8", "int8-g16", "fp8", "kivi4", "kivi3", "kivi2", "kivi4v2", "kivi2v3", "kivi2-lloyd",
+         "kivi4v3-lloyd", "paged", "paged-int8")  # fmt: skip
 
 
 def _kivi_codec(kind: str, group: int, scale_dtype=torch.float32) -> KiviCodec:
-    """The KIVI codec a kind names (``kivi4``, ``kivi4v2``, with or without a ``-rot`` suffix)."""
-    widths = kind.removeprefix("kivi").removesuffix("-rot").split("v")
-    return KiviCodec(int(widths[-1]), group, scale_dtype, key_bits=int(widths[0]))
+    """The KIVI codec a kind names (``kivi4``, ``kivi4v2``, ``kivi2-lloyd``, with or without a ``-rot`` suffix)."""
+    widths = kind.removeprefix("kivi").split("-")[0].split("v")
+    codebook = "lloyd" if "-lloyd" in kind else "uniform"
+    return KiviCodec(int(widths[-1]), group, scale_dtype, key_bits=int(widths[0]), codebook=codebook)
 
 
 def _segment(kind: str, k: torch.Tensor, v: torch.Tensor, start: int = 0, block_size: int = 5):
@@ -52,9 +54,8 @@ def _segment(kind: str, k: torch.Tensor, v: torch.Tensor, start: int = 0, block_
         group = 16
         t = k.shape[2] - k.shape[2] % group
         codec = _kivi_codec(kind, group)
-        p = codec.encode(k[:, :, :t].float(), v[:, :, :t].float())
-        bits = (codec.key_bits, codec.value_bits)
-        seg = KiviSegment(*bits, group, start, t - start, p["k"], p["ks"], p["kz"], p["v"], p["vs"], p["vz"])
+        seg = codec.segment(codec.encode(k[:, :, :t].float(), v[:, :, :t].float()), start)
+        assert isinstance(seg, KiviSegment) and seg.length == t - start
     else:
         seg = _paged(k, v, block_size, int8=kind == "paged-int8")
     keys, values = seg.read(0, seg.length)
@@ -292,7 +293,7 @@ def test_reference_scratch_is_bounded_by_its_chunk(monkeypatch):
     assert max(widths) == chunk < 2000 and sum(widths) == 2000
 
 
-@pytest.mark.parametrize("inner", ["int8", "kivi4", "kivi3", "kivi2", "kivi4v2"])
+@pytest.mark.parametrize("inner", ["int8", "kivi4", "kivi3", "kivi2", "kivi4v2", "kivi3-lloyd"])
 @pytest.mark.parametrize("head_dim", [64, 96])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_rotated_segment_folds_the_rotation(inner, head_dim, dtype):
@@ -326,7 +327,7 @@ def test_rotated_segment_folds_the_rotation(inner, head_dim, dtype):
     [
         pytest.param(inner, layout, first, id=f"{inner}-{layout}-{first}")
         for inner in ("dense", "int8", "fp8", "kivi4", "kivi3", "kivi2", "kivi4-rot", "kivi2-rot", "kivi4v2-rot")
-        + ("int8-rot",)
+        + ("int8-rot", "kivi2-lloyd-rot")
         for layout in ("half", "interleaved", "partial")
         # positions past 30,000 (the kernel's own angle reduction) for every format; near 0 for one plain and one
         # rotated format (the angles are computed alike whatever the storage)
@@ -509,35 +510,40 @@ def _awkward_tokens(dtype, n, head_dim, gen):
 
 
 @pytest.mark.parametrize(
-    "bits, group, head_dim, key_axis",
+    "bits, group, head_dim, key_axis, codebook",
     [
-        (4, 16, 64, "channel"),
-        pytest.param(3, 8, 64, "channel", marks=SLOW),
-        pytest.param(2, 24, 96, "channel", marks=SLOW),
-        (3, 8, 64, "token"),
-        ((4, 2), 16, 64, "channel"),  # (key bits, value bits)
-        pytest.param((2, 3), 8, 64, "token", marks=SLOW),
+        (4, 16, 64, "channel", "uniform"),
+        pytest.param(3, 8, 64, "channel", "uniform", marks=SLOW),
+        pytest.param(2, 24, 96, "channel", "uniform", marks=SLOW),
+        (3, 8, 64, "token", "uniform"),
+        ((4, 2), 16, 64, "channel", "uniform"),  # (key bits, value bits)
+        pytest.param((2, 3), 8, 64, "token", "uniform", marks=SLOW),
+        ((3, 2), 16, 64, "channel", "lloyd"),
+        pytest.param(4, 8, 64, "token", "lloyd", marks=SLOW),
     ],
 )
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_kivi_encode_kernel_is_bit_exact(bits, group, head_dim, key_axis, dtype):
+def test_kivi_encode_kernel_is_bit_exact(bits, group, head_dim, key_axis, codebook, dtype):
     """Tokens leaving a KIVI cache's residual are encoded in one launch, bit for bit KiviCodec.encode (codes packed,
-    3 bits in two planes; scales and zero points rounded outward in their dtype), into strided slot views of a layer's
-    storage and nothing beside them. (A group of signed zeros may keep either zero as its minimum: compared as
-    values there, as the sign of a zero point changes no decoded value.)"""
+    3 bits in two planes; scales and zero points rounded outward in their dtype; with a codebook, each element's
+    nearest level), into strided slot views of a layer's storage and nothing beside them. (A group of signed zeros
+    may keep either zero as its minimum: compared as values there, as the sign of a zero point changes no decoded
+    value.)"""
     from hf_kvcache.kernels.triton_append import kivi_encodable, triton_kivi_encode
 
     key_bits, value_bits = bits if isinstance(bits, tuple) else (bits, bits)
     n = 2 * group
     k, v = _awkward_tokens(dtype, n, head_dim, torch.Generator().manual_seed(key_bits + value_bits + group))
-    codec = KiviCodec(value_bits, group, None, key_axis=key_axis, key_bits=key_bits)
+    codec = KiviCodec(value_bits, group, None, key_axis=key_axis, key_bits=key_bits, codebook=codebook)
     want = codec.encode(k, v)
     assert want["k"].shape[-1] == head_dim * key_bits // 8 and want["v"].shape[-1] == head_dim * value_bits // 8
     assert kivi_encodable(key_bits, value_bits, group, head_dim, head_dim, key_axis == "token")
     # the slots of the middle half of buffers twice as long, as TokenBuffers.reserve hands them out
     bufs = {name: torch.zeros(*t.shape[:2], 2 * t.shape[2], *t.shape[3:], dtype=t.dtype) for name, t in want.items()}
     out = {name: bufs[name][:, :, t.shape[2] // 2 : t.shape[2] // 2 + t.shape[2]] for name, t in want.items()}
-    triton_kivi_encode(k, v, out, key_bits, value_bits, group, key_axis == "token")
+    levels = [codec.levels(b, k.device) for b in (key_bits, value_bits)]
+    assert (levels[0] is None) == (codebook == "uniform")
+    triton_kivi_encode(k, v, out, key_bits, value_bits, group, key_axis == "token", *levels)
     for name in want:
         assert torch.equal(_tensor_bits(out[name] + 0), _tensor_bits(want[name] + 0)), name  # + 0: -0.0 -> 0.0
         rows = want[name].shape[2]

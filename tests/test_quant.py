@@ -42,6 +42,60 @@ def test_asymmetric_round_trip_within_half_step(array, bits, scale_dtype):
     assert ((back - x).abs() <= scale.float() / 2 + _slack(x)).all()
 
 
+@settings(max_examples=100, deadline=None)
+@given(groups, st.sampled_from([2, 3, 4]), st.sampled_from(SCALE_DTYPES))
+def test_codebook_round_trip_within_the_codebooks_largest_gap(array, bits, scale_dtype):
+    """With a codebook each element is stored as its nearest level, under the same scale and zero point as the
+    uniform grid's: the error is at most the largest half gap between levels, or an end level's distance from the
+    group's minimum or maximum, in units of the scale."""
+    x = torch.from_numpy(array)
+    if scale_dtype == torch.float16:
+        x = x.clamp(-6e4, 6e4)
+    book = quant.codebook_levels(bits, x.shape[-1])
+    codes, scale, zero = quant.quantize_asymmetric(x, bits, dim=-1, scale_dtype=scale_dtype, codebook=book)
+    uniform = quant.quantize_asymmetric(x, bits, dim=-1, scale_dtype=scale_dtype)
+    assert torch.equal(scale, uniform[1]) and torch.equal(zero, uniform[2])
+    assert codes.max() <= quant.levels(bits)
+    back = quant.dequantize_asymmetric(codes, scale.float(), zero.float(), codebook=book)
+    reach = max(book[0].item(), quant.levels(bits) - book[-1].item(), (book.diff() / 2).max().item())
+    assert ((back - x).abs() <= reach * scale.float() + _slack(x)).all()
+    every_level = zero.float().unsqueeze(-1) + book * scale.float().unsqueeze(-1)  # (..., 1, levels)
+    nearest = (x.unsqueeze(-1) - every_level).abs().amin(-1)
+    assert ((back - x).abs() <= nearest + _slack(x)).all()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("group", [8, 64])
+def test_lloyd_codebook_fits_normal_groups_better_than_the_uniform_grid(bits, group):
+    """The Lloyd-Max levels: increasing, inside ``[0, 2^bits - 1]``, symmetric about the middle, multiples of 1/16
+    (exact in 16-bit floats), the same when computed again, and a lower squared error than the uniform grid on
+    normally distributed groups (what a Hadamard rotation makes of a head's channels): at 2 bits and 64-value groups
+    0.11 against 0.20 of the variance."""
+    book = quant.codebook_levels(bits, group)
+    top = quant.levels(bits)
+    assert book.shape == (top + 1,) and book.dtype == torch.float32
+    assert (book.diff() > 0).all() and book[0] >= 0 and book[-1] <= top
+    assert torch.equal(book * 16, (book * 16).round()) and torch.equal(book.bfloat16().float(), book)
+    assert torch.equal(book + book.flip(0), torch.full_like(book, top))
+    quant._CODEBOOKS.clear()
+    assert torch.equal(quant.codebook_levels(bits, group), book)
+    x = torch.randn(4096, group, generator=torch.Generator().manual_seed(1))
+    errors = []
+    for codebook in (None, book):
+        codes, scale, zero = quant.quantize_asymmetric(x, bits, dim=-1, codebook=codebook)
+        errors.append((quant.dequantize_asymmetric(codes, scale, zero, codebook=codebook) - x).pow(2).mean())
+    assert errors[1] < errors[0]
+    if (bits, group) == (2, 64):
+        assert errors[1] < 0.6 * errors[0]
+
+
+def test_small_groups_keep_uniform_levels():
+    """Groups of one or two values hold only their extremes: their levels are the uniform grid's."""
+    for bits in (2, 3, 4):
+        for group in (1, 2):
+            assert torch.equal(quant.codebook_levels(bits, group), torch.arange(2**bits, dtype=torch.float32))
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_zeros_and_constant_rows_are_exact(bits):
     x = torch.tensor([[0.0] * 8, [3.5] * 8, [-2.25] * 8])
@@ -114,3 +168,23 @@ def test_subnormal_scale_rounded_down_is_stepped_up():
     assert ((back - x).abs() <= scale / 2).all()
     c, s, z = quant.quantize_asymmetric(torch.tensor([[0.0, 1.809e-42] * 4]), bits=2, dim=-1)
     assert (((c.float() * s + z) - torch.tensor([[0.0, 1.809e-42] * 4])).abs() <= s / 2).all()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_packed_codes_read_as_codebook_levels(bits):
+    """A codebook's codes are read a packed byte at a time (each byte's levels from a table; 3 bits: a low-plane byte
+    with its codes' high bits): the same levels as indexing the codebook with the unpacked codes, into contiguous,
+    strided and 16-bit outputs."""
+    from hf_kvcache.formats.kivi import _unpack, _unpack_into
+
+    book = quant.codebook_levels(bits, 64)
+    codes = torch.randint(0, 2**bits, (2, 3, 37, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    packed = quant.pack(codes, bits)
+    want = book[codes.long()]
+    assert torch.equal(_unpack(packed, bits, book), want)
+    strided = torch.empty(2, 3, 64, 37).transpose(-1, -2)
+    _unpack_into(packed, bits, strided, book)
+    assert torch.equal(strided, want)
+    half = torch.empty(2, 3, 37, 64, dtype=torch.float16)
+    _unpack_into(packed, bits, half, book)
+    assert torch.equal(half.float(), want)

@@ -8,7 +8,7 @@ import torch
 from models import prompt, tiny_model
 from transformers import DynamicCache, LlamaConfig
 
-from hf_kvcache import QuantizedKVCache, cache_nbytes, dynamic_bytes_per_token, make_cache
+from hf_kvcache import QuantizedKVCache, cache_nbytes, dynamic_bytes_per_token, make_cache, quant
 from hf_kvcache.formats import Int8Codec
 from hf_kvcache.layers import _storage
 
@@ -935,3 +935,52 @@ def test_residual_bits_refusals(kwargs, match):
         QuantizedKVCache(_config(), **kwargs)
     with pytest.raises(ValueError, match="cache kind 'int8' has no option residual_bits"):
         make_cache("int8:residual_bits=8", _config())
+
+
+def test_lloyd_codebook_stores_the_nearest_level_in_the_same_bytes():
+    """``codebook="lloyd"``: the same scales and zero points as the uniform grid, each code the index of its nearest
+    Lloyd-Max level; what attention reads is those levels (under sdpa from the decoded workspace, under hf_kvcache
+    from the codes in place), closer to normally distributed K/V than the uniform grid's; the bytes are the same."""
+    from hf_kvcache.plan import kv_bytes
+
+    config = _config(layers=2)
+    k, v = _kv(300)
+    options = dict(bits=2, group_size=16, residual_length=16, **KIVI)
+    lloyd, uniform = QuantizedKVCache(config, codebook="lloyd", **options), QuantizedKVCache(config, **options)
+    for cache in (lloyd, uniform):
+        _feed(cache, k[:, :, :299], v[:, :, :299], (200, 1, 98))
+    stored, plain = lloyd.layers[1].store.views(), uniform.layers[1].store.views()
+    for name in ("ks", "kz", "vs", "vz"):
+        assert torch.equal(stored[name], plain[name]), name
+    assert not torch.equal(stored["k"], plain["k"]) and not torch.equal(stored["v"], plain["v"])
+    step = k[:, :, 299:], v[:, :, 299:]
+    read, read_uniform = lloyd.layers[1].update(*step), uniform.layers[1].update(*step)
+    quantized = read[0].shape[2] - lloyd.layers[1].residual.length
+    errors = [(r[0][:, :, :quantized] - k[:, :, :quantized]).pow(2).mean() for r in (read, read_uniform)]
+    assert errors[0] < 0.8 * errors[1]
+    levels = quant.codebook_levels(2, 16)
+    codec = lloyd.layers[1].codec
+    want = torch.empty_like(read[1][:, :, :quantized]), torch.empty_like(read[1][:, :, :quantized])
+    codec.decode(stored, *want)
+    assert torch.equal(read[1][:, :, :quantized], want[1])
+    scale, zero = stored["vs"][0, 0, 0, 0], stored["vz"][0, 0, 0, 0]  # the first token's one value group (16 channels)
+    assert set(((want[1][0, 0, 0] - zero) / scale).round(decimals=3).tolist()) <= set(levels.tolist())
+    assert lloyd.nbytes == uniform.nbytes and lloyd.bytes_per_token() == uniform.bytes_per_token()
+    assert kv_bytes("int2:codebook=lloyd", config, tokens=4096) == kv_bytes("int2", config, tokens=4096)
+    assert "codebook='lloyd'" in repr(lloyd) and "codebook" not in repr(uniform)
+    assert make_cache("int3:codebook=lloyd", config).codebook == "lloyd"
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(bits=2, codebook="nf4"), "codebook must be one of 'uniform', 'lloyd', got 'nf4'"),
+        (dict(bits=8, codebook="lloyd"), "codebook applies to the 4/3/2-bit kinds"),
+        (dict(bits="fp8", codebook="lloyd"), "codebook applies to the 4/3/2-bit kinds"),
+    ],
+)
+def test_codebook_refusals(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        QuantizedKVCache(_config(), **kwargs)
+    with pytest.raises(ValueError, match="cache kind 'int8' has no option codebook"):
+        make_cache("int8:codebook=lloyd", _config())

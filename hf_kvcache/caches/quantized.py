@@ -131,6 +131,12 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             cache stores). A forward still attends to its own new tokens exactly; a token that waited in the residual
             joins the codes int8-rounded. Read by the int8 kernel under ``hf_kvcache``; counted by ``nbytes`` and
             ``plan``.
+        codebook: 4/3/2 bits only: where each group's codes sit between its minimum and maximum. ``"uniform"``
+            (default, KIVI's ``2^bits - 1`` equal steps) or ``"lloyd"``: Lloyd-Max levels for normally distributed
+            groups (:func:`hf_kvcache.quant.codebook_levels`), the distribution Hadamard-rotated coordinates take
+            (TurboQuant's scalar step, here inside KIVI's min / max frame): levels crowd where the values are, the
+            extremes are rounded inward. Same bytes, the same scales and zero points; the kernels read each code's
+            level from a table of ``2^bits`` numbers.
 
     Example:
         >>> from transformers import LlamaConfig
@@ -156,6 +162,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         boundary_layers: int = 0,
         key_bits: int | Sequence[int] | LayerKeyWidths | str | os.PathLike | None = None,
         residual_bits: int | None = None,
+        codebook: str = "uniform",
     ):
         model, config = split_model(config)
         check_choice("bits", bits, (*quant.SUPPORTED_BITS, "fp8"))
@@ -191,11 +198,13 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
                 raise ImportError("backend='bitsandbytes' needs bitsandbytes: pip install 'hf-kvcache[bnb]'") from err
         if residual_bits is not None:
             check_choice("residual_bits", residual_bits, (8,))
+        check_choice("codebook", codebook, quant.CODEBOOKS)
         check_int("boundary_layers", boundary_layers, 0)
         for name, value, why in (
             ("key_bits", key_bits, "their keys at another of those widths"),
             ("residual_bits", residual_bits, "whose residual is otherwise full precision"),
             ("boundary_layers", boundary_layers, "it stores their first and last layers in int8"),
+            ("codebook", codebook != "uniform" and codebook, "it places their codes between each group's extremes"),
         ):
             if value and width == 8:  # set (not None / 0) where the kind has no such layout
                 raise ValueError(
@@ -234,6 +243,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         self.bits, self.residual_length = bits, residual_length
         self.key_bits = bits if key_bits is None else key_bits
         self.residual_bits = residual_bits
+        self.codebook = codebook
         # int8's default group is the whole head (a width per tensor); report it as an int when all widths agree.
         self.group_size = group_size if group_size is not None or len(widths) > 1 else widths[0]
         self._codec_group = group_size
@@ -266,7 +276,9 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         group = self._codec_group if self.bits in (8, "fp8") else self.group_size
         key_bits = self.layer_key_bits(layer_idx)
         key_bits = None if key_bits in (8, self.bits) else key_bits
-        return codec_for(self.bits, group, self.scale_dtype, self.key_axis, self.rotate, self.backend, key_bits)
+        return codec_for(
+            self.bits, group, self.scale_dtype, self.key_axis, self.rotate, self.backend, key_bits, self.codebook
+        )
 
     def is_boundary(self, layer_idx: int) -> bool:
         """Whether layer ``layer_idx`` is one of the first or last ``boundary_layers``, stored in int8."""
@@ -313,6 +325,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         axis += ", pre_rope=True" if self.pre_rope else ""
         axis += f", boundary_layers={self.boundary_layers}" if self.boundary_layers else ""
         axis += f", residual_bits={self.residual_bits}" if self.residual_bits else ""
+        axis += f", codebook={self.codebook!r}" if self.codebook != "uniform" else ""
         return (
             f"{type(self).__name__}(bits={self.bits!r}, group_size={self.group_size}, "
             f"residual_length={self.residual_length}, backend={self.backend!r}{axis}, layers={len(self.layers)})"
@@ -361,10 +374,11 @@ def _register(bits: int | str, summary: str) -> None:
         boundary_layers: int = 0,
         key_bits: int | str | None = None,
         residual_bits: int | None = None,
+        codebook: str = "uniform",
     ) -> QuantizedKVCache:
         return QuantizedKVCache(
             config, bits, group_size, residual_length, backend, scale_dtype, key_axis, rotate, sinks, pre_rope,
-            boundary_layers, key_bits, residual_bits,
+            boundary_layers, key_bits, residual_bits, codebook,
         )  # fmt: skip
 
     # key_axis is a KIVI option, group_size and backend int8 / KIVI ones: a spec that names an option its kind does
@@ -373,7 +387,7 @@ def _register(bits: int | str, summary: str) -> None:
     if bits != "fp8":
         options = ("group_size", *options[:1], "backend", *options[1:])
     if bits not in (8, "fp8"):
-        options += ("key_bits", "residual_bits", "key_axis", "boundary_layers")
+        options += ("key_bits", "residual_bits", "key_axis", "boundary_layers", "codebook")
     register_cache("fp8" if bits == "fp8" else f"int{bits}", summary, options=options)(factory)
 
 

@@ -36,12 +36,14 @@ def codec_for(
     rotate: bool = False,
     backend: str = "torch",
     key_bits: int | None = None,
+    codebook: str = "uniform",
 ) -> Int8Codec | Fp8Codec | KiviCodec | RotatedCodec | None:
     """The codec that stores K/V at ``bits``, the one place a width becomes a format: ``None`` (the model's dtype:
     no codec), 8 (:class:`Int8Codec`, one scale per ``group_size`` channels, None: per head, float32 scales unless
     ``scale_dtype``), ``"fp8"`` (:class:`Fp8Codec`, one scale per token and head), 4 / 3 / 2 (:class:`KiviCodec`,
-    key groups of ``group_size`` tokens along ``key_axis``, keys at ``key_bits`` when set); ``rotate``: Hadamard-rotated
-    first (:class:`RotatedCodec`). Arguments are the caches' validated options."""
+    key groups of ``group_size`` tokens along ``key_axis``, keys at ``key_bits`` when set, levels placed by
+    ``codebook``); ``rotate``: Hadamard-rotated first (:class:`RotatedCodec`). Arguments are the caches' validated
+    options."""
     if bits is None:
         return None
     if bits == 8:
@@ -49,7 +51,7 @@ def codec_for(
     elif bits == "fp8":
         codec = Fp8Codec(scale_dtype or torch.float32)
     else:
-        codec = KiviCodec(bits, group_size, scale_dtype, key_axis, key_bits)
+        codec = KiviCodec(bits, group_size, scale_dtype, key_axis, key_bits, codebook)
     return RotatedCodec(codec) if rotate else codec
 
 

@@ -79,6 +79,8 @@ class KernelStorage:
     value_bits: int = 8
     key_group: int = 1
     value_group: int = 1
+    key_levels: torch.Tensor | None = None  # KIVI codebooks: (2^bits,) float32 levels the codes index; None: uniform
+    value_levels: torch.Tensor | None = None
     fold: bool = False  # one scale per token and head, folded into scores and probabilities
     key_rotation: torch.Tensor | None = None  # (Dk, Dk) float32: codes stored rotated, read in the launch
     value_rotation: torch.Tensor | None = None

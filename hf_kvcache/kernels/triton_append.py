@@ -222,12 +222,13 @@ def _round_up(x, SDT: tl.constexpr):
 
 
 @triton.jit
-def _asymmetric(x, ok, mn, mx, TOP: tl.constexpr, SDT: tl.constexpr):
+def _asymmetric(x, ok, mn, mx, MID, TOP: tl.constexpr, SDT: tl.constexpr, LEVELS: tl.constexpr):
     """Codes (int32, ``[0, TOP]``), scales and zero points of groups with finite extrema ``mn`` / ``mx`` (float32,
     broadcast against ``x``), bit for bit :func:`hf_kvcache.quant.quantize_asymmetric`: the zero point is the minimum
     rounded down to ``SDT``, the scale ``(max - zero) / TOP`` (divided first) rounded up, bumped to the smallest
     positive value if it underflowed and one unit more if the range still exceeds ``TOP`` steps; non-finite inputs
-    mapped (infinities to the extrema, NaN to the value nearest 0 in the range); codes rounded half to even."""
+    mapped (infinities to the extrema, NaN to the value nearest 0 in the range); codes rounded half to even, or with
+    ``LEVELS`` the index of the nearest level of a codebook: how many of its ``TOP`` midpoints (``MID``) lie below."""
     zero = _round_down(mn, SDT)
     zf = zero.to(tl.float32)
     scale = _round_up(tl.math.div_rn(mx, TOP * 1.0) - tl.math.div_rn(zf, TOP * 1.0), SDT)
@@ -239,6 +240,11 @@ def _asymmetric(x, ok, mn, mx, TOP: tl.constexpr, SDT: tl.constexpr):
     nan_value = tl.minimum(tl.maximum(tl.zeros_like(mn), mn), mx)
     x = tl.where(finite, x, tl.where(x != x, nan_value, tl.where(x > 0, mx, mn)))
     c = tl.math.div_rn(x, safe) - tl.math.div_rn(zf, safe)
+    if LEVELS:
+        codes = tl.zeros(c.shape, tl.int32)
+        for i in tl.static_range(TOP):
+            codes += (c > tl.load(MID + i)).to(tl.int32)
+        return tl.where(ok, codes, 0), scale, zero
     c = (c + 12582912.0) - 12582912.0  # half to even, as torch.round
     codes = tl.where(ok, tl.minimum(tl.maximum(c, 0.0), TOP * 1.0), 0.0).to(tl.int32)
     return codes, scale, zero
@@ -264,9 +270,9 @@ def _pack_plane(codes, j, PER: tl.constexpr, PLANE: tl.constexpr):
 
 @triton.jit
 def _kivi_group(
-    X, P, S, Z, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_d,
+    X, P, S, Z, MID, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_d,
     NT, D: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, PLANE: tl.constexpr, OFFSET: tl.constexpr,
-    SCALES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, SDT: tl.constexpr,
+    SCALES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, SDT: tl.constexpr, LEVELS: tl.constexpr,
 ):  # fmt: skip
     """One key group: ``NT`` tokens x ``D`` channels, a scale and zero point per channel (over the tokens), the codes'
     bit plane ``PLANE`` (bits ``PLANE`` up, ``PER`` codes per byte) written at byte ``OFFSET`` of each token's row."""
@@ -277,7 +283,7 @@ def _kivi_group(
     ok = (ti < NT) & (d < D)
     x = tl.load(X + x_off + ti * t_stride + d * d_stride, mask=ok, other=0.0).to(tl.float32)
     mn, mx = _finite_extrema(x, ok, 0)
-    codes, scale, zero = _asymmetric(x, ok, mn[None], mx[None], (1 << BITS) - 1, SDT)
+    codes, scale, zero = _asymmetric(x, ok, mn[None], mx[None], MID, (1 << BITS) - 1, SDT, LEVELS)
     if SCALES:
         dd = wi * PER + j  # (1, W, PER)
         tl.store(S + s_off + dd * s_d, scale, mask=dd < D)
@@ -290,9 +296,10 @@ def _kivi_group(
 
 @triton.jit
 def _kivi_token(
-    X, P, S, Z, x_off, p_off, s_off, d_stride, p_d, s_d,
+    X, P, S, Z, MID, x_off, p_off, s_off, d_stride, p_d, s_d,
     D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, PLANE: tl.constexpr,
     OFFSET: tl.constexpr, SCALES: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr, SDT: tl.constexpr,
+    LEVELS: tl.constexpr,
 ):  # fmt: skip
     """One token: ``D`` channels in groups of ``G`` (``G`` a multiple of ``PER``), a scale and zero point per group,
     the codes' bit plane ``PLANE`` written ``PER`` per byte from byte ``OFFSET`` of the token's row."""
@@ -310,7 +317,7 @@ def _kivi_token(
     mx = tl.max(tl.max(tl.where(finite, x, float("-inf")), 2), 1)
     empty = mn > mx  # a group with no finite element: both 0, as _finite_extrema
     mn, mx = tl.where(empty, 0.0, mn), tl.where(empty, 0.0, mx)
-    codes, scale, zero = _asymmetric(x, ok, mn[:, None, None], mx[:, None, None], (1 << BITS) - 1, SDT)
+    codes, scale, zero = _asymmetric(x, ok, mn[:, None, None], mx[:, None, None], MID, (1 << BITS) - 1, SDT, LEVELS)
     if SCALES:
         gs = tl.arange(0, BLOCK_G)[:, None, None]
         tl.store(S + s_off + gs * s_d, scale, mask=gs < D // G)
@@ -324,44 +331,45 @@ def _kivi_token(
 
 @triton.jit
 def _kivi_group_planes(
-    X, P, S, Z, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_d, NT,
+    X, P, S, Z, MID, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_d, NT,
     D: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    LEVELS: tl.constexpr,
 ):  # fmt: skip
     if BITS == 3:  # the 2-bit plane (4 codes per byte), then the high bits (8 per byte) after its D / 4 bytes
-        _kivi_group(X, P, S, Z, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_d, NT,
-                    D, 3, 4, 0, 0, True, BLOCK_T, BLOCK_D // 4, SDT)  # fmt: skip
-        _kivi_group(X, P, S, Z, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_d, NT,
-                    D, 3, 8, 2, D // 4, False, BLOCK_T, BLOCK_D // 8, SDT)  # fmt: skip
+        _kivi_group(X, P, S, Z, MID, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_d, NT,
+                    D, 3, 4, 0, 0, True, BLOCK_T, BLOCK_D // 4, SDT, LEVELS)  # fmt: skip
+        _kivi_group(X, P, S, Z, MID, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_d, NT,
+                    D, 3, 8, 2, D // 4, False, BLOCK_T, BLOCK_D // 8, SDT, LEVELS)  # fmt: skip
     else:
-        _kivi_group(X, P, S, Z, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_d, NT,
-                    D, BITS, 8 // BITS, 0, 0, True, BLOCK_T, BLOCK_D // (8 // BITS), SDT)  # fmt: skip
+        _kivi_group(X, P, S, Z, MID, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_d, NT,
+                    D, BITS, 8 // BITS, 0, 0, True, BLOCK_T, BLOCK_D // (8 // BITS), SDT, LEVELS)  # fmt: skip
 
 
 @triton.jit
 def _kivi_token_planes(
-    X, P, S, Z, x_off, p_off, s_off, d_stride, p_d, s_d,
+    X, P, S, Z, MID, x_off, p_off, s_off, d_stride, p_d, s_d,
     D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    BLOCK_C: tl.constexpr, LEVELS: tl.constexpr,
 ):  # fmt: skip
     if BITS == 3:
-        _kivi_token(X, P, S, Z, x_off, p_off, s_off, d_stride, p_d, s_d, D, G, 3, 4, 0, 0, True, BLOCK_G,
-                    BLOCK_C // 4, SDT)  # fmt: skip
-        _kivi_token(X, P, S, Z, x_off, p_off, s_off, d_stride, p_d, s_d, D, G, 3, 8, 2, D // 4, False, BLOCK_G,
-                    BLOCK_C // 8, SDT)  # fmt: skip
+        _kivi_token(X, P, S, Z, MID, x_off, p_off, s_off, d_stride, p_d, s_d, D, G, 3, 4, 0, 0, True, BLOCK_G,
+                    BLOCK_C // 4, SDT, LEVELS)  # fmt: skip
+        _kivi_token(X, P, S, Z, MID, x_off, p_off, s_off, d_stride, p_d, s_d, D, G, 3, 8, 2, D // 4, False, BLOCK_G,
+                    BLOCK_C // 8, SDT, LEVELS)  # fmt: skip
     else:
-        _kivi_token(X, P, S, Z, x_off, p_off, s_off, d_stride, p_d, s_d, D, G, BITS, 8 // BITS, 0, 0, True,
-                    BLOCK_G, BLOCK_C // (8 // BITS), SDT)  # fmt: skip
+        _kivi_token(X, P, S, Z, MID, x_off, p_off, s_off, d_stride, p_d, s_d, D, G, BITS, 8 // BITS, 0, 0, True,
+                    BLOCK_G, BLOCK_C // (8 // BITS), SDT, LEVELS)  # fmt: skip
 
 
 @triton.jit
 def _kivi_encode_kernel(
-    K, V, KP, KS, KZ, VP, VS, VZ,
+    K, V, KP, KS, KZ, VP, VS, VZ, KM, VM,
     sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     skp_b, skp_h, skp_t, skp_d, sks_b, sks_h, sks_t, sks_d,
     svp_b, svp_h, svp_t, svp_d, svs_b, svs_h, svs_t, svs_d,
     H, n, NK,
     DK: tl.constexpr, DV: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-    KEY_TOKEN: tl.constexpr,
+    KEY_TOKEN: tl.constexpr, LEVELS: tl.constexpr,
     SDT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_GK: tl.constexpr,
     BLOCK_GV: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
@@ -375,21 +383,21 @@ def _kivi_encode_kernel(
         if KEY_TOKEN:
             t = item.to(tl.int64)
             _kivi_token_planes(
-                K, KP, KS, KZ, b * sk_b + h * sk_h + t * sk_t, b * skp_b + h * skp_h + t * skp_t,
-                b * sks_b + h * sks_h + t * sks_t, sk_d, skp_d, sks_d, DK, G, KBITS, SDT, BLOCK_GK, BLOCK_C,
+                K, KP, KS, KZ, KM, b * sk_b + h * sk_h + t * sk_t, b * skp_b + h * skp_h + t * skp_t,
+                b * sks_b + h * sks_h + t * sks_t, sk_d, skp_d, sks_d, DK, G, KBITS, SDT, BLOCK_GK, BLOCK_C, LEVELS,
             )  # fmt: skip
         else:
             t0 = item.to(tl.int64) * G
             _kivi_group_planes(
-                K, KP, KS, KZ, b * sk_b + h * sk_h + t0 * sk_t, b * skp_b + h * skp_h + t0 * skp_t,
+                K, KP, KS, KZ, KM, b * sk_b + h * sk_h + t0 * sk_t, b * skp_b + h * skp_h + t0 * skp_t,
                 b * sks_b + h * sks_h + item * sks_t, sk_t, sk_d, skp_t, skp_d, sks_d, G,
-                DK, KBITS, SDT, BLOCK_T, BLOCK_DK,
+                DK, KBITS, SDT, BLOCK_T, BLOCK_DK, LEVELS,
             )  # fmt: skip
     else:
         t = (item - NK).to(tl.int64)
         _kivi_token_planes(
-            V, VP, VS, VZ, b * sv_b + h * sv_h + t * sv_t, b * svp_b + h * svp_h + t * svp_t,
-            b * svs_b + h * svs_h + t * svs_t, sv_d, svp_d, svs_d, DV, G, VBITS, SDT, BLOCK_GV, BLOCK_C,
+            V, VP, VS, VZ, VM, b * sv_b + h * sv_h + t * sv_t, b * svp_b + h * svp_h + t * svp_t,
+            b * svs_b + h * svs_h + t * svs_t, sv_d, svp_d, svs_d, DV, G, VBITS, SDT, BLOCK_GV, BLOCK_C, LEVELS,
         )  # fmt: skip
 
 
@@ -405,22 +413,29 @@ def kivi_encodable(key_bits: int, value_bits: int, group: int, key_dim: int, val
 
 
 def triton_kivi_encode(k: torch.Tensor, v: torch.Tensor, out: dict[str, torch.Tensor], key_bits: int,
-                       value_bits: int, group: int, per_token_keys: bool = False) -> None:  # fmt: skip
+                       value_bits: int, group: int, per_token_keys: bool = False,
+                       key_levels: torch.Tensor | None = None,
+                       value_levels: torch.Tensor | None = None) -> None:  # fmt: skip
     """KIVI-encode ``k`` / ``v`` ``(B, H, n, D)`` into ``out`` (views of a layer's storage for ``n`` tokens: ``k`` /
     ``v`` packed codes, ``ks`` / ``kz`` ``(B, H, n / G, Dk)`` (per token: ``(B, H, n, Dk / G)``), ``vs`` / ``vz``
     ``(B, H, n, Dv / G)``) in one launch, bit for bit :meth:`hf_kvcache.formats.KiviCodec.encode`. Needs
-    :func:`kivi_encodable` geometry (the ``scale_dtype`` is the scales')."""
+    :func:`kivi_encodable` geometry (the ``scale_dtype`` is the scales'); ``key_levels`` / ``value_levels``: the
+    codebooks (:func:`hf_kvcache.quant.codebook_levels`, on ``k``'s device) of a codec that has them, together."""
     b, h, n, dk = k.shape
     dv = v.shape[-1]
     nk = n if per_token_keys else n // group
     if b * h * n == 0:
         return
+    if (key_levels is None) != (value_levels is None):
+        raise ValueError("key_levels and value_levels: a KIVI codec has codebooks for both or for neither")
+    levels = key_levels is not None
+    mids = [(x[1:] + x[:-1]) / 2 if levels else k for x in (key_levels, value_levels)]  # as quantize_asymmetric's
     # Items on grid axis 0 (up to 2^31 - 1): axis 1 stops at 65,535, which a 64k-token prefill's items passed.
     _kivi_encode_kernel[(nk + n, b * h)](
-        k, v, out["k"], out["ks"], out["kz"], out["v"], out["vs"], out["vz"],
+        k, v, out["k"], out["ks"], out["kz"], out["v"], out["vs"], out["vz"], *mids,
         *k.stride(), *v.stride(), *strides(out["k"]), *strides(out["ks"]), *strides(out["v"]), *strides(out["vs"]),
         h, n, nk,
-        DK=dk, DV=dv, G=group, KBITS=key_bits, VBITS=value_bits, KEY_TOKEN=per_token_keys,
+        DK=dk, DV=dv, G=group, KBITS=key_bits, VBITS=value_bits, KEY_TOKEN=per_token_keys, LEVELS=levels,
         SDT=_SCALE_TYPES[out["ks"].dtype],
         BLOCK_T=triton.next_power_of_2(group), BLOCK_DK=triton.next_power_of_2(dk),
         BLOCK_GK=triton.next_power_of_2(max(dk // group, 1)), BLOCK_GV=triton.next_power_of_2(max(dv // group, 1)),

@@ -56,20 +56,21 @@ def _load_paged(
 
 @triton.jit
 def _load_kivi(
-    K, KS, KZ, base, sbase, t, ok, d, s_t, s_d, ss_t, ss_d, START,
-    BITS: tl.constexpr, GROUP: tl.constexpr, IS_KEY: tl.constexpr, D: tl.constexpr,
+    K, KS, KZ, LV, base, sbase, t, ok, d, s_t, s_d, ss_t, ss_d, START,
+    BITS: tl.constexpr, GROUP: tl.constexpr, IS_KEY: tl.constexpr, D: tl.constexpr, LEVELS: tl.constexpr,
 ):  # fmt: skip
-    """A tile of KIVI codes addressed per element (tiles that are not one key group): packed codes, low bits first,
-    dequantized with their group's scale and zero point."""
+    """A tile of KIVI codes addressed per element (tiles that are not one key group): packed codes, low bits first
+    (or their levels in the codebook ``LV``), dequantized with their group's scale and zero point."""
     ta = t + START
     row = K + base + ta[:, None] * s_t
     if BITS == 3:  # a 2-bit plane (D / 4 bytes), then the high bits (D / 8 bytes)
         low = tl.load(row + (d[None, :] // 4) * s_d, mask=ok, other=0).to(tl.int32)
         high = tl.load(row + (D // 4 + d[None, :] // 8) * s_d, mask=ok, other=0).to(tl.int32)
-        code = (((low >> ((d[None, :] % 4) * 2)) & 3) | (((high >> (d[None, :] % 8)) & 1) << 2)).to(tl.float32)
+        code = ((low >> ((d[None, :] % 4) * 2)) & 3) | (((high >> (d[None, :] % 8)) & 1) << 2)
     else:
         byte = tl.load(row + (d[None, :] // (8 // BITS)) * s_d, mask=ok, other=0)
-        code = ((byte.to(tl.int32) >> ((d[None, :] % (8 // BITS)) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        code = (byte.to(tl.int32) >> ((d[None, :] % (8 // BITS)) * BITS)) & ((1 << BITS) - 1)
+    code = _code_values(code, LV, tl.float32, LEVELS)
     if IS_KEY:  # per (group of GROUP tokens, channel)
         where = sbase + (ta[:, None] // GROUP) * ss_t + d[None, :] * ss_d
     else:  # per (token, group of GROUP channels)
@@ -81,11 +82,11 @@ def _load_kivi(
 
 @triton.jit
 def _load_kv(
-    K, KS, KZ, b, h, t, tok_ok, d, d_ok,
+    K, KS, KZ, LV, b, h, t, tok_ok, d, d_ok,
     s_b, s_h, s_t, s_d, ss_b, ss_h, ss_t, ss_d,
     TABLE, stab_b, stab_n, START,
     KIND: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, IS_KEY: tl.constexpr, BS: tl.constexpr,
-    FOLD: tl.constexpr, D: tl.constexpr, LARGE: tl.constexpr,
+    FOLD: tl.constexpr, D: tl.constexpr, LARGE: tl.constexpr, LEVELS: tl.constexpr,
 ):  # fmt: skip
     """A ``(BLOCK_N, BLOCK_D)`` float32 tile of keys (``IS_KEY``) or values of tokens ``t``, channels ``d``, read as
     the storage ``KIND`` lays it out. ``FOLD``: codes with one scale per token and head (int8, fp8) are returned
@@ -99,8 +100,8 @@ def _load_kv(
         )  # fmt: skip
     if KIND == 2:
         return _load_kivi(
-            K, KS, KZ, b * s_b + h * s_h, b * ss_b + h * ss_h, t, ok, d, s_t, s_d, ss_t, ss_d, START, BITS, GROUP,
-            IS_KEY, D,
+            K, KS, KZ, LV, b * s_b + h * s_h, b * ss_b + h * ss_h, t, ok, d, s_t, s_d, ss_t, ss_d, START, BITS, GROUP,
+            IS_KEY, D, LEVELS,
         )  # fmt: skip
     raw = tl.load(K + b * s_b + h * s_h + t[:, None] * s_t + d[None, :] * s_d, mask=ok, other=0)
     if KIND == 5:  # fp8: e4m3 bits
@@ -148,6 +149,16 @@ def _codes_as(code, dtype: tl.constexpr):
         return (code | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 128.0
     else:
         return (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _code_values(code, LV, dtype: tl.constexpr, LEVELS: tl.constexpr):
+    """Integer codes as ``dtype``: the codes themselves (uniform levels), or with ``LEVELS`` each code's level in the
+    codebook ``LV`` (float32 multiples of 1/16 up to 15: exact in every dtype the products take; a code is always
+    inside the table, masked loads having read 0)."""
+    if LEVELS:
+        return tl.load(LV + code).to(dtype)
+    return _codes_as(code, dtype)
 
 
 @triton.jit
@@ -264,7 +275,7 @@ def _dot_split(a, b, dtype: tl.constexpr):
     do_not_specialize_on_alignment=["MASK"],
 )
 def _partial_kernel(
-    Q, K, V, KS, KZ, VS, VZ, TABLE, MASK, M_OUT, L_OUT, ACC_OUT, INV_FREQ, HK, HV,
+    Q, K, V, KS, KZ, VS, VZ, KL, VL, TABLE, MASK, M_OUT, L_OUT, ACC_OUT, INV_FREQ, HK, HV,
     sq_b, sq_h, sq_q, sq_d,
     sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     sks_b, sks_h, sks_t, sks_d, svs_b, svs_h, svs_t, svs_d,
@@ -274,7 +285,7 @@ def _partial_kernel(
     KIND: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
     BS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, FOLD: tl.constexpr,
     KIVI_TILE: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr, ROTATED: tl.constexpr, RCH: tl.constexpr,
-    LARGE: tl.constexpr, ONE_QUERY: tl.constexpr, SWAP: tl.constexpr,
+    LARGE: tl.constexpr, ONE_QUERY: tl.constexpr, SWAP: tl.constexpr, LEVELS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -329,7 +340,7 @@ def _partial_kernel(
             k_zero = tl.load(KZ + kgroup, mask=dk_ok, other=0).to(tl.float32)
             qf = q.to(tl.float32)
             if ROPE:  # pre-RoPE keys: dequantized with the group's channel scales, then turned (no fold through RoPE)
-                kf = _codes_as(k, tl.float32) * k_scale[None, :] + k_zero[None, :]
+                kf = _code_values(k, KL, tl.float32, LEVELS) * k_scale[None, :] + k_zero[None, :]
                 if ROTATED:  # codes of k H_k: k = (k H_k) H_k back before RoPE turns it (HK in the dot's dtype)
                     hk = tl.load(HK + dk[:, None] * DK + dk[None, :], mask=dk_ok[:, None] & dk_ok[None, :], other=0)
                     if DOT_FP32:
@@ -346,7 +357,8 @@ def _partial_kernel(
             # where float32 math rounded again when converted for the tensor cores)
             VT: tl.constexpr = tl.float32 if DOT_FP32 else q.dtype
             vbase = b * svs_b + h * svs_h
-            v = _codes_as(_kivi_codes(V, b * sv_b + h * sv_h, ta, tok_ok, sv_t, sv_d, DV, VBITS, BLOCK_N, BLOCK_DV), VT)
+            v = _kivi_codes(V, b * sv_b + h * sv_h, ta, tok_ok, sv_t, sv_d, DV, VBITS, BLOCK_N, BLOCK_DV)
+            v = _code_values(v, VL, VT, LEVELS)
             v_scale = _kivi_group_expand(VS, vbase, ta, tok_ok, svs_t, svs_d, DV, GV, BLOCK_N, BLOCK_DV, VT)
             v = v * v_scale + _kivi_group_expand(VZ, vbase, ta, tok_ok, svs_t, svs_d, DV, GV, BLOCK_N, BLOCK_DV, VT)
             if ROPE:
@@ -355,19 +367,20 @@ def _partial_kernel(
                 else:
                     s = tl.dot(q, tl.trans(kf.to(q.dtype)))
             elif DOT_FP32:
-                s = tl.dot(qk, tl.trans(_codes_as(k, tl.float32)), input_precision="ieee") + bias[:, None]
-            elif SWAP:  # codes are exact in 16 bits; unpacked in registers, the product's first operand: s^T = k q^T
-                s = tl.trans(tl.dot(_codes_as(k, q.dtype), tl.trans(qk.to(q.dtype)))) + bias[:, None]
+                s = tl.dot(qk, tl.trans(_code_values(k, KL, tl.float32, LEVELS)), input_precision="ieee")
+                s += bias[:, None]
+            elif SWAP:  # codes (and levels) exact in 16 bits; unpacked in registers, the first operand: s^T = k q^T
+                s = tl.trans(tl.dot(_code_values(k, KL, q.dtype, LEVELS), tl.trans(qk.to(q.dtype)))) + bias[:, None]
             else:
-                s = tl.dot(qk.to(q.dtype), tl.trans(_codes_as(k, q.dtype))) + bias[:, None]
+                s = tl.dot(qk.to(q.dtype), tl.trans(_code_values(k, KL, q.dtype, LEVELS))) + bias[:, None]
         else:
             k = _load_kv(
-                K, KS, KZ, b, h, t, tok_ok, dk, dk_ok, sk_b, sk_h, sk_t, sk_d, sks_b, sks_h, sks_t, sks_d,
-                TABLE, stab_b, stab_n, START, KIND, KBITS, GK, True, BS, FOLD, DK, LARGE,
+                K, KS, KZ, KL, b, h, t, tok_ok, dk, dk_ok, sk_b, sk_h, sk_t, sk_d, sks_b, sks_h, sks_t, sks_d,
+                TABLE, stab_b, stab_n, START, KIND, KBITS, GK, True, BS, FOLD, DK, LARGE, LEVELS,
             )  # fmt: skip
             v = _load_kv(
-                V, VS, VZ, b, h, t, tok_ok, dv, dv_ok, sv_b, sv_h, sv_t, sv_d, svs_b, svs_h, svs_t, svs_d,
-                TABLE, stab_b, stab_n, START, KIND, VBITS, GV, False, BS, FOLD, DV, LARGE,
+                V, VS, VZ, VL, b, h, t, tok_ok, dv, dv_ok, sv_b, sv_h, sv_t, sv_d, svs_b, svs_h, svs_t, svs_d,
+                TABLE, stab_b, stab_n, START, KIND, VBITS, GV, False, BS, FOLD, DV, LARGE, LEVELS,
             )  # fmt: skip
             if ROPE:  # keys stored before RoPE: turned to their positions in registers
                 if ROT_DIM == BLOCK_DK:
@@ -375,8 +388,8 @@ def _partial_kernel(
                 else:
                     pair = _rope_partner(dk, ROPE, ROT_DIM)
                     kp = _load_kv(
-                        K, KS, KZ, b, h, t, tok_ok, pair, dk_ok, sk_b, sk_h, sk_t, sk_d, sks_b, sks_h, sks_t, sks_d,
-                        TABLE, stab_b, stab_n, START, KIND, KBITS, GK, True, BS, FOLD, DK, LARGE,
+                        K, KS, KZ, KL, b, h, t, tok_ok, pair, dk_ok, sk_b, sk_h, sk_t, sk_d, sks_b, sks_h, sks_t,
+                        sks_d, TABLE, stab_b, stab_n, START, KIND, KBITS, GK, True, BS, FOLD, DK, LARGE, LEVELS,
                     )  # fmt: skip
                     k = _rope_tile(k, kp, t, dk, INV_FREQ, POS0, ROPE, ROT_DIM)
             if DOT_FP32:
@@ -482,7 +495,9 @@ def triton_partial(
     hk, hv = s.key_rotation, s.value_rotation
     if hk is not None and s.rope and query.dtype != torch.float32:  # each key tile rotated back (x H_k), then
         hk = _in_dtype(hk, query.dtype)  # turned: the per-tile product on 16-bit tensor cores
-    opt = [s.ks, s.kz, s.vs, s.vz, s.table, mask_u8]
+    if (s.key_levels is None) != (s.value_levels is None):
+        raise ValueError("a KIVI segment's keys and values have codebooks together or not at all")
+    opt = [s.ks, s.kz, s.vs, s.vz, s.key_levels, s.value_levels, s.table, mask_u8]
     _partial_kernel[(b * hkv, splits)](
         query, s.k, s.v, *(x if x is not None else dummy for x in opt),
         m, l_, acc, *(x if x is not None else dummy for x in (s.inv_freq, hk, hv)),
@@ -495,8 +510,8 @@ def triton_partial(
         KIVI_TILE=plan.group_tiles,
         ROPE=s.rope, ROT_DIM=s.rotary_dim, ROTATED=hk is not None, RCH=min(64, block(dk), block(dv)),
         LARGE=any(_reach(x) >= 2**31 for x in (s.k, s.v, s.ks, s.vs, s.kz, s.vz, query)),
-        ONE_QUERY=q_len == 1, SWAP=plan.swap, BLOCK_R=block(rows, MIN_ROWS), BLOCK_N=plan.block_n,
-        BLOCK_DK=block(dk), BLOCK_DV=block(dv), num_stages=plan.stages, num_warps=plan.warps,
+        ONE_QUERY=q_len == 1, SWAP=plan.swap, LEVELS=s.key_levels is not None, BLOCK_R=block(rows, MIN_ROWS),
+        BLOCK_N=plan.block_n, BLOCK_DK=block(dk), BLOCK_DV=block(dv), num_stages=plan.stages, num_warps=plan.warps,
     )  # fmt: skip
     return m.view(b, hkv, g, q_len, splits), l_.view(b, hkv, g, q_len, splits), acc.view(b, hkv, g, q_len, splits, dv)
 
