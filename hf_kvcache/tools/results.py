@@ -133,6 +133,13 @@ RUNS: dict[str, list[str]] = {
         *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
         *["--caches", "dynamic,int2,int2:residual_bits=8,int3,int3:residual_bits=8"],
     ],
+    # Lloyd-Max levels (codebook=lloyd) next to the uniform grid at 2 and 3 bits, on the default run's protocol.
+    "eval-codebook": [
+        "eval",
+        *REAL,
+        *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
+        *["--caches", "dynamic,int2,int2:codebook=lloyd,int3,int3:codebook=lloyd,int2:key_bits=3:codebook=lloyd"],
+    ],
     "eval-ablation": [
         "eval",
         *REAL,

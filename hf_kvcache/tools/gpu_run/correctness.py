@@ -89,6 +89,7 @@ def _decode_checks(record: StageRecord, dev, dtypes, smoke: bool) -> None:
 
 def _encode_checks(record: StageRecord, dev, dtypes) -> None:
     codecs = {f"int{b}": codec_for(b, 64 if b < 8 else None) for b in (8, 4, 3, 2)}
+    codecs["int3 lloyd"] = codec_for(3, 64, codebook="lloyd")  # nearest levels by counting midpoints, two bit planes
     for dtype in dtypes:
         g = torch.Generator(device=dev).manual_seed(2)
         # 12 decades of magnitude across rows and channels: scales at every exponent, codes at rounding ties

@@ -33,6 +33,7 @@ CACHE_KINDS = {
     "int2 KIVI layout": "int2:rotate=none:sinks=0:pre_rope=false",
     "fp8": "fp8",  # late: measured when the budget allows (its e4m3 bits are only ever read in bfloat16 on a GPU)
     "int2 k4": "int2:key_bits=4",  # 4-bit keys beside 2-bit values: int3's bytes, each tile read at two widths
+    "int2 lloyd": "int2:codebook=lloyd",  # Lloyd-Max levels: int2's bytes, each code's level read from a table
 }
 
 
