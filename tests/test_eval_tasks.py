@@ -197,3 +197,24 @@ def test_repeat_shares_each_distances_prefill_with_the_same_numbers(reference):
     assert [r["repeat"] for r in shared["results"]] == [r["repeat"] for r in separate["results"]]
     ratios = [r["repeat"]["summary"]["ratio"] for r in shared["results"]]
     assert ratios[0] < 0.5 and ratios[2] > ratios[0]  # the model copies; a window shorter than 300 tokens loses it
+
+
+def test_passkey_table_gives_each_rate_its_interval():
+    """Every passkey rate comes with its 95% Wilson interval (the intervals of a few documents are wide: 2 of 2 is
+    34-100%), so a reader sees which differences between caches the sample count can carry."""
+    from hf_kvcache.eval.tasks.base import wilson
+    from hf_kvcache.eval.tasks.passkey import PasskeyTask
+
+    cells = [
+        {"length": 512, "depth": 0.5, "correct": 2, "samples": 2},
+        {"length": 1024, "depth": 0.5, "correct": 0, "samples": 2},
+    ]
+    table = PasskeyTask().table({"results": [{"cache": "dynamic", "passkey": {"cells": cells}}]})
+    row = next(line for line in table.splitlines() if line.startswith("| dynamic"))
+    cells_shown = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells_shown == ["dynamic", "50% [15-85]", "100% [34-100]", "0% [0-66]"]
+    assert "2 documents per length" in table
+    low, high = wilson(5, 10)
+    assert 0.23 < low < 0.24 and 0.76 < high < 0.77 and wilson(10, 10)[1] == 1.0 and wilson(0, 10)[0] == 0.0
+    with pytest.raises(ValueError, match="n must be at least 1"):
+        wilson(0, 0)

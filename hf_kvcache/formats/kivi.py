@@ -61,7 +61,7 @@ _TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 def _byte_levels(levels: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
     """The levels of every packed byte's codes, in ``dtype``: ``(256, 8 / bits)`` at 4 and 2 bits; at 3 bits
     ``(4096, 4)``, indexed by a low-plane byte plus 256 times the high bits of its four codes. Built once per codebook
-    tensor (the codecs keep one per device), so a read is one gather per byte instead of one per code (7x faster on
+    tensor (the codecs keep one per device), so a read is one gather per byte instead of one per code (6x faster on
     CPU than unpacking, then indexing the levels)."""
     key = (levels.data_ptr(), levels.device, bits, dtype)
     hit = _TABLES.get(key)

@@ -21,6 +21,7 @@ Any other clash, or a name the harness itself uses (``--model``, ``--caches``, `
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ __all__ = [
     "option_fields",
     "option_owners",
     "register_task",
+    "wilson",
 ]
 
 
@@ -242,3 +244,14 @@ def get_task(name: str) -> Task:
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}")
     return TASKS[name]
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson's 95% interval (``z`` = 1.96) of a success rate from ``successes`` of ``n`` all-or-nothing trials: the
+    interval a retrieval cell of a few documents can carry (2 of 2 found: 34-100%)."""
+    if n <= 0:
+        raise ValueError(f"n must be at least 1, got {n}")
+    rate = successes / n
+    centre = (rate + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(rate * (1 - rate) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..._validate import check_int
-from .base import DocumentTask, EvalData, cache_for, check_lengths_fit, register_task
+from .base import DocumentTask, EvalData, cache_for, check_lengths_fit, register_task, wilson
 
 __all__ = ["PasskeyOptions", "build_passkey_document"]
 
@@ -35,6 +35,12 @@ ANSWER_TOKENS = 8  # greedy tokens decoded for the answer
 
 def needle(key: str) -> str:
     return f" The pass key is {key}. Remember it. {key} is the pass key. "
+
+
+def _rate(found: int, total: int) -> str:
+    """``found`` of ``total`` documents as a percentage with its 95% interval: ``67% [39-86]``."""
+    low, high = wilson(found, total)
+    return f"{100 * found / total:.0f}% [{100 * low:.0f}-{100 * high:.0f}]"
 
 
 @dataclass
@@ -231,11 +237,15 @@ class PasskeyTask(DocumentTask):
             for c in entry[self.name]["cells"]:
                 by_length[c["length"]][0] += c["correct"]
                 by_length[c["length"]][1] += c["samples"]
-            rows.append(
-                [entry["cache"], f"{100 * entry[self.name]['summary']['accuracy']:.0f}%"]
-                + [f"{100 * ok / n:.0f}%" for ok, n in by_length.values()]
-            )
-        return markdown_table(headers, rows)
+            found = sum(ok for ok, _ in by_length.values())
+            total = sum(n for _, n in by_length.values())
+            rows.append([entry["cache"], _rate(found, total), *(_rate(ok, n) for ok, n in by_length.values())])
+        per_length = sum(c["samples"] for c in cells if c["length"] == lengths[0])
+        note = (
+            f"\n\n{per_length} documents per length; brackets: the 95% interval (Wilson's). Read a difference between "
+            "caches only where their intervals do not overlap."
+        )
+        return markdown_table(headers, rows) + note
 
     def plots(self, results: dict, out) -> list[str]:
         from ..tables import pyplot

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..._validate import check_int
-from .base import DocumentTask, EvalData, cache_for, check_lengths_fit, register_task
+from .base import DocumentTask, EvalData, cache_for, check_lengths_fit, register_task, wilson
 from .passkey import _encode, chat_parts, passkey_answer
 
 __all__ = ["RULER_TASKS", "RulerDocument", "RulerOptions", "build_ruler_document", "string_match_all"]
@@ -294,9 +294,7 @@ def interval(scores: list[float], z: float = 1.96) -> tuple[float, float]:
     n = len(scores)
     mean = sum(scores) / n
     if all(s in (0.0, 1.0) for s in scores):
-        centre = (mean + z * z / (2 * n)) / (1 + z * z / n)
-        half = z * math.sqrt(mean * (1 - mean) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-        return max(0.0, centre - half), min(1.0, centre + half)
+        return wilson(round(sum(scores)), n, z)
     sd = math.sqrt(sum((s - mean) ** 2 for s in scores) / (n - 1)) if n > 1 else 0.5
     return max(0.0, mean - z * sd / math.sqrt(n)), min(1.0, mean + z * sd / math.sqrt(n))
 

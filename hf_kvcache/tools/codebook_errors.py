@@ -1,0 +1,128 @@
+"""How each KIVI codebook reconstructs a model's keys and values, as a 4/3/2-bit cache stores them.
+
+One prefill runs through a cache of ``--spec`` (default ``int2``: Hadamard-rotated codes, keys quantized before RoPE)
+with no residual, and the keys and values its codec is handed are recorded. Each codebook
+(:data:`hf_kvcache.quant.CODEBOOKS`) then quantizes them in the cache's groups (keys per channel over ``G`` tokens,
+values per token over ``G`` channels) and the squared error is reported over every element and over the 1% that lie
+furthest from their group's mean: the extremes, where a query's largest scores come from. Lloyd-Max levels minimize
+the first by rounding the second inward, which is why they lose to the uniform grid through attention
+(docs/caches/quantized.md, "A non-uniform codebook").
+
+    python benchmarks/codebook_errors.py --model smollm2 --tokens 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from hf_kvcache import make_cache, quant
+from hf_kvcache.formats import kivi
+from hf_kvcache.registry import parse_spec
+
+__all__ = ["check_kivi_spec", "group_errors", "main", "measure", "stored_kv"]
+
+KIVI_KINDS = ("int4", "int3", "int2")
+TAIL = 0.01  # the share of elements, furthest from their group's mean, whose error is reported apart
+
+
+def stored_kv(model, ids: torch.Tensor, spec: str) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int, int]:
+    """The keys and values a ``spec`` cache (no residual) encodes during one prefill of ``ids``, as its KIVI codec
+    receives them (rotated, before RoPE, as the spec says), one ``(k, v)`` per call; and the codec's bits and group
+    size."""
+    check_kivi_spec(spec)
+    cache = make_cache(spec, model, residual_length=0)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    encode = kivi.KiviCodec.encode
+
+    def recording(codec, k, v):
+        seen.append((k.detach().float().clone(), v.detach().float().clone()))
+        return encode(codec, k, v)
+
+    kivi.KiviCodec.encode = recording
+    try:
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+    finally:
+        kivi.KiviCodec.encode = encode
+    return seen, cache.bits, cache.group_size
+
+
+def check_kivi_spec(spec: str) -> None:
+    """A ``ValueError`` unless ``spec`` names a 4/3/2-bit kind (whose KIVI codes the codebooks place)."""
+    if parse_spec(spec)[0] not in KIVI_KINDS:
+        raise ValueError(f"spec: one of the {'/'.join(KIVI_KINDS)} kinds (KIVI codes), got {spec!r}")
+
+
+def group_errors(x: torch.Tensor, bits: int, dim: int, codebook: torch.Tensor | None) -> tuple[float, float]:
+    """Mean squared error of ``x`` quantized over ``dim`` (its groups), over all elements and over the
+    :data:`TAIL` furthest from their group's mean."""
+    codes, scale, zero = quant.quantize_asymmetric(x, bits, dim=dim, codebook=codebook)
+    error = (quant.dequantize_asymmetric(codes, scale, zero, dtype=torch.float32, codebook=codebook) - x).pow(2)
+    spread = (x - x.mean(dim, keepdim=True)).abs().flatten()
+    tail = spread >= spread.kthvalue(max(1, int(spread.numel() * (1 - TAIL)))).values
+    return float(error.mean()), float(error.flatten()[tail].mean())
+
+
+def measure(model, ids: torch.Tensor, spec: str = "int2") -> dict:
+    """Per codebook: keys' and values' squared errors (all elements, tail), averaged over the recorded encodes."""
+    seen, bits, group = stored_kv(model, ids, spec)
+    rows = {}
+    for name in quant.CODEBOOKS:
+        book = None if name == "uniform" else quant.codebook_levels(bits, group)
+        sums = torch.zeros(4, dtype=torch.float64)
+        for k, v in seen:
+            b, h, n, d = k.shape
+            keys = group_errors(k[:, :, : n - n % group].reshape(b, h, -1, group, d), bits, 3, book)
+            values = group_errors(v.reshape(b, h, n, d // group, group), bits, -1, book)
+            sums += torch.tensor([*keys, *values], dtype=torch.float64)
+        keys_all, keys_tail, values_all, values_tail = (sums / len(seen)).tolist()
+        rows[name] = {"keys": keys_all, "keys_tail": keys_tail, "values": values_all, "values_tail": values_tail}
+    return {"spec": spec, "bits": bits, "group_size": group, "tokens": ids.shape[-1], "encodes": len(seen),
+            "tail": TAIL, "codebooks": rows}  # fmt: skip
+
+
+def table(result: dict) -> str:
+    base = result["codebooks"]["uniform"]
+    lines = [
+        f"{result['spec']} ({result['bits']} bits, groups of {result['group_size']}), {result['tokens']} tokens: mean"
+        f" squared error, all elements / the {result['tail']:.0%} furthest from their group's mean (x uniform)",
+        "",
+        "| codebook | keys | keys, tail | values | values, tail |",
+        "|---|---|---|---|---|",
+    ]
+    for name, row in result["codebooks"].items():
+        cells = [f"{row[c]:.4g} ({row[c] / base[c]:.2f}x)" for c in ("keys", "keys_tail", "values", "values_tail")]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hf_kvcache.models import load_model
+    from hf_kvcache.reference import reference_text
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="reference", help="smollm2, reference or a local folder")
+    parser.add_argument("--spec", default="int2", help="the 4/3/2-bit cache whose storage is measured")
+    parser.add_argument("--tokens", type=int, default=1024, help="prefill length (the held-out text's first tokens)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", help="also write the result here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    try:
+        check_kivi_spec(args.spec)
+        model, tokenizer = load_model(args.model)
+        text = reference_text()[: 16 * args.tokens]  # enough characters for the tokens, not the whole novel
+        ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.tokens]
+        result = measure(model, ids, args.spec)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
