@@ -67,3 +67,57 @@ def test_paged_decode_compiles_with_graph_breaks_not_fullgraph(attn):
             got = step(input_ids=token.view(1, 1), past_key_values=compiled).logits
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         compiled.check_invariants()
+
+
+KERNEL_SPECS = ["int8", "int4:residual_length=4:group_size=8", "int3:residual_length=4:group_size=8", "paged:bits=8"]
+
+
+def _custom_ops_called(step) -> set[str]:
+    """The ``hf_kvcache::`` ops that reach the dispatcher while ``step()`` runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "hf_kvcache":
+                seen.add(func._opname)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        step()
+    return seen
+
+
+@pytest.mark.parametrize("spec", KERNEL_SPECS)
+def test_eager_decode_calls_the_kernels_without_the_dispatcher(spec, monkeypatch):
+    """Eager code calls each kernel's implementation directly (the custom op's wrappers cost more host time than a
+    short decode step's kernels take on a GPU); torch.compile still sees the custom ops, one opaque node each, and
+    both compute the same step."""
+    import torch
+    import torch._dynamo
+
+    from hf_kvcache.layers import _common
+
+    monkeypatch.setattr(_common, "CPU_HANDLES", "always")  # the kernels' path at a tiny model's lengths
+    model = tiny_model("llama", "hf_kvcache")
+    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    token = torch.randint(3, 100, (2, 1), generator=torch.Generator().manual_seed(1))
+    eager, compiled = make_cache(spec, model), make_cache(spec, model)
+    targets: set[str] = set()
+
+    def backend(gm, example_inputs):
+        targets.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=eager)
+        model(input_ids=ids, past_key_values=compiled)
+        out = {}
+        called = _custom_ops_called(lambda: out.update(want=model(input_ids=token, past_key_values=eager).logits))
+        assert called == set(), called
+        torch._dynamo.reset()
+        got = torch.compile(model.forward, backend=backend)(input_ids=token, past_key_values=compiled).logits
+    torch.testing.assert_close(got, out["want"], rtol=1e-4, atol=1e-4)
+    partials = {t for t in targets if t.startswith("hf_kvcache.partial_")}
+    assert partials and "hf_kvcache.combine.default" in targets, sorted(targets)

@@ -25,6 +25,7 @@ import torch
 
 from ..kernels import reference
 from ..kernels._available import fall_back, fell_back
+from ..kernels._eager import eager
 from ..kernels.storage import MIN_ROWS, KernelStorage, LaunchPlan, block
 
 Partials = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -183,7 +184,8 @@ def register_partial(name: str, schema_fn, to_segment, heads_and_dim):
     (:func:`launch`; ``to_segment`` turns the op's arguments after the query back into ``(segment, mask, scaling,
     softcap, splits)``; None: a format the Triton kernel does not read runs the reference on CUDA too), and a fake
     giving ``torch.compile`` the output shapes (``heads_and_dim`` of the arguments), so a compiled decode step treats
-    the op as one opaque node."""
+    the op as one opaque node. Returns what a segment calls: the implementations directly in eager code, the op
+    under ``torch.compile`` (:func:`~hf_kvcache.kernels._eager.eager`)."""
     op = torch.library.custom_op(f"hf_kvcache::{name}", mutates_args=())(schema_fn)
 
     @op.register_fake
@@ -191,10 +193,11 @@ def register_partial(name: str, schema_fn, to_segment, heads_and_dim):
         heads, value_dim = heads_and_dim(*args)
         return _fake(args[0], heads, value_dim, args[-1])
 
+    cuda = None
     if to_segment is not None:
 
-        @op.register_kernel("cuda")
-        def _(query, *args):
+        def cuda(query, *args):
             return launch(query, *to_segment(*args))
 
-    return op
+        op.register_kernel("cuda")(cuda)
+    return eager(op, schema_fn, cuda)

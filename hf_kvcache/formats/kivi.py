@@ -20,6 +20,7 @@ import torch
 from .. import quant
 from ..kernels import reference
 from ..kernels._available import guarded, triton_available
+from ..kernels._eager import eager
 from ..kernels.storage import KIVI, KernelStorage, LaunchPlan, block
 from ..rope import RotarySpec
 from ._base import (
@@ -371,8 +372,7 @@ def _encode_reference(k: torch.Tensor, v: torch.Tensor, out: tuple, key_bits: in
         dest.copy_(parts[name])
 
 
-@torch.library.custom_op("hf_kvcache::encode_kivi", mutates_args=("kp", "ks", "kz", "vp", "vs", "vz"))
-def encode_kivi(
+def _encode(
     k: torch.Tensor,
     v: torch.Tensor,
     kp: torch.Tensor,
@@ -394,13 +394,18 @@ def encode_kivi(
     _encode_reference(k, v, (kp, ks, kz, vp, vs, vz), key_bits, value_bits, group, per_token_keys, codebook)
 
 
-@encode_kivi.register_fake
+_ENCODE_OP = torch.library.custom_op("hf_kvcache::encode_kivi", mutates_args=("kp", "ks", "kz", "vp", "vs", "vz"))(
+    _encode
+)
+
+
+@_ENCODE_OP.register_fake
 def _(k, v, kp, ks, kz, vp, vs, vz, key_bits, value_bits, group, per_token_keys, codebook):
     return None
 
 
-@encode_kivi.register_kernel("cuda")
-def _(k, v, kp, ks, kz, vp, vs, vz, key_bits, value_bits, group, per_token_keys, codebook):
+@_ENCODE_OP.register_kernel("cuda")
+def _encode_cuda(k, v, kp, ks, kz, vp, vs, vz, key_bits, value_bits, group, per_token_keys, codebook):
     stored = (kp, ks, kz, vp, vs, vz)
     reference_encode = (k, v, stored, key_bits, value_bits, group, per_token_keys, codebook)
     if triton_available():
@@ -416,6 +421,9 @@ def _(k, v, kp, ks, kz, vp, vs, vz, key_bits, value_bits, group, per_token_keys,
                 lambda: _encode_reference(*reference_encode),
             )
     return _encode_reference(*reference_encode)
+
+
+encode_kivi = eager(_ENCODE_OP, _encode, _encode_cuda)
 
 
 _ON_DEVICE: dict[tuple, torch.Tensor] = {}

@@ -7,6 +7,7 @@ import torch
 
 from .. import quant
 from ._available import guarded, triton_available
+from ._eager import eager
 
 __all__ = ["append_kv"]
 
@@ -44,8 +45,7 @@ def _append_reference(
             dests[name].index_copy_(0, slots[keep].to(out.device), rows[keep.to(rows.device)])
 
 
-@torch.library.custom_op("hf_kvcache::append_kv", mutates_args=("k_out", "v_out", "k_scales", "v_scales"))
-def append_kv(
+def _append(
     k: torch.Tensor,
     v: torch.Tensor,
     k_out: torch.Tensor,
@@ -72,13 +72,16 @@ def append_kv(
     _append_reference(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size)
 
 
-@append_kv.register_fake
+_OP = torch.library.custom_op("hf_kvcache::append_kv", mutates_args=("k_out", "v_out", "k_scales", "v_scales"))(_append)
+
+
+@_OP.register_fake
 def _(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size):
     return None
 
 
-@append_kv.register_kernel("cuda")
-def _(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size):
+@_OP.register_kernel("cuda")
+def _append_cuda(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size):
     if triton_available():
         from .triton_append import triton_append
 
@@ -88,3 +91,6 @@ def _(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size):
             lambda: _append_reference(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size),
         )
     return _append_reference(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size)
+
+
+append_kv = eager(_OP, _append, _append_cuda)

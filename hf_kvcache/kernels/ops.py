@@ -10,12 +10,12 @@ import torch
 
 from . import reference
 from ._available import guarded, triton_available
+from ._eager import eager
 
 __all__ = ["combine_partials"]
 
 
-@torch.library.custom_op("hf_kvcache::combine", mutates_args=())
-def combine_partials(
+def _combine_reference(
     m: list[torch.Tensor],
     l: list[torch.Tensor],  # noqa: E741
     acc: list[torch.Tensor],
@@ -26,14 +26,17 @@ def combine_partials(
     return reference.combine(list(zip(m, l, acc)), sinks, dtype).contiguous()
 
 
-@combine_partials.register_fake
+_OP = torch.library.custom_op("hf_kvcache::combine", mutates_args=())(_combine_reference)
+
+
+@_OP.register_fake
 def _(m, l, acc, sinks, dtype):  # noqa: E741
     b, hkv, g, q, _ = m[0].shape
     return m[0].new_empty((b, q, hkv * g, acc[0].shape[-1]), dtype=dtype)
 
 
-@combine_partials.register_kernel("cuda")
-def _(m, l, acc, sinks, dtype):  # noqa: E741
+@_OP.register_kernel("cuda")
+def _combine_cuda(m, l, acc, sinks, dtype):  # noqa: E741
     partials = list(zip(m, l, acc))
 
     def ref() -> torch.Tensor:
@@ -45,3 +48,6 @@ def _(m, l, acc, sinks, dtype):  # noqa: E741
         if len(partials) <= MAX_COMBINED_SEGMENTS:
             return guarded("combine", lambda: triton_combine(partials, sinks, dtype), ref)
     return ref()
+
+
+combine_partials = eager(_OP, _combine_reference, _combine_cuda)
