@@ -159,3 +159,36 @@ def test_a_saved_run_gets_its_region_on_the_results_page(smoke, tmp_path):
     assert "<!-- gpu-runs -->\n\n<!-- results:gpu-run-smoke -->\n<!-- /results -->" in text and NONE_YET not in text
     save_run(smoke[0], "gpu-run-smoke", docs)  # saving again keeps one region
     assert (docs / "results.md").read_text().count("results:gpu-run-smoke") == 1
+
+
+def _kernel_item(kind: str, us: float, graph_us: float | None, **extra) -> dict:
+    item = {"context": 16384, "batch": 8, "kind": kind, "bytes": 2**28, "median_us": us, "p10_us": us, "p90_us": us,
+            "repeats": 5, "of_peak": 0.1, **extra}  # fmt: skip
+    if graph_us is not None:
+        item |= {"graph_us": graph_us, "graph_speedup_vs_sdpa": 100.0 / graph_us, "graph_of_peak": 0.5}
+    return item
+
+
+def test_device_only_times_render_beside_the_issued_ones():
+    """A run that captured the steps in CUDA graphs shows their replay (the kernels' time without the host's) beside
+    the issued time, and the kernel targets are checked on both; a step that could not be captured says n/a."""
+    items = [
+        _kernel_item("sdpa", 150.0, 100.0, backend="flash"),
+        _kernel_item("int8", 600.0, 50.0, speedup_vs_sdpa=0.25),
+        _kernel_item("dense", 300.0, None, speedup_vs_sdpa=0.5, graph_error="RuntimeError: synchronizes"),
+    ]
+    record = {
+        "command": "gpu_run",
+        "kind": "gpu-run",
+        "results": {"kernels": {"stage": "kernels", "status": "done", "info": {"triton": True}, "items": items}},
+    }
+    text = render(record)
+    assert "device µs" in text and "device x sdpa" in text
+    int8_row = next(line for line in text.splitlines() if "| int8 " in line)
+    assert "600.0" in int8_row and "50.0" in int8_row and "2.00" in int8_row
+    dense_row = next(line for line in text.splitlines() if "| dense " in line)
+    assert dense_row.count("n/a") == 3
+    rows = {row[0]: row for row in targets(record["results"])}
+    assert rows["kernel vs sdpa, 16k x 8: int8"][2:] == ["0.25", "no"]
+    assert rows["kernel vs sdpa, device only, 16k x 8: int8"][2:] == ["2.00", "yes"]
+    assert "kernel vs sdpa, device only, 16k x 8: dense" not in rows

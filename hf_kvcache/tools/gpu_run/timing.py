@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Timing", "bench"]
+__all__ = ["Timing", "bench", "graphed"]
 
 L2_FLUSH_BYTES = 256 * 2**20  # written before every repeat: larger than any GPU's L2
 
@@ -62,3 +62,20 @@ def bench(fn: Callable[[], object], device: torch.device, seconds: float = 0.25,
         end.record()
     torch.cuda.synchronize(device)
     return _quantiles([begin.elapsed_time(end) / 1e3 for begin, end in events])
+
+
+def graphed(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` captured once into a CUDA graph, returned as its replay: what the device takes for ``fn`` without the
+    host's part (Python, the dispatcher, Triton's launcher), which a short step's issue time can exceed many times
+    over. Warmed on a side stream first, as capture requires; raises where ``fn`` cannot be captured (a step that
+    synchronizes)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
