@@ -123,6 +123,32 @@ def test_non_finite_values_do_not_poison_their_group(bits):
     assert back[0, 4].abs() <= scale.max() / 2 + 1e-6
 
 
+QUANTIZERS = {
+    "int8": lambda x, dt: quant.quantize_symmetric(x, dim=-1, scale_dtype=dt),
+    "fp8": lambda x, dt: quant.quantize_fp8(x, dim=-1, scale_dtype=dt),
+    "int3": lambda x, dt: quant.quantize_asymmetric(x, 3, dim=-1, scale_dtype=dt),
+    "int2-lloyd": lambda x, dt: quant.quantize_asymmetric(x, 2, dim=-1, scale_dtype=dt,
+                                                          codebook=quant.codebook_levels(2, 8)),
+}  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(groups, st.sampled_from(sorted(QUANTIZERS)), st.sampled_from(SCALE_DTYPES), st.integers(0, 2**31))
+def test_a_non_finite_element_changes_only_its_own_group(array, name, scale_dtype, seed):
+    """An all-finite tensor takes the quantizers' unmasked path (CPU); one non-finite element sends the whole tensor
+    through the masked one: every other group's codes, scales and zero points stay bit for bit the same."""
+    x = torch.from_numpy(array).clamp(-6e4, 6e4)  # float16 scales cannot describe larger ranges
+    g = torch.Generator().manual_seed(seed)
+    row = int(torch.randint(0, x.shape[0], (), generator=g))
+    col = int(torch.randint(0, x.shape[1], (), generator=g))
+    poisoned = x.clone()
+    poisoned[row, col] = (float("nan"), float("inf"), -float("inf"))[seed % 3]
+    clean, dirty = QUANTIZERS[name](x, scale_dtype), QUANTIZERS[name](poisoned, scale_dtype)
+    others = torch.arange(x.shape[0]) != row
+    for a, b in zip(clean, dirty):
+        assert torch.equal(a[others], b[others])
+
+
 def test_all_non_finite_group_reads_back_as_zeros():
     x = torch.tensor([[float("nan"), float("inf"), -float("inf"), float("nan")]])
     codes, scale = quant.quantize_symmetric(x, dim=-1)

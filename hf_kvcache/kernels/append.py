@@ -12,6 +12,19 @@ from ._eager import eager
 __all__ = ["append_kv"]
 
 
+def _encoded(x: torch.Tensor, out: torch.Tensor, scales_out: torch.Tensor | None, paged: bool) -> dict:
+    """What ``x`` ``(B, H, n, D)`` stores: ``{"x": tokens}``, or int8 (fp8 where ``out`` is uint8) codes and their
+    scales ``{"x": codes (B, H, n, D), "s": (B, H, n, D / G)}`` (``(B, H, n)`` for pages: one scale per token and
+    head)."""
+    if scales_out is None:
+        return {"x": x}
+    group = x.shape[-1] if paged else x.shape[-1] // scales_out.shape[-1]
+    encode = quant.quantize_fp8 if out.dtype == torch.uint8 else quant.quantize_symmetric  # e4m3 bits: fp8
+    codes, scales = encode(x.reshape(*x.shape[:-1], -1, group), dim=-1, scale_dtype=scales_out.dtype)
+    scales = scales.squeeze(-1)
+    return {"x": codes.view(x.shape), "s": scales.squeeze(-1) if paged else scales}
+
+
 def _append_reference(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -23,17 +36,24 @@ def _append_reference(
     start: int,
     block_size: int,
 ) -> None:
-    for x, out, scales_out in ((k, k_out, k_scales), (v, v_out, v_scales)):
-        payload = {"x": x}  # (B, H, n, D), then the scales (B, H, n[, D / G])
-        if scales_out is not None:
-            group = x.shape[-1] // scales_out.shape[-1] if table is None else x.shape[-1]
-            encode = quant.quantize_fp8 if out.dtype == torch.uint8 else quant.quantize_symmetric  # e4m3 bits: fp8
-            codes, scales = encode(x.reshape(*x.shape[:-1], -1, group), dim=-1, scale_dtype=scales_out.dtype)
-            payload = {"x": codes.view(x.shape), "s": scales.squeeze(-1)}
-            if table is not None:
-                payload["s"] = payload["s"].squeeze(-1)  # one scale per token and head
+    paged = table is not None
+    alike = (
+        k_scales is not None
+        and v_scales is not None
+        and k.shape == v.shape
+        and k_scales.shape[-1:] == v_scales.shape[-1:]
+        and (k_out.dtype, k_scales.dtype) == (v_out.dtype, v_scales.dtype)
+    )
+    # Keys and values encoded as one tensor where alike: the same codes, half the small operations that are most of
+    # a short forward's encode on CPU.
+    if alike:
+        both = _encoded(torch.stack([k, v]), k_out, k_scales, paged)
+        payloads = [{name: t[i] for name, t in both.items()} for i in range(2)]
+    else:
+        payloads = [_encoded(k, k_out, k_scales, paged), _encoded(v, v_out, v_scales, paged)]
+    for x, payload, out, scales_out in ((k, payloads[0], k_out, k_scales), (v, payloads[1], v_out, v_scales)):
         dests = {"x": out, "s": scales_out}
-        if table is None:
+        if not paged:
             for name, t in payload.items():
                 dests[name].copy_(t)
             continue
