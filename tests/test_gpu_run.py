@@ -88,6 +88,7 @@ def test_smoke_run_renders(smoke):
         assert f"**{title}**" in text
     assert "int2 KIVI layout" in text and "largest batch" in text.lower()
     assert "Where a call's time goes on the host" in text
+    assert "Where a decode step's time goes" in text and "int8 [hf_kvcache]" in text
     rows = targets(record["results"])
     assert all(len(row) == 4 and row[3] in ("yes", "no") for row in rows)
 

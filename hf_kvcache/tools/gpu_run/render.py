@@ -210,6 +210,26 @@ def _generate(record: dict) -> str:
             "Time to first token (a real prefill through the cache):",
             _table(["context x batch", "cache [attention]", "TTFT s", "x dynamic"], ttft_rows),
         ]
+    profiled = [i for i in items if i["measure"] == "decode" and "profile" in i]
+    if profiled:
+        rows = []
+        for i in profiled:
+            p = i["profile"]
+            top = "; ".join(f"{t['name']} {t['share']:.0%}" for t in p["top"][:4])
+            rows.append([f"{i['context']:,} x {i['batch']}", f"{i['cache']} [{i['attn']}]",
+                         f"{p['wall_ms_per_step']:.1f}", f"{p['kernel_ms_per_step']:.1f}",
+                         f"{p['kernel_ms_per_step'] / p['wall_ms_per_step']:.0%}", f"{p['launches_per_step']:.0f}",
+                         top])  # fmt: skip
+        unit = "kernels" if profiled[0]["profile"]["activity"] == "cuda" else "operators (CPU)"
+        parts += [
+            f"Where a decode step's time goes: {profiled[0]['profile']['steps']} more steps of the same cache under "
+            f"`torch.profiler`, the summed time of its {unit} against the step's wall time (a low ratio: the host "
+            "issues the step slower than the device runs it):",
+            _table(
+                ["context x batch", "cache [attention]", "step ms", f"{unit} ms", "busy", "launches", "largest shares"],
+                rows,
+            ),  # fmt: skip
+        ]
     return "\n\n".join(parts)
 
 
