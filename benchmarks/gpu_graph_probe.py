@@ -21,24 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hf_kvcache.formats import DenseSegment, KVHandle, decode_attention  # noqa: E402
 from hf_kvcache.tools.gpu_run.kernels import _inputs, _sdpa, decode_handle  # noqa: E402
 from hf_kvcache.tools.gpu_run.shapes import cache_kinds, model_config  # noqa: E402
-from hf_kvcache.tools.gpu_run.timing import bench  # noqa: E402
+from hf_kvcache.tools.gpu_run.timing import bench, graphed  # noqa: E402
 
 SHAPES = ((16384, 8), (4096, 1), (65536, 8))
 KINDS = ("dense", "int8", "int4", "int3", "int2", "int2 KIVI layout", "paged", "fp8")
-
-
-def graphed(fn):
-    """``fn`` captured once into a CUDA graph (warmed on a side stream first, as capture requires); its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def kernel_profile(fn) -> dict:
