@@ -263,9 +263,15 @@ def test_measured_times_sit_beside_the_estimate():
         {"context": 65536, "batch": 8, "kind": "int8", "median_us": 700.0, "speedup_vs_sdpa": 0.7},
         {"measure": "host", "context": 4096, "batch": 1, "kind": "int8", "host_us_per_call": 80.0},
     ]
-    runs = {"gpu-run-x": {"results": {"env": {"info": {"device_name": "NVIDIA H200"}}, "kernels": {"items": items}}}}
+    env = {"env": {"info": {"device_name": "NVIDIA H200"}}}
+    runs = {"gpu-run-x": {"results": env | {"kernels": {"items": items}}}}
     rows = gpu_report.measured_vs_estimate(report, runs)
     assert rows == [{"run": "gpu-run-x", "device": "NVIDIA H200", "kind": "int8", "shape": "16k x 8",
-                     "measured_us": 300.0, "measured_vs_sdpa": 0.5, "estimated_vs_sdpa": 1.5,
-                     "measured_over_estimate": 0.33}]  # fmt: skip
+                     "measured_us": 300.0, "measured_vs_sdpa": 0.5, "device_us": "n/a", "device_vs_sdpa": "n/a",
+                     "estimated_vs_sdpa": 1.5, "measured_over_estimate": 0.33}]  # fmt: skip
     assert gpu_report.measured_vs_estimate(report, {}) == []
+    # a run that timed the step as a CUDA-graph replay is compared on the device's time
+    items[1] |= {"graph_us": 100.0, "graph_speedup_vs_sdpa": 1.2}
+    rows = gpu_report.measured_vs_estimate(report, {"gpu-run-y": {"results": env | {"kernels": {"items": items}}}})
+    assert rows[0]["device_us"] == 100.0 and rows[0]["device_vs_sdpa"] == 1.2
+    assert rows[0]["measured_vs_sdpa"] == 0.5 and rows[0]["measured_over_estimate"] == 0.8
