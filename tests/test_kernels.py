@@ -663,3 +663,43 @@ def test_encoders_saturate_scales_past_a_16_bit_dtype_bit_exactly(bits):
         codec.decode(want, keys, values)
         assert torch.isfinite(keys).all() and torch.isfinite(values).all()
     assert all(torch.isfinite(s).all() for s in scales) and any((s.abs() == 65504).any() for s in scales)
+
+
+# Handles as the caches' layers return them: plain segments, transforms their format reads in its own launch
+# (KIVI's rotation and pre-RoPE keys, int8's rotation), and one it does not (fp8's rotation, folded around its op).
+HANDLE_SPECS = ["int8", "int4", "int3", "int2:rotate=none:sinks=0:pre_rope=false", "paged:bits=8", "fp8",
+                "int8:rotate=hadamard", "fp8:rotate=hadamard"]  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", HANDLE_SPECS)
+def test_decode_attention_hands_segments_to_their_launch_directly(spec, monkeypatch):
+    """Eager code on CUDA hands each segment whose transforms its format reads in-launch straight to the Triton
+    launch (no op arguments flattened and rebuilt): over a real cache layer's handle, with a left-padded row, that
+    path (the interpreter here) equals the ops' path (the references here), segment by segment."""
+    from hf_kvcache.formats import handle as handle_module
+    from hf_kvcache.layers import _common
+    from hf_kvcache.tools.gpu_run.correctness import _mask
+    from hf_kvcache.tools.gpu_run.kernels import decode_handle
+    from hf_kvcache.tools.gpu_run.shapes import model_config
+
+    monkeypatch.setattr(_common, "CPU_HANDLES", "always")
+    config = model_config(True, layers=1)
+    g = torch.Generator().manual_seed(4)
+    kv, dim = config.num_key_value_heads, config.head_dim
+    k, v = (torch.randn(2, kv, 300, dim, generator=g) for _ in range(2))  # past the KIVI residual: codes read
+    k1, v1 = (torch.randn(2, kv, 1, dim, generator=g) for _ in range(2))
+    handle = decode_handle(spec, config, k, v, k1, v1)[0]
+    assert any(not isinstance(s, DenseSegment) for s in handle.segments)
+    query = torch.randn(2, config.num_attention_heads, 1, dim, generator=g)
+    mask = _mask(2, 1, handle.length, "cpu")
+    want = decode_attention(query, handle, mask, dim**-0.5)
+    launched, kernels = [], []
+    launch, kernel = handle_module.launch, triton_decode.triton_partial
+    monkeypatch.setattr(handle_module, "launches_directly", lambda q: True)
+    monkeypatch.setattr(handle_module, "launch", lambda *args: launched.append(1) or launch(*args))
+    monkeypatch.setattr(triton_decode, "triton_partial", lambda *args: kernels.append(1) or kernel(*args))
+    got = decode_attention(query, handle, mask, dim**-0.5)
+    _close(got, want, torch.float32)
+    absorbed = [not isinstance(s.in_launch()[0], handle_module.OverSegment) for s in handle.segments]
+    assert len(launched) == sum(absorbed) and len(kernels) >= len(launched)
+    assert spec != "fp8:rotate=hadamard" or not all(absorbed)  # the branch that keeps the op's path

@@ -8,7 +8,9 @@ range of its tokens back in float32 (``read``, what the pure-torch reference ker
 its layout, is one module of this package.
 
 :func:`decode_attention` is one decode step's whole path: each segment's own op (one launch on CUDA), then one
-``hf_kvcache::combine`` over every segment's splits.
+``hf_kvcache::combine`` over every segment's splits. Eager code on CUDA hands a segment whose transforms its stored
+format reads in its own launch straight to that launch (:func:`~._base.launch`), as it is: the op's flat arguments,
+and the segment rebuilt from them, are what ``torch.compile`` needs, and cost the host as much as the kernels take.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from ..kernels.ops import combine_partials
 from ..kernels.reference import num_splits
-from ._base import SegmentFormat
+from ._base import OverSegment, SegmentFormat, launch
 
 __all__ = ["KVHandle", "decode_attention", "segment_inputs"]
 
@@ -96,6 +98,12 @@ def segment_inputs(
         yield segment, part_mask, num_splits(segment.length, b * segment.heads) if query.is_cuda else 1
 
 
+def launches_directly(query: torch.Tensor) -> bool:
+    """Whether :func:`decode_attention` hands segments to their Triton launch itself: eager code on CUDA (compiled
+    code keeps the custom ops, one opaque node each; off CUDA each op's reference serves)."""
+    return query.is_cuda and not torch.compiler.is_compiling()
+
+
 def decode_attention(
     query: torch.Tensor,
     handle: KVHandle,
@@ -107,8 +115,12 @@ def decode_attention(
     """Attention ``(B, q, Hq, Dv)`` of ``query`` ``(B, Hq, q, D)`` over a cache layer's storage handle (``mask``: see
     :func:`segment_inputs`; ``sinks``: one learned logit per query head, GPT-OSS's ``s_aux``)."""
     partials = []
+    direct = launches_directly(query)
     for segment, part_mask, splits in segment_inputs(query, handle, mask):
         stored, extras = segment.in_launch()  # a rotation or pre-RoPE keys read in the stored format's own launch
-        partials.append(stored.partial(query, part_mask, scaling, softcap, splits, **extras))
+        if direct and not isinstance(stored, OverSegment):  # the launch its op would make, from the segment itself
+            partials.append(launch(query, segment, part_mask, scaling, softcap, splits))
+        else:
+            partials.append(stored.partial(query, part_mask, scaling, softcap, splits, **extras))
     m, l_, acc = (list(x) for x in zip(*partials))
     return combine_partials(m, l_, acc, sinks, query.dtype)  # one launch: the splits of every segment reduced together
