@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels._eager import dispatching
 from ..kernels.ops import combine_partials
 from ..kernels.reference import num_splits
 from ._base import OverSegment, SegmentFormat, launch
@@ -100,8 +101,9 @@ def segment_inputs(
 
 def launches_directly(query: torch.Tensor) -> bool:
     """Whether :func:`decode_attention` hands segments to their Triton launch itself: eager code on CUDA (compiled
-    code keeps the custom ops, one opaque node each; off CUDA each op's reference serves)."""
-    return query.is_cuda and not torch.compiler.is_compiling()
+    code keeps the custom ops, one opaque node each, and so does :func:`~hf_kvcache.kernels._eager.through_ops`; off
+    CUDA each op's reference serves)."""
+    return query.is_cuda and not dispatching()
 
 
 def decode_attention(

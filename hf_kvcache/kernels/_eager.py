@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["eager", "through_ops"]
+__all__ = ["dispatching", "eager", "through_ops"]
 
 _THROUGH_OPS = [False]
 
@@ -31,6 +31,11 @@ def through_ops() -> Iterator[None]:
         _THROUGH_OPS[0] = before
 
 
+def dispatching() -> bool:
+    """Whether calls must reach the custom ops: while ``torch.compile`` traces, or within :func:`through_ops`."""
+    return _THROUGH_OPS[0] or torch.compiler.is_compiling()
+
+
 def _device(first) -> torch.device:
     return (first if isinstance(first, torch.Tensor) else first[0]).device
 
@@ -42,7 +47,7 @@ def eager(op, reference: Callable, cuda: Callable | None = None) -> Callable:
     the op registers, so the two paths compute the same thing."""
 
     def call(*args):
-        if _THROUGH_OPS[0] or torch.compiler.is_compiling():
+        if dispatching():
             return op(*args)
         if cuda is not None:
             device = _device(args[0])
