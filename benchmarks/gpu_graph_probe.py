@@ -9,6 +9,9 @@ Run on a GPU machine from the project's root: ``python benchmarks/gpu_graph_prob
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import itertools
 import json
 import sys
 import time
@@ -19,6 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hf_kvcache.formats import DenseSegment, KVHandle, decode_attention  # noqa: E402
+from hf_kvcache.kernels import triton_decode  # noqa: E402
+from hf_kvcache.kernels.storage import LaunchPlan  # noqa: E402
 from hf_kvcache.tools.gpu_run.kernels import _inputs, _sdpa, decode_handle  # noqa: E402
 from hf_kvcache.tools.gpu_run.shapes import cache_kinds, model_config  # noqa: E402
 from hf_kvcache.tools.gpu_run.timing import bench, graphed  # noqa: E402
@@ -44,6 +49,44 @@ def kernel_profile(fn) -> dict:
     return {"launches": len(events) / 5, "kernel_us": sum(e.device_time for e in events) / 5, "by_kernel_us": names}
 
 
+def _plan_fields(text: str) -> dict:
+    """``"warps=4:stages=1"`` -> the LaunchPlan fields it sets."""
+    names = {f.name: f.type for f in dataclasses.fields(LaunchPlan)}
+    fields = {}
+    for item in filter(None, text.split(":")):
+        name, _, value = item.partition("=")
+        if name not in names or not value:
+            raise ValueError(f"--plans: {item!r} is not FIELD=VALUE with FIELD one of {', '.join(names)}")
+        fields[name] = value.lower() == "true" if names[name] in (bool, "bool") else int(value)
+    return fields
+
+
+def _shape(cell: str) -> tuple[int, int]:
+    try:
+        context, batch = (int(n) for n in cell.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--shapes: {cell!r} is not CONTEXTxBATCH, e.g. 65536x8") from None
+    return context, batch
+
+
+@contextlib.contextmanager
+def _planned(fields: dict):
+    """Every Triton partial launch with its plan's ``fields`` replaced."""
+    if not fields:
+        yield
+        return
+    original = triton_decode.triton_partial
+
+    def patched(query, storage, plan, *args):
+        return original(query, storage, plan.replace(**fields), *args)
+
+    triton_decode.triton_partial = patched
+    try:
+        yield
+    finally:
+        triton_decode.triton_partial = original
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, required=True)
@@ -52,12 +95,23 @@ def main() -> None:
     parser.add_argument(
         "--shapes", nargs="*", help="context x batch cells, e.g. 65536x8 (default: 16k x 8, 4k x 1, 64k x 8)"
     )
+    parser.add_argument(
+        "--plans",
+        nargs="*",
+        default=[""],
+        help="launch-plan variants timed side by side for each spec, as LaunchPlan fields, e.g. '' "
+        "'warps=4:stages=1' (each output compared with the first variant's)",
+    )
     args = parser.parse_args()
+    try:
+        plans = [_plan_fields(text) for text in args.plans]
+        shapes = [_shape(cell) for cell in args.shapes] if args.shapes else SHAPES
+    except ValueError as err:
+        parser.error(str(err))
     args.output.mkdir(parents=True, exist_ok=True)
     dev, dtype = torch.device("cuda"), torch.bfloat16
     config = model_config(False, layers=1)
     scaling = config.head_dim**-0.5
-    shapes = [tuple(int(n) for n in cell.split("x")) for cell in args.shapes] if args.shapes else SHAPES
     if args.specs:
         kinds = {spec: spec for spec in args.specs}
     else:
@@ -70,20 +124,28 @@ def main() -> None:
         sdpa, _ = _sdpa(x["query"], kf, vf, scaling)
         base = bench(sdpa, dev).median_s
         print(f"{context} x {batch}: sdpa {1e6 * base:.0f}us", flush=True)
-        for label, spec in kinds.items():
+        for (label, spec), (variant, fields) in itertools.product(kinds.items(), zip(args.plans, plans)):
             if time.perf_counter() > deadline:
                 print("budget spent", flush=True)
                 break
             row = {"context": context, "batch": batch, "kind": label, "sdpa_us": 1e6 * base}
+            if variant:
+                row["plan"] = variant
             try:
                 if spec is None:
                     handle = KVHandle((DenseSegment(kf, vf),))
                 else:
                     handle = decode_handle(spec, config, x["k"], x["v"], x["k1"], x["v1"])[0]
 
-                def step(handle=handle, query=x["query"]):
-                    return decode_attention(query, handle, None, scaling)
+                def step(handle=handle, query=x["query"], fields=fields):
+                    with _planned(fields):
+                        return decode_attention(query, handle, None, scaling)
 
+                out = step().float()
+                if variant == args.plans[0]:
+                    first = out
+                else:
+                    row["max_diff_vs_first_plan"] = (out - first).abs().max().item()
                 row["eager_us"] = 1e6 * bench(step, dev).median_s
                 row |= kernel_profile(step)
                 try:
@@ -96,6 +158,7 @@ def main() -> None:
             nan = float("nan")
             eager, graph, kern = (row.get(key, nan) for key in ("eager_us", "graph_us", "kernel_us"))
             note = row.get("error", row.get("graph_error", ""))
+            label = f"{label} [{variant}]" if variant else label
             print(f"  {label}: eager {eager:.0f}us, graph {graph:.0f}us ({1e6 * base / graph:.2f}x sdpa), "
                   f"{row.get('launches', 0):.0f} launches, kernels {kern:.0f}us {note}", flush=True)  # fmt: skip
         del x, kf, vf

@@ -275,3 +275,20 @@ def test_measured_times_sit_beside_the_estimate():
     rows = gpu_report.measured_vs_estimate(report, {"gpu-run-y": {"results": env | {"kernels": {"items": items}}}})
     assert rows[0]["device_us"] == 100.0 and rows[0]["device_vs_sdpa"] == 1.2
     assert rows[0]["measured_vs_sdpa"] == 0.5 and rows[0]["measured_over_estimate"] == 0.8
+
+
+@needs_ptxas
+def test_plan_variants_compile_side_by_side():
+    """benchmarks/aot_plans.py compiles a spec's quantized launch under each launch-plan variant and prints its
+    figures; the variant's fields reach the compiled kernel (its stages and warps are the ones asked for), and a
+    field that LaunchPlan lacks is a one-line usage error."""
+    cmd = [sys.executable, "benchmarks/aot_plans.py", "--specs", "int2:rotate=none:sinks=0:pre_rope=false"]
+    done = subprocess.run(cmd + ["--plans", "", "warps=8:stages=3"], cwd=ROOT, env=_compile_env(),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 2 and all("KiviSegment" in line and "spills" in line for line in lines), lines
+    assert "4 warps, 1 stages" in lines[0] and "[warps=8:stages=3] sm_90: 8 warps, 3 stages" in lines[1], lines
+    bad = subprocess.run(cmd + ["--plans", "tile=32"], cwd=ROOT, env=_compile_env(), capture_output=True, text=True)
+    assert bad.returncode == 2 and "--plans: 'tile=32' is not FIELD=VALUE" in bad.stderr
+    assert "Traceback" not in bad.stderr
