@@ -193,3 +193,30 @@ def test_device_only_times_render_beside_the_issued_ones():
     assert rows["kernel vs sdpa, 16k x 8: int8"][2:] == ["0.25", "no"]
     assert rows["kernel vs sdpa, device only, 16k x 8: int8"][2:] == ["2.00", "yes"]
     assert "kernel vs sdpa, device only, 16k x 8: dense" not in rows
+
+
+def _fit_item(cache: str, largest: int | None, exact: bool, planned: int, tried: dict) -> dict:
+    return {"measure": "largest batch", "cache": cache, "spec": cache, "attn": "hf_kvcache", "context": 32768,
+            "largest_batch": largest, "exact": exact, "planned_batch": planned, "tried": tried}  # fmt: skip
+
+
+@pytest.mark.parametrize("not_found", [None, 0], ids=["recorded-none", "recorded-zero-before-the-fix"])
+def test_a_largest_batch_search_cut_short_is_not_a_batch_of_zero(not_found):
+    """A largest-batch search whose time box ended before any batch fitted renders as below the smallest batch that
+    failed, with no ratio and no target row (runs saved before the search said so recorded 0, not exact); a search
+    that found batch 1 too large is an exact 0."""
+    items = [
+        _fit_item("dynamic", 30, True, 29, {"29": True, "31": False, "30": True}),
+        _fit_item("int4", not_found, False, 102, {"102": False}),
+        _fit_item("int8", 0, True, 1, {"1": False}),
+    ]
+    record = {"command": "gpu_run", "kind": "gpu-run",
+              "results": {"generate": {"stage": "generate", "status": "done", "info": {}, "items": items}}}  # fmt: skip
+    lines = render(record).splitlines()
+    int4 = next(line for line in lines if line.startswith("| int4 [hf_kvcache]"))
+    assert "< 102 (time box ended)" in int4 and int4.count("n/a") == 2
+    int8 = next(line for line in lines if line.startswith("| int8 [hf_kvcache]"))
+    assert "| 0 " in int8 and "n/a" not in int8
+    rows = {row[0]: row for row in targets(record["results"])}
+    assert "largest batch 32k: int4" not in rows and "largest batch vs plan: int4" not in rows
+    assert rows["largest batch vs plan: int8"][2:] == ["-100%", "no"]

@@ -203,7 +203,8 @@ def _fits(model, spec: str, batch: int, context: int, memory: int, gen) -> bool:
 
 def _largest_batch(model, label, spec, attn, context, gen, has_time) -> dict:
     """The most rows that fit, searched around the plan's answer: up or down by about 10% (doubling the step) until
-    the answer flips, then bisected to one row (or until the time box ends: ``exact`` is then False)."""
+    the answer flips, then bisected to one row (or until the time box ends: ``exact`` is then False, and
+    ``largest_batch`` None if no batch was found to fit)."""
     from ...plan import plan_memory
 
     device = model.device
@@ -241,7 +242,8 @@ def _largest_batch(model, label, spec, attn, context, gen, has_time) -> dict:
         low, high = (mid, high) if fits(mid) else (low, mid)
     return {
         "measure": "largest batch", "cache": label, "spec": spec, "attn": attn, "context": context,
-        "largest_batch": low, "exact": high is not None and high - low == 1, "planned_batch": planned,
+        "largest_batch": low if low or high == 1 else None, "exact": high is not None and high - low == 1,
+        "planned_batch": planned,
         "memory_bytes": memory, "plan_reserve_bytes": plan.reserve_bytes, "tried": tried,
         "seconds": time.monotonic() - started,
     }  # fmt: skip
@@ -335,7 +337,8 @@ def headline(record: dict) -> list[str]:
             lines.append(f"decode {i['context']} x {i['batch']} {i['cache']} [{i['attn']}]: "
                          f"{i['decode_tokens_per_s']:.0f} tok/s{ratio}")  # fmt: skip
         elif i["measure"] == "largest batch":
-            lines.append(f"largest batch at {i['context']}: {i['cache']} [{i['attn']}] {i['largest_batch']} "
+            found = "not found" if i["largest_batch"] is None else i["largest_batch"]
+            lines.append(f"largest batch at {i['context']}: {i['cache']} [{i['attn']}] {found} "
                          f"(plan {i['planned_batch']})")  # fmt: skip
         elif i["measure"] == "ttft":
             lines.append(f"ttft {i['context']} x {i['batch']} {i['cache']} [{i['attn']}]: {i['ttft_s']:.3f} s")

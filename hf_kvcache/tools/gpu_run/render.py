@@ -170,10 +170,11 @@ def _generate(record: dict) -> str:
             f"{over / (i['weights_bytes'] + i['cache_bytes']):+.1%}" if over is not None else "n/a",
         ])  # fmt: skip
     fits = [i for i in items if i["measure"] == "largest batch"]
-    dyn = next((i["largest_batch"] for i in fits if i["cache"] == "dynamic"), None)
-    fit_rows = [[f"{i['cache']} [{i['attn']}]", str(i["largest_batch"]) + ("" if i["exact"] else " (not exact)"),
-                 f"{i['largest_batch'] / dyn:.2f}" if dyn else "n/a", str(i["planned_batch"]),
-                 f"{i['largest_batch'] / i['planned_batch']:.2f}" if i["planned_batch"] else "n/a"]
+    dyn = next((_largest(i) for i in fits if i["cache"] == "dynamic"), None)
+    fit_rows = [[f"{i['cache']} [{i['attn']}]", _largest_cell(i),
+                 f"{_largest(i) / dyn:.2f}" if dyn and _largest(i) is not None else "n/a", str(i["planned_batch"]),
+                 f"{_largest(i) / i['planned_batch']:.2f}" if i["planned_batch"] and _largest(i) is not None
+                 else "n/a"]
                 for i in fits]  # fmt: skip
     ttft = [i for i in items if i["measure"] == "ttft"]
     tbase = {(i["context"], i["batch"]): i["ttft_s"] for i in ttft if i["cache"] == "dynamic"}
@@ -245,6 +246,21 @@ def _quality(record: dict) -> str:
     return head + _table(["cache"] + [f"{d} {t} [{a}]" for d, t, a in columns], rows)
 
 
+def _largest(item: dict) -> int | None:
+    """A largest-batch search's answer; None when its time box ended before any batch was found to fit (runs before
+    the search said so itself recorded 0, not exact)."""
+    found = item["largest_batch"]
+    return None if found is None or (found == 0 and not item["exact"]) else found
+
+
+def _largest_cell(item: dict) -> str:
+    found = _largest(item)
+    if found is None:
+        failed = [int(b) for b, ok in item["tried"].items() if not ok]
+        return f"< {min(failed)} (time box ended)" if failed else "not searched"
+    return str(found) + ("" if item["exact"] else " (not exact)")
+
+
 def _met(ok: bool) -> str:
     return "yes" if ok else "no"
 
@@ -287,16 +303,18 @@ def targets(run: dict) -> list[list[str]]:
         if attn == "hf_kvcache" and i["decode_peak_bytes"]:
             over = i["decode_peak_bytes"] / (i["weights_bytes"] + i["cache_bytes"]) - 1
             rows.append([f"decode peak 32k x 8: {kind}", "<= +10%", f"{over:+.1%}", "yes" if over <= 0.1 else "no"])
-    fits = {i["cache"]: i for i in items if i["measure"] == "largest batch"}
-    if "dynamic" in fits:
+    fits = {i["cache"]: _largest(i) for i in items if i["measure"] == "largest batch"}
+    planned = {i["cache"]: i["planned_batch"] for i in items if i["measure"] == "largest batch"}
+    if fits.get("dynamic") is not None:
         for kind, goal in (("int4", 3.0), ("int8", 1.8)):
-            if kind in fits:
-                got = fits[kind]["largest_batch"] / max(fits["dynamic"]["largest_batch"], 1)
+            if fits.get(kind) is not None:
+                got = fits[kind] / max(fits["dynamic"], 1)
                 rows.append([f"largest batch 32k: {kind}", f">= {goal}x dynamic", f"{got:.2f}x",
                              _met(got >= goal)])  # fmt: skip
-        for kind, i in fits.items():
-            off = i["largest_batch"] / max(i["planned_batch"], 1) - 1
-            rows.append([f"largest batch vs plan: {kind}", "within 10%", f"{off:+.0%}", _met(abs(off) <= 0.1)])
+        for kind, found in fits.items():
+            if found is not None:
+                off = found / max(planned[kind], 1) - 1
+                rows.append([f"largest batch vs plan: {kind}", "within 10%", f"{off:+.0%}", _met(abs(off) <= 0.1)])
     ttft = {(i["cache"], i["context"], i["batch"]): i["ttft_s"] for i in items if i["measure"] == "ttft"}
     for (kind, context, batch), seconds in ttft.items():
         ref = ttft.get(("dynamic", context, batch))
