@@ -67,14 +67,14 @@ def test_each_format_plans_its_launch(kind, q_len, plan):
 
 def test_keys_before_rope_change_the_inner_formats_plan():
     """Pre-RoPE KIVI keys turned per tile: 2 stages; partial rotary (turned per element): 32-token tiles, eight
-    warps, no group tiles; over rotated codes every tile is rotated back, eight warps at head_dim 128, and the
+    warps, no group tiles; over rotated codes every tile is rotated back, not pipelined (one stage), and the
     per-element case has no kernel plan (None: the reference serves it); a causal mask over several query tokens
     takes eight warps for any format."""
     mask = torch.ones(1, 4, 64, dtype=torch.bool)
     assert _rope(_segment("kivi4")).launch_plan(_query(1), None) == LaunchPlan(32, 2, 4, swap=True, group_tiles=True)
     assert _rope(_segment("kivi4"), 64).launch_plan(_query(1), None) == LaunchPlan(32, 1, 8, swap=True)
     assert _rope(_segment("kivi2-rot")).launch_plan(_query(1), None) == LaunchPlan(
-        32, 2, 8, swap=True, group_tiles=True
+        32, 1, 4, swap=True, group_tiles=True
     )
     assert _rope(_segment("kivi2-rot"), 64).launch_plan(_query(1), None) is None
     assert _rope(_segment("dense")).launch_plan(_query(4), mask).warps == 8

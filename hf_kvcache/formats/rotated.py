@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import reference
-from ..kernels.storage import KernelStorage, LaunchPlan, block
+from ..kernels.storage import KernelStorage, LaunchPlan
 from ._base import OverSegment, Partials, Parts, SegmentFormat
 
 __all__ = ["ROTATIONS", "RotatedCodec", "RotatedSegment", "hadamard", "rotated"]
@@ -73,14 +73,15 @@ class RotatedSegment(OverSegment):
 
     def launch_plan(self, query, mask, rotary_dim=0) -> LaunchPlan | None:
         """The inner format's plan. Keys stored before RoPE over rotated codes are rotated back a tile at a time
-        (``x H_k``), which needs the tile to be one key group (else None: the reference); eight warps from head_dim
-        128 on (four spilled there; at 64, eight left ptxas at 128 registers with spills on sm_80)."""
+        (``x H_k``), which needs the tile to be one key group (else None: the reference), and are not pipelined: one
+        stage kept four warps free of spills at head_dim 128 on sm_90, where two stages needed eight, a program of
+        eight warps per SM, and took 1.4-1.6x the time (H200, 16k and 64k tokens x 8)."""
         plan = self.inner.launch_plan(query, mask, rotary_dim)
         if not rotary_dim or plan is None:
             return plan
         if not plan.group_tiles:
             return None
-        return plan.replace(warps=8) if block(query.shape[-1]) >= 128 else plan
+        return plan.replace(stages=1)
 
     def reference_partial(self, query, mask, scaling, softcap, splits, chunk=None) -> Partials:
         return fold_rotation(reference.partial, query, self, mask, scaling, softcap, splits, chunk)

@@ -257,17 +257,12 @@ def _rope_tile(k, kp, t, dk, INV_FREQ, POS0, ROPE: tl.constexpr, ROT_DIM: tl.con
 
 
 @triton.jit
-def _dot_split(a, b, dtype: tl.constexpr):
-    """``a @ b`` for float32 ``b`` (and ``a``) on 16-bit tensor cores, to about float32 accuracy: each float32
-    operand split into a 16-bit head and the 16-bit rounding of its remainder, three products accumulated in float32
-    (the remainders' product is below float32's precision). A 16-bit ``a`` is exact as it is (two products)."""
-    b_hi = b.to(dtype)
-    b_lo = (b - b_hi.to(tl.float32)).to(dtype)
-    a_hi = a.to(dtype)
-    out = tl.dot(a_hi, b_hi) + tl.dot(a_hi, b_lo)
-    if a.dtype == tl.float32:
-        out += tl.dot((a - a_hi.to(tl.float32)).to(dtype), b_hi)
-    return out
+def _dot_split(a, b):
+    """``a @ b`` for a float32 ``a`` and a 16-bit ``b`` whose entries it holds exactly (a rotation's signs), on 16-bit
+    tensor cores to about float32 accuracy: ``a`` split into a 16-bit head and the 16-bit rounding of its remainder,
+    two products accumulated in float32."""
+    a_hi = a.to(b.dtype)
+    return tl.dot(a_hi, b) + tl.dot((a - a_hi.to(tl.float32)).to(b.dtype), b)
 
 
 @triton.jit(
@@ -280,7 +275,7 @@ def _partial_kernel(
     sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     sks_b, sks_h, sks_t, sks_d, svs_b, svs_h, svs_t, svs_d,
     stab_b, stab_n, sm_b, sm_q, sm_t,
-    H, T, START, q_len, G, per_split, scaling, softcap, POS0,
+    H, T, START, q_len, G, per_split, scaling, softcap, POS0, value_rotation_scale,
     DK: tl.constexpr, DV: tl.constexpr,
     KIND: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
     BS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, FOLD: tl.constexpr,
@@ -306,18 +301,19 @@ def _partial_kernel(
     dv_ok = dv < DV
     q_row = Q + b * sq_b + (h * G + g)[:, None] * sq_h + i[:, None] * sq_q
     q = tl.load(q_row + dk[None, :] * sq_d, mask=row_ok[:, None] & dk_ok[None, :], other=0)
-    if ROTATED and not ROPE:  # codes stored rotated (k H_k): scores are those of the rotated query, q H_k in fp32,
-        # summed over RCH-channel slices of q and H_k (64: a whole 128 x 128 H_k in registers spilled 14 KB; 32-channel
+    if ROTATED and not ROPE:  # codes stored rotated (k H_k): scores are those of the rotated query. H_k = c S_k: the
+        # signs S_k (in q's dtype, exact) give q S_k from one product per RCH-channel slice, its products exact and
+        # summed in float32; c is in ``scaling``. (64: a whole 128 x 128 H_k in registers spilled 14 KB; 32-channel
         # slices left ptxas at 128 registers with spills at head_dim 64 on sm_90)
         qr = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
         for c in tl.static_range(0, BLOCK_DK, RCH):
             cc = c + tl.arange(0, RCH)
             qc = tl.load(q_row + cc[None, :] * sq_d, mask=row_ok[:, None] & (cc < DK)[None, :], other=0)
-            hk = tl.load(HK + cc[:, None] * DK + dk[None, :], mask=(cc < DK)[:, None] & dk_ok[None, :], other=0.0)
+            hk = tl.load(HK + cc[:, None] * DK + dk[None, :], mask=(cc < DK)[:, None] & dk_ok[None, :], other=0)
             if DOT_FP32:
-                qr += tl.dot(qc.to(tl.float32), hk, input_precision="ieee")
+                qr += tl.dot(qc, hk, input_precision="ieee")
             else:
-                qr += _dot_split(qc, hk, qc.dtype)
+                qr += tl.dot(qc, hk)
         q = qr.to(q.dtype)
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
@@ -341,7 +337,7 @@ def _partial_kernel(
             qf = q.to(tl.float32)
             if ROPE:  # pre-RoPE keys: dequantized with the group's channel scales, then turned (no fold through RoPE)
                 kf = _code_values(k, KL, tl.float32, LEVELS) * k_scale[None, :] + k_zero[None, :]
-                if ROTATED:  # codes of k H_k: k = (k H_k) H_k back before RoPE turns it (HK in the dot's dtype)
+                if ROTATED:  # codes of k H_k: k = (k H_k) H_k back before RoPE turns it (its signs: c in scaling)
                     hk = tl.load(HK + dk[:, None] * DK + dk[None, :], mask=dk_ok[:, None] & dk_ok[None, :], other=0)
                     if DOT_FP32:
                         kf = tl.dot(kf, hk, input_precision="ieee")
@@ -431,14 +427,16 @@ def _partial_kernel(
     out = (pid * R + rows) * num_splits + split  # (B * H, R, S) row-major
     tl.store(M_OUT + out, m_i, mask=row_ok)
     tl.store(L_OUT + out, l_i, mask=row_ok)
-    if ROTATED:  # the accumulator of rotated values (v H_v) rotated back once (H_v H_v = I), RCH columns at a time
+    if ROTATED:  # the accumulator of rotated values (v H_v) rotated back once (H_v H_v = I), RCH columns at a time:
+        # acc S_v times H_v's scale
         for c in tl.static_range(0, BLOCK_DV, RCH):
             cc = c + tl.arange(0, RCH)
-            hv = tl.load(HV + dv[:, None] * DV + cc[None, :], mask=dv_ok[:, None] & (cc < DV)[None, :], other=0.0)
+            hv = tl.load(HV + dv[:, None] * DV + cc[None, :], mask=dv_ok[:, None] & (cc < DV)[None, :], other=0)
             if DOT_FP32:
                 part = tl.dot(acc, hv, input_precision="ieee")
             else:
-                part = _dot_split(acc, hv, q.dtype)
+                part = _dot_split(acc, hv)
+            part = part * value_rotation_scale
             tl.store(ACC_OUT + out[:, None] * DV + cc[None, :], part, mask=row_ok[:, None] & (cc < DV)[None, :])
     else:
         tl.store(ACC_OUT + out[:, None] * DV + dv[None, :], acc, mask=row_ok[:, None] & dv_ok[None, :])
@@ -453,19 +451,25 @@ def _reach(t: torch.Tensor | None) -> int:
     )
 
 
-_CONVERTED: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_SIGNS: dict[tuple, tuple[torch.Tensor, torch.Tensor, float]] = {}
 
 
-def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` in ``dtype``, converted once per tensor (rotations are cached per width and device by
-    :func:`~hf_kvcache.formats.hadamard`, so a decode step launches no conversion)."""
-    key = (t.data_ptr(), t.device, dtype)
-    hit = _CONVERTED.get(key)
-    if hit is None or hit[0] is not t:
-        if len(_CONVERTED) > 64:
-            _CONVERTED.clear()
-        hit = _CONVERTED[key] = (t, t.to(dtype))
-    return hit[1]
+def _signs(rotation: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """A Hadamard rotation ``H = c S`` as its signs ``S`` (entries -1, 0, 1: exact in every dtype the products take,
+    so the kernel's products with them are exact) in ``dtype`` and its scale ``c``, split once per tensor (rotations
+    are cached per width and device by :func:`~hf_kvcache.formats.hadamard`, so a decode step launches no
+    conversion)."""
+    key = (rotation.data_ptr(), rotation.device, dtype)
+    hit = _SIGNS.get(key)
+    if hit is None or hit[0] is not rotation:
+        scale = rotation.abs().amax().item()
+        signs = torch.round(rotation / scale)
+        if not torch.allclose(signs * scale, rotation, rtol=0, atol=1e-6 * scale):
+            raise ValueError("the kernel reads rotations whose entries are -c, 0 or c (Hadamard transforms)")
+        if len(_SIGNS) > 64:
+            _SIGNS.clear()
+        hit = _SIGNS[key] = (rotation, signs.to(dtype), scale)
+    return hit[1], hit[2]
 
 
 def triton_partial(
@@ -492,9 +496,12 @@ def triton_partial(
     mask_u8 = mask.view(torch.uint8) if mask is not None else None
     per_split = -(-max(s.length, 1) // splits)
     per_split = -(-per_split // plan.block_n) * plan.block_n
-    hk, hv = s.key_rotation, s.value_rotation
-    if hk is not None and s.rope and query.dtype != torch.float32:  # each key tile rotated back (x H_k), then
-        hk = _in_dtype(hk, query.dtype)  # turned: the per-tile product on 16-bit tensor cores
+    hk = hv = None
+    hv_scale = 1.0
+    if s.key_rotation is not None:  # Hadamard rotations as their signs in the products' dtype and one scale each
+        hk, hk_scale = _signs(s.key_rotation, query.dtype)
+        hv, hv_scale = _signs(s.value_rotation, query.dtype)
+        scaling = scaling * hk_scale
     if (s.key_levels is None) != (s.value_levels is None):
         raise ValueError("a KIVI segment's keys and values have codebooks together or not at all")
     opt = [s.ks, s.kz, s.vs, s.vz, s.key_levels, s.value_levels, s.table, mask_u8]
@@ -503,7 +510,7 @@ def triton_partial(
         m, l_, acc, *(x if x is not None else dummy for x in (s.inv_freq, hk, hv)),
         *query.stride(), *s.k_strides, *s.v_strides, *s.ks_strides, *s.vs_strides,
         *strides(s.table, 2), *strides(mask_u8, 3),
-        hkv, s.length, s.start, q_len, g, per_split, float(scaling), float(softcap or 0.0), s.first,
+        hkv, s.length, s.start, q_len, g, per_split, float(scaling), float(softcap or 0.0), s.first, hv_scale,
         DK=s.key_dim, DV=dv,
         KIND=s.kind, KBITS=s.key_bits, VBITS=s.value_bits, GK=s.key_group, GV=s.value_group, BS=s.block_size,
         HAS_MASK=mask is not None, SOFTCAP=bool(softcap), DOT_FP32=query.dtype == torch.float32, FOLD=s.fold,
