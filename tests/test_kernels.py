@@ -323,6 +323,33 @@ def test_rotated_segment_folds_the_rotation(inner, head_dim, dtype):
     _close(tri, ref, dtype)
 
 
+# pre-RoPE keys over rotated int8 codes are the reference's (no group tiles): not a kernel case
+@pytest.mark.parametrize("inner, pre_rope", [("int8", False), ("kivi2", False), ("kivi2", True)])
+def test_rotated_segment_keeps_float16_headroom(inner, pre_rope):
+    """The kernel multiplies by a Hadamard rotation's signs (exact) and applies its scale before a float16 tensor holds
+    the result: a query of 1,500 in every channel (its product with the signs alone 96,000, past float16's 65,504)
+    and keys with a 9,000 outlier channel rotated back per tile (72,000 unscaled) still equal the reference, finite."""
+    from hf_kvcache.formats import PreRopeSegment, RotatedCodec
+    from hf_kvcache.rope import RotarySpec
+
+    head_dim = 64
+    g = torch.Generator().manual_seed(11)
+    k = torch.randn(1, 2, 128, head_dim, generator=g)
+    k[..., 3] += 9000
+    v = torch.randn(1, 2, 128, head_dim, generator=g)
+    base = Int8Codec(None, torch.float32) if inner == "int8" else _kivi_codec(inner, 16)
+    codec = RotatedCodec(base)
+    seg = codec.segment(codec.encode(k, v), 0)
+    if pre_rope:
+        seg = PreRopeSegment(seg, RotarySpec(1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim), head_dim,
+                                             False), 5)  # fmt: skip
+    query = (1500 + torch.randn(1, 8, 1, head_dim, generator=g)).half()
+    ref = combine([partial(query, seg, None, 0.125, 0.0, 2)], dtype=torch.float32)
+    tri = combine([_triton(query, seg, None, 0.0, 2)], dtype=torch.float32)
+    assert torch.isfinite(tri).all()
+    _close(tri, ref, torch.float16)
+
+
 @pytest.mark.parametrize(
     "inner, layout, first",
     [

@@ -82,7 +82,7 @@ class KernelStorage:
     key_levels: torch.Tensor | None = None  # KIVI codebooks: (2^bits,) float32 levels the codes index; None: uniform
     value_levels: torch.Tensor | None = None
     fold: bool = False  # one scale per token and head, folded into scores and probabilities
-    key_rotation: torch.Tensor | None = None  # (Dk, Dk) float32: codes stored rotated, read in the launch
+    key_rotation: torch.Tensor | None = None  # (Dk, Dk) float32 Hadamard (entries -c, 0, c): codes stored rotated
     value_rotation: torch.Tensor | None = None
     rope: int = 0  # keys stored before RoPE: 1 halves rotate together, 2 interleaved pairs; 0 none
     rotary_dim: int = 0

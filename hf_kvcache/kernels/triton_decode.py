@@ -275,7 +275,7 @@ def _partial_kernel(
     sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     sks_b, sks_h, sks_t, sks_d, svs_b, svs_h, svs_t, svs_d,
     stab_b, stab_n, sm_b, sm_q, sm_t,
-    H, T, START, q_len, G, per_split, scaling, softcap, POS0, value_rotation_scale,
+    H, T, START, q_len, G, per_split, scaling, softcap, POS0, key_rotation_scale, value_rotation_scale,
     DK: tl.constexpr, DV: tl.constexpr,
     KIND: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
     BS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, FOLD: tl.constexpr,
@@ -303,8 +303,8 @@ def _partial_kernel(
     q = tl.load(q_row + dk[None, :] * sq_d, mask=row_ok[:, None] & dk_ok[None, :], other=0)
     if ROTATED and not ROPE:  # codes stored rotated (k H_k): scores are those of the rotated query. H_k = c S_k: the
         # signs S_k (in q's dtype, exact) give q S_k from one product per RCH-channel slice, its products exact and
-        # summed in float32; c is in ``scaling``. (64: a whole 128 x 128 H_k in registers spilled 14 KB; 32-channel
-        # slices left ptxas at 128 registers with spills at head_dim 64 on sm_90)
+        # summed in float32, scaled by c before q's dtype holds it. (64: a whole 128 x 128 H_k in registers spilled
+        # 14 KB; 32-channel slices left ptxas at 128 registers with spills at head_dim 64 on sm_90)
         qr = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
         for c in tl.static_range(0, BLOCK_DK, RCH):
             cc = c + tl.arange(0, RCH)
@@ -314,7 +314,7 @@ def _partial_kernel(
                 qr += tl.dot(qc, hk, input_precision="ieee")
             else:
                 qr += tl.dot(qc, hk)
-        q = qr.to(q.dtype)
+        q = (qr * key_rotation_scale).to(q.dtype)
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
@@ -336,8 +336,12 @@ def _partial_kernel(
             k_zero = tl.load(KZ + kgroup, mask=dk_ok, other=0).to(tl.float32)
             qf = q.to(tl.float32)
             if ROPE:  # pre-RoPE keys: dequantized with the group's channel scales, then turned (no fold through RoPE)
+                if ROTATED:  # codes of k H_k: k = (k H_k) H_k back before RoPE turns it, as (c (k H_k)) S_k: c in
+                    # the group's scales, the product with the signs exact
+                    k_scale = k_scale * key_rotation_scale
+                    k_zero = k_zero * key_rotation_scale
                 kf = _code_values(k, KL, tl.float32, LEVELS) * k_scale[None, :] + k_zero[None, :]
-                if ROTATED:  # codes of k H_k: k = (k H_k) H_k back before RoPE turns it (its signs: c in scaling)
+                if ROTATED:
                     hk = tl.load(HK + dk[:, None] * DK + dk[None, :], mask=dk_ok[:, None] & dk_ok[None, :], other=0)
                     if DOT_FP32:
                         kf = tl.dot(kf, hk, input_precision="ieee")
@@ -497,11 +501,10 @@ def triton_partial(
     per_split = -(-max(s.length, 1) // splits)
     per_split = -(-per_split // plan.block_n) * plan.block_n
     hk = hv = None
-    hv_scale = 1.0
+    hk_scale = hv_scale = 1.0
     if s.key_rotation is not None:  # Hadamard rotations as their signs in the products' dtype and one scale each
         hk, hk_scale = _signs(s.key_rotation, query.dtype)
         hv, hv_scale = _signs(s.value_rotation, query.dtype)
-        scaling = scaling * hk_scale
     if (s.key_levels is None) != (s.value_levels is None):
         raise ValueError("a KIVI segment's keys and values have codebooks together or not at all")
     opt = [s.ks, s.kz, s.vs, s.vz, s.key_levels, s.value_levels, s.table, mask_u8]
@@ -510,7 +513,7 @@ def triton_partial(
         m, l_, acc, *(x if x is not None else dummy for x in (s.inv_freq, hk, hv)),
         *query.stride(), *s.k_strides, *s.v_strides, *s.ks_strides, *s.vs_strides,
         *strides(s.table, 2), *strides(mask_u8, 3),
-        hkv, s.length, s.start, q_len, g, per_split, float(scaling), float(softcap or 0.0), s.first, hv_scale,
+        hkv, s.length, s.start, q_len, g, per_split, float(scaling), float(softcap or 0.0), s.first, hk_scale, hv_scale,
         DK=s.key_dim, DV=dv,
         KIND=s.kind, KBITS=s.key_bits, VBITS=s.value_bits, GK=s.key_group, GV=s.value_group, BS=s.block_size,
         HAS_MASK=mask is not None, SOFTCAP=bool(softcap), DOT_FP32=query.dtype == torch.float32, FOLD=s.fold,
