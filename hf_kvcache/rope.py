@@ -71,31 +71,42 @@ def rotate_positions(x: torch.Tensor, first: int, spec: RotarySpec, inverse: boo
 
 
 class _AngleTable:
-    """``cos`` and ``sin`` of ``position * inv_freq`` (float32) for positions ``0 .. n``, per rotation and device,
-    grown geometrically as longer sequences come; a few rotations kept (the models of a process). A rotation is
-    known by its ``inv_freq`` tensor, held weakly: the table never keeps a cache's tensors alive."""
+    """``cos`` and ``sin`` of ``position * inv_freq`` (float32) for positions ``0 .. n``, per rotation and device, as
+    one ``(n, 2, R/2)`` tensor (the Triton kernel reads it in place, :func:`angle_table`), grown geometrically as
+    longer sequences come; a few rotations kept (the models of a process). A rotation is known by its ``inv_freq``
+    tensor, held weakly: the table never keeps a cache's tensors alive."""
 
     KEEP = 8
 
     def __init__(self) -> None:
-        self._tables: dict[tuple, tuple[weakref.ref, torch.Tensor, torch.Tensor]] = {}
+        self._tables: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
 
-    def get(self, spec: RotarySpec, start: int, stop: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (id(spec.inv_freq), torch.device(device))
+    def table(self, inv_freq: torch.Tensor, stop: int, device: torch.device) -> torch.Tensor:
+        key = (id(inv_freq), torch.device(device))
         entry = self._tables.get(key)
-        same = entry is not None and entry[0]() is spec.inv_freq
+        same = entry is not None and entry[0]() is inv_freq
         if not same or entry[1].shape[0] < stop:
             size = max(stop, 2 * entry[1].shape[0] if same else 0, 1024)
             positions = torch.arange(size, device=device, dtype=torch.float32)
-            angles = positions[:, None] * spec.inv_freq.to(device)[None, :]  # (n, R/2), as transformers computes
+            angles = positions[:, None] * inv_freq.to(device)[None, :]  # (n, R/2), as transformers computes
             self._tables.pop(key, None)
             if len(self._tables) >= self.KEEP:
                 self._tables.pop(next(iter(self._tables)))
-            entry = self._tables[key] = (weakref.ref(spec.inv_freq), angles.cos(), angles.sin())
-        return entry[1][start:stop], entry[2][start:stop]
+            entry = self._tables[key] = (weakref.ref(inv_freq), torch.stack([angles.cos(), angles.sin()], 1))
+        return entry[1]
+
+    def get(self, spec: RotarySpec, start: int, stop: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self.table(spec.inv_freq, stop, device)
+        return table[start:stop, 0], table[start:stop, 1]
 
 
 _ANGLES = _AngleTable()
+
+
+def angle_table(inv_freq: torch.Tensor, stop: int) -> torch.Tensor:
+    """``(n, 2, R/2)`` float32, ``n >= stop``: row ``p`` holds ``cos`` then ``sin`` of ``p * inv_freq`` (the angles
+    :func:`rotate_positions` turns keys by), on ``inv_freq``'s device; built once per rotation and reused."""
+    return _ANGLES.table(inv_freq, stop, inv_freq.device)
 
 
 def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RotarySpec) -> torch.Tensor:

@@ -409,6 +409,42 @@ def test_pre_rope_segment_turns_keys_per_tile(inner, layout, first, dtype, monke
     _close(ref, _sdpa(query, keys, values, mask, 0.125), dtype)
 
 
+@pytest.mark.parametrize("inner", ["dense", "int8", "kivi3", "kivi2-rot"])
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_pre_rope_keys_turned_from_the_angle_table(inner, layout, dtype):
+    """Launches planned with ``angle_table`` read each tile's cosines and sines from the rotation's table
+    (:func:`hf_kvcache.rope.angle_table`, the reference's own) instead of computing them: equal to the reference at
+    positions past 30,000, and the table is the one the reference turns keys with."""
+    from hf_kvcache.formats import PreRopeSegment, RotatedCodec
+    from hf_kvcache.rope import RotarySpec, angle_table, rotate_positions
+
+    head_dim, first = 64, 30011
+    spec = RotarySpec(1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim), head_dim, layout != "half")
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(2, 2, 96, head_dim, generator=g), torch.randn(2, 2, 96, head_dim, generator=g)
+    pre = rotate_positions(k, first, spec, inverse=True)
+    if inner == "dense":
+        seg = DenseSegment(pre.to(dtype), v.to(dtype))
+    else:
+        base = Int8Codec(None, torch.float32) if inner == "int8" else _kivi_codec(inner, 16)
+        codec = RotatedCodec(base) if inner.endswith("-rot") else base
+        seg = codec.segment(codec.encode(pre, v), 0)
+    seg = PreRopeSegment(seg, spec, first)
+    mask = _two_query_mask(seg.length, 5)
+    query = torch.randn(2, 8, 2, head_dim, generator=g).to(dtype)
+    ref = combine([partial(query, seg, mask, 0.125, 0.0, 2)], dtype=torch.float32)
+    storage = seg.kernel_storage()
+    plan = seg.launch_plan(query, mask).replace(angle_table=True)
+    tri = combine([triton_decode.triton_partial(query, storage, plan, mask, 0.125, 0.0, 2)], dtype=torch.float32)
+    _close(tri, ref, dtype)
+    table = angle_table(storage.inv_freq, first + seg.length)
+    angles = (first + torch.arange(seg.length)).float()[:, None] * spec.inv_freq[None, :]
+    assert table.shape[1:] == (2, head_dim // 2)
+    assert torch.equal(table[first : first + seg.length, 0], angles.cos())
+    assert torch.equal(table[first : first + seg.length, 1], angles.sin())
+
+
 def _partials(b, hkv, g, q, splits, dv, gen):
     """Random split partials, one row fully masked (m = -inf, l = 0, acc = 0) and one split of another empty."""
     m = torch.randn(b, hkv, g, q, splits, generator=gen) * 3

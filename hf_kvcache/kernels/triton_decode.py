@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..rope import angle_table
 from .storage import DENSE, FP8, INT8, KIVI, MIN_ROWS, PAGED, PAGED_INT8, KernelStorage, LaunchPlan, block, strides
 
 __all__ = ["MAX_COMBINED_SEGMENTS", "triton_combine", "triton_partial"]
@@ -210,17 +211,27 @@ def _sincos(a):
 
 
 @triton.jit
-def _rope_pairs(k, t, INV_FREQ, POS0, ROPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rope_pairs(
+    k, t, tok_ok, ANGLES, POS0, ROPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ANGLE_TABLE: tl.constexpr,
+):  # fmt: skip
     """Keys stored before RoPE (``pre_rope=True``) turned to positions ``POS0 + t``, every channel rotary: the tile
     split into its channel pairs in registers (interleaved ``(2i, 2i + 1)``, or rotate_half ``(i, i + D / 2)``), each
-    pair turned, joined back. Angles in float32, as :func:`hf_kvcache.rope.rotate_positions` computes them."""
+    pair turned, joined back. Angles in float32, as :func:`hf_kvcache.rope.rotate_positions` computes them: from the
+    inverse frequencies ``ANGLES`` per element, or with ``ANGLE_TABLE`` read from ``ANGLES``, a ``(positions, 2,
+    D / 2)`` table of their cosines and sines (:func:`hf_kvcache.rope.angle_table`), shared by every program."""
     HALF: tl.constexpr = BLOCK_D // 2
     if ROPE == 2:
         x1, x2 = tl.split(tl.reshape(k, (BLOCK_N, HALF, 2)))
     else:
         x1, x2 = tl.split(tl.permute(tl.reshape(k, (BLOCK_N, 2, HALF)), (0, 2, 1)))
-    inv_freq = tl.load(INV_FREQ + tl.arange(0, HALF))
-    sin, cos = _sincos((POS0 + t).to(tl.float32)[:, None] * inv_freq[None, :])
+    i = tl.arange(0, HALF)
+    if ANGLE_TABLE:
+        row = ANGLES + (POS0 + t)[:, None] * BLOCK_D + i[None, :]
+        cos = tl.load(row, mask=tok_ok[:, None], other=1.0)
+        sin = tl.load(row + HALF, mask=tok_ok[:, None], other=0.0)
+    else:
+        sin, cos = _sincos((POS0 + t).to(tl.float32)[:, None] * tl.load(ANGLES + i)[None, :])
     turned = tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin)  # (BLOCK_N, HALF, 2)
     if ROPE == 2:
         return tl.reshape(turned, (BLOCK_N, BLOCK_D))
@@ -280,7 +291,7 @@ def _partial_kernel(
     KIND: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
     BS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, FOLD: tl.constexpr,
     KIVI_TILE: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr, ROTATED: tl.constexpr, RCH: tl.constexpr,
-    LARGE: tl.constexpr, ONE_QUERY: tl.constexpr, SWAP: tl.constexpr, LEVELS: tl.constexpr,
+    ANGLE_TABLE: tl.constexpr, LARGE: tl.constexpr, ONE_QUERY: tl.constexpr, SWAP: tl.constexpr, LEVELS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -347,7 +358,7 @@ def _partial_kernel(
                         kf = tl.dot(kf, hk, input_precision="ieee")
                     else:
                         kf = tl.dot(kf.to(hk.dtype), hk)
-                kf = _rope_pairs(kf, t, INV_FREQ, POS0, ROPE, BLOCK_N, BLOCK_DK)
+                kf = _rope_pairs(kf, t, tok_ok, INV_FREQ, POS0, ROPE, BLOCK_N, BLOCK_DK, ANGLE_TABLE)
                 qk = qf
                 bias = tl.zeros([BLOCK_R], tl.float32)
             else:
@@ -384,7 +395,7 @@ def _partial_kernel(
             )  # fmt: skip
             if ROPE:  # keys stored before RoPE: turned to their positions in registers
                 if ROT_DIM == BLOCK_DK:
-                    k = _rope_pairs(k, t, INV_FREQ, POS0, ROPE, BLOCK_N, BLOCK_DK)
+                    k = _rope_pairs(k, t, tok_ok, INV_FREQ, POS0, ROPE, BLOCK_N, BLOCK_DK, ANGLE_TABLE)
                 else:
                     pair = _rope_partner(dk, ROPE, ROT_DIM)
                     kp = _load_kv(
@@ -505,12 +516,15 @@ def triton_partial(
     if s.key_rotation is not None:  # Hadamard rotations as their signs in the products' dtype and one scale each
         hk, hk_scale = _signs(s.key_rotation, query.dtype)
         hv, hv_scale = _signs(s.value_rotation, query.dtype)
+    angles = s.inv_freq
+    if s.rope and plan.angle_table and s.rotary_dim == block(dk):  # turned per tile from a table of cos / sin
+        angles = angle_table(s.inv_freq, s.first + s.length)
     if (s.key_levels is None) != (s.value_levels is None):
         raise ValueError("a KIVI segment's keys and values have codebooks together or not at all")
     opt = [s.ks, s.kz, s.vs, s.vz, s.key_levels, s.value_levels, s.table, mask_u8]
     _partial_kernel[(b * hkv, splits)](
         query, s.k, s.v, *(x if x is not None else dummy for x in opt),
-        m, l_, acc, *(x if x is not None else dummy for x in (s.inv_freq, hk, hv)),
+        m, l_, acc, *(x if x is not None else dummy for x in (angles, hk, hv)),
         *query.stride(), *s.k_strides, *s.v_strides, *s.ks_strides, *s.vs_strides,
         *strides(s.table, 2), *strides(mask_u8, 3),
         hkv, s.length, s.start, q_len, g, per_split, float(scaling), float(softcap or 0.0), s.first, hk_scale, hv_scale,
@@ -519,6 +533,7 @@ def triton_partial(
         HAS_MASK=mask is not None, SOFTCAP=bool(softcap), DOT_FP32=query.dtype == torch.float32, FOLD=s.fold,
         KIVI_TILE=plan.group_tiles,
         ROPE=s.rope, ROT_DIM=s.rotary_dim, ROTATED=hk is not None, RCH=min(64, block(dk), block(dv)),
+        ANGLE_TABLE=angles is not s.inv_freq,
         LARGE=any(_reach(x) >= 2**31 for x in (s.k, s.v, s.ks, s.vs, s.kz, s.vz, query)),
         ONE_QUERY=q_len == 1, SWAP=plan.swap, LEVELS=s.key_levels is not None, BLOCK_R=block(rows, MIN_ROWS),
         BLOCK_N=plan.block_n, BLOCK_DK=block(dk), BLOCK_DV=block(dv), num_stages=plan.stages, num_warps=plan.warps,
