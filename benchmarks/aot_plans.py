@@ -19,13 +19,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gpu_graph_probe import _plan_fields, _planned  # noqa: E402
 
 from hf_kvcache.layers import _common  # noqa: E402
 from hf_kvcache.tools.gpu_report import aot  # noqa: E402
 from hf_kvcache.tools.gpu_run.kernels import decode_handle  # noqa: E402
+from hf_kvcache.tools.gpu_run.plans import plan_fields, planned  # noqa: E402
 from hf_kvcache.tools.gpu_run.shapes import model_config  # noqa: E402
 
 
@@ -37,7 +35,7 @@ def main() -> None:
     parser.add_argument("--q-len", type=int, default=1, help="query tokens per step")
     args = parser.parse_args()
     try:
-        plans = [_plan_fields(text) for text in args.plans]
+        plans = [plan_fields(text) for text in args.plans]
     except ValueError as err:
         parser.error(str(err))
     aot.check_compiled_mode()
@@ -53,7 +51,7 @@ def main() -> None:
     for spec in args.specs:
         handle = decode_handle(spec, config, k, v, k1, v1)[0]
         for text, fields in zip(args.plans, plans):
-            with _planned(fields), aot.capturing():
+            with planned(fields), aot.capturing():
                 launches = [aot.launch_partial(query, s, None, dim**-0.5, 0.0, 4) for s in handle.segments]
             for launch in filter(None, launches):
                 if launch.segment == "DenseSegment":

@@ -9,8 +9,6 @@ Run on a GPU machine from the project's root: ``python benchmarks/gpu_graph_prob
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import itertools
 import json
 import sys
@@ -22,9 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hf_kvcache.formats import DenseSegment, KVHandle, decode_attention  # noqa: E402
-from hf_kvcache.kernels import triton_decode  # noqa: E402
-from hf_kvcache.kernels.storage import LaunchPlan  # noqa: E402
 from hf_kvcache.tools.gpu_run.kernels import _inputs, _sdpa, decode_handle  # noqa: E402
+from hf_kvcache.tools.gpu_run.plans import plan_fields, planned  # noqa: E402
 from hf_kvcache.tools.gpu_run.shapes import cache_kinds, model_config  # noqa: E402
 from hf_kvcache.tools.gpu_run.timing import bench, graphed  # noqa: E402
 
@@ -49,42 +46,12 @@ def kernel_profile(fn) -> dict:
     return {"launches": len(events) / 5, "kernel_us": sum(e.device_time for e in events) / 5, "by_kernel_us": names}
 
 
-def _plan_fields(text: str) -> dict:
-    """``"warps=4:stages=1"`` -> the LaunchPlan fields it sets."""
-    names = {f.name: f.type for f in dataclasses.fields(LaunchPlan)}
-    fields = {}
-    for item in filter(None, text.split(":")):
-        name, _, value = item.partition("=")
-        if name not in names or not value:
-            raise ValueError(f"--plans: {item!r} is not FIELD=VALUE with FIELD one of {', '.join(names)}")
-        fields[name] = value.lower() == "true" if names[name] in (bool, "bool") else int(value)
-    return fields
-
-
 def _shape(cell: str) -> tuple[int, int]:
     try:
         context, batch = (int(n) for n in cell.lower().split("x"))
     except ValueError:
         raise ValueError(f"--shapes: {cell!r} is not CONTEXTxBATCH, e.g. 65536x8") from None
     return context, batch
-
-
-@contextlib.contextmanager
-def _planned(fields: dict):
-    """Every Triton partial launch with its plan's ``fields`` replaced."""
-    if not fields:
-        yield
-        return
-    original = triton_decode.triton_partial
-
-    def patched(query, storage, plan, *args):
-        return original(query, storage, plan.replace(**fields), *args)
-
-    triton_decode.triton_partial = patched
-    try:
-        yield
-    finally:
-        triton_decode.triton_partial = original
 
 
 def main() -> None:
@@ -104,7 +71,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     try:
-        plans = [_plan_fields(text) for text in args.plans]
+        plans = [plan_fields(text) for text in args.plans]
         shapes = [_shape(cell) for cell in args.shapes] if args.shapes else SHAPES
     except ValueError as err:
         parser.error(str(err))
@@ -138,7 +105,7 @@ def main() -> None:
                     handle = decode_handle(spec, config, x["k"], x["v"], x["k1"], x["v1"])[0]
 
                 def step(handle=handle, query=x["query"], fields=fields):
-                    with _planned(fields):
+                    with planned(fields):
                         return decode_attention(query, handle, None, scaling)
 
                 out = step().float()

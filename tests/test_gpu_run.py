@@ -69,8 +69,17 @@ def test_smoke_run_every_stage_with_the_lent_machines_modules(smoke):
         functions = item["python_functions"]
         assert len(functions) == kernels_stage.HOST_TOP
         assert sum(f["own_us_per_step"] for f in functions) <= 2 * item["wall_us_per_call"] + 1000
+    # The launch-plan variants: each kind's plan, then each candidate of VARIANTS, the same outputs.
+    variants = [
+        i for i in json.loads((smoke_run / "kernels.json").read_text())["items"] if i.get("measure") == "variant"
+    ]
+    assert [(i["kind"], i["plan"]) for i in variants] == [
+        (kind, plan) for kind, candidates in kernels_stage.VARIANTS.items() for plan in ("", *candidates)
+    ]
+    assert all(i["max_diff_vs_plan"] < 1e-4 and i["speedup_vs_plan"] > 0 for i in variants if i["plan"])
     # Each stage's headline reaches the console (a run whose files do not come back still shows its numbers).
     for line in (
+        "variant int2 [angle_table=true]",
         "copy bandwidth",
         "triton kernels: yes",
         "largest batch at 160: int4",
@@ -87,7 +96,7 @@ def test_smoke_run_renders(smoke):
     for title in ("Correctness on the device", "Decode kernels", "generate() end to end", "Quality"):
         assert f"**{title}**" in text
     assert "int2 KIVI layout" in text and "largest batch" in text.lower()
-    assert "Where a call's time goes on the host" in text
+    assert "Where a call's time goes on the host" in text and "Launch-plan variants" in text
     assert "Where a decode step's time goes" in text and "int8 [hf_kvcache]" in text
     rows = targets(record["results"])
     assert all(len(row) == 4 and row[3] in ("yes", "no") for row in rows)

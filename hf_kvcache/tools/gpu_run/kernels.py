@@ -19,6 +19,10 @@ and KIVI's int2 layout at 4k x 1, the shape where the first GPU runs found every
 host's time to issue one call without waiting for the device (a step is host-bound when that is close to its device
 time), the device-to-host syncs it makes, and the Python functions that take the host's time (``cProfile``, top
 ``HOST_TOP`` by own time).
+
+Last, **launch-plan variants** (``measure: "variant"``, :data:`~.plans.VARIANTS`): a kind's step at 16k x 8 with
+its plan as the formats choose it and with each candidate's fields replaced, side by side (issued and device-only
+time, and how far the variant's output is from the plan's), so every lent GPU decides the candidates waiting for one.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 from ...formats import DenseSegment, KVHandle, decode_attention
 from ...registry import make_cache
 from .env import peak_bandwidth
+from .plans import VARIANTS, plan_fields, planned
 from .record import StageRecord
 from .shapes import cache_kinds, model_config
 from .timing import Timing, bench, graphed
@@ -116,6 +121,16 @@ def run(record: StageRecord, device: str, smoke: bool) -> None:
             record.add(_host(config, dev, dtype, context, batch, label))
         except Exception as err:
             record.error(f"host {label}", err)
+    context, batch = SMOKE_SHAPES[0] if smoke else SHAPES[0]
+    for label, variants in VARIANTS.items():
+        if not record.has_time(10):
+            record.skip(f"variants {label}", "the stage's time box ran out")
+            continue
+        try:
+            for item in _variants(config, dev, dtype, context, batch, label, variants):
+                record.add(item)
+        except Exception as err:
+            record.error(f"variants {label}", err)
 
 
 def _inputs(config, dev, dtype, context: int, batch: int) -> dict[str, torch.Tensor]:
@@ -228,6 +243,34 @@ def _cell(record: StageRecord, config, dev, dtype, context: int, batch: int, pea
         record.add(item | _graph_fields(graph, base_graph, nbytes, peak))
 
 
+def _variants(config, dev, dtype, context: int, batch: int, label: str, variants) -> list[dict]:
+    """One kind's step under its own plan, then under each variant (fields replaced in every partial launch)."""
+    scaling = config.head_dim**-0.5
+    x = _inputs(config, dev, dtype, context, batch)
+    handle = decode_handle(cache_kinds()[label], config, x["k"], x["v"], x["k1"], x["v1"])[0]
+    items, base = [], None
+    for variant in ("", *variants):
+        fields = plan_fields(variant)
+
+        def step(fields=fields):
+            with planned(fields):
+                return decode_attention(x["query"], handle, None, scaling)
+
+        out = step().float()
+        timing, graph = bench(step, dev), _device_only(step, dev)
+        item = {"measure": "variant", "context": context, "batch": batch, "kind": label, "plan": variant}
+        item |= timing.as_dict() | _graph_fields(graph, None, 0, None)
+        if base is None:
+            base, base_item = out, item
+        else:
+            item["max_diff_vs_plan"] = (out - base).abs().max().item()
+            item["speedup_vs_plan"] = base_item["median_us"] / item["median_us"]
+            if "graph_us" in item and "graph_us" in base_item:
+                item["graph_speedup_vs_plan"] = base_item["graph_us"] / item["graph_us"]
+        items.append(item)
+    return items
+
+
 def _device_only(step, dev):
     """The step's time as one CUDA-graph replay (:func:`~.timing.graphed`): a Timing, or the reason it could not be
     captured; None off CUDA."""
@@ -272,6 +315,12 @@ def headline(record: dict) -> list[str]:
                          f"{item['host_us_per_call']:.0f}us (with the device {item['wall_us_per_call']:.0f}us), "
                          f"{item['syncs_per_call']} syncs; top {top.get('function')} "
                          f"{top.get('own_us_per_step', 0):.0f}us")  # fmt: skip
+            continue
+        if item.get("measure") == "variant":
+            device = f", device {item['graph_us']:.0f}us" if "graph_us" in item else ""
+            ratio = f" ({item['speedup_vs_plan']:.2f}x the plan)" if "speedup_vs_plan" in item else ""
+            lines.append(f"variant {item['kind']} [{item['plan'] or 'plan'}] {item['context']} x {item['batch']}: "
+                         f"{item['median_us']:.0f}us{ratio}{device}")  # fmt: skip
             continue
         by_cell.setdefault((item["context"], item["batch"]), []).append(item)
     for (context, batch), items in by_cell.items():

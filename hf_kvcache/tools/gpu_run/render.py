@@ -114,7 +114,7 @@ def _kernels(record: dict) -> str:
     rows = []
     graphs = any("graph_us" in i or "graph_error" in i for i in record.get("items", []))
     for i in record.get("items", []):
-        if i.get("measure") == "host":
+        if i.get("measure") in ("host", "variant"):
             continue
         row = [
             f"{i['context']:,} x {i['batch']}", i["kind"] + (f" ({i['backend']})" if "backend" in i else ""),
@@ -135,7 +135,7 @@ def _kernels(record: dict) -> str:
         head += (" The step as issued from Python, then as one CUDA-graph replay: the device's time alone (sdpa's "
                  "replay the base of its ratio).")  # fmt: skip
         columns += ["device µs", "device x sdpa", "device of peak BW"]
-    return head + "\n\n" + _table(columns, rows) + _host(record)
+    return head + "\n\n" + _table(columns, rows) + _host(record) + _variants(record)
 
 
 def _host(record: dict) -> str:
@@ -151,6 +151,25 @@ def _host(record: dict) -> str:
         "\n\nWhere a call's time goes on the host (a call issued back to back without waiting for the device, µs "
         "per call; the four Python functions with the most own time, µs per call under cProfile):\n\n"
         + _table(["context x batch", "kind", "host µs", "with device µs", "syncs", "top Python functions"], rows)
+    )
+
+
+def _variants(record: dict) -> str:
+    """Launch-plan variants beside the plan the formats chose: issued and device-only time, their ratios (above 1:
+    the variant is faster) and the largest difference of its output from the plan's."""
+    items = [i for i in record.get("items", []) if i.get("measure") == "variant"]
+    if not items:
+        return ""
+    rows = [[f"{i['context']:,} x {i['batch']}", i["kind"], i["plan"] or "(the format's plan)", f"{i['median_us']:.1f}",
+             f"{i['speedup_vs_plan']:.2f}" if "speedup_vs_plan" in i else "",
+             f"{i['graph_us']:.1f}" if "graph_us" in i else "n/a",
+             f"{i['graph_speedup_vs_plan']:.2f}" if "graph_speedup_vs_plan" in i else "",
+             f"{i['max_diff_vs_plan']:.1e}" if "max_diff_vs_plan" in i else ""]
+            for i in items]  # fmt: skip
+    return (
+        "\n\nLaunch-plan variants waiting for a GPU to decide them, each beside the plan the formats choose (x plan "
+        "above 1: the variant is faster; max diff: its output against the plan's):\n\n"
+        + _table(["context x batch", "kind", "plan", "µs", "x plan", "device µs", "device x plan", "max diff"], rows)
     )
 
 
@@ -269,7 +288,7 @@ def targets(run: dict) -> list[list[str]]:
     """The GPU targets of the project (issue: decode on a real GPU) against this run: ``[what, target, measured,
     met]`` rows, for the cells the run measured."""
     rows = []
-    kernels = [i for i in run.get("kernels", {}).get("items", []) if i.get("measure") != "host"]
+    kernels = [i for i in run.get("kernels", {}).get("items", []) if i.get("measure") not in ("host", "variant")]
     want = {"int8": 1.6, "int4": 2.5, "int3": 2.5, "int2": 2.5, "paged": 0.95, "paged int8": 1.6, "dense": 0.9}
     for kind, goal in want.items():
         cell = next((i for i in kernels if i["kind"] == kind and (i["context"], i["batch"]) == (16384, 8)), None)

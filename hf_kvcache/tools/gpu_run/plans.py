@@ -1,0 +1,52 @@
+"""Launch-plan variants: a format's plan (:class:`~hf_kvcache.kernels.storage.LaunchPlan`) with some fields replaced
+in every partial launch, so a tuning choice is timed beside the plan the formats choose, in the same run, on the
+same inputs. The GPU run's ``kernels`` stage times :data:`VARIANTS`; ``benchmarks/gpu_graph_probe.py --plans`` and
+``benchmarks/aot_plans.py`` take any."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+from ...kernels.storage import LaunchPlan
+
+__all__ = ["VARIANTS", "plan_fields", "planned"]
+
+# Kind (a label of shapes.CACHE_KINDS) -> variants the kernels stage times beside its plan: candidates waiting for
+# a GPU to decide them. angle_table: pre-RoPE keys turned from the cos / sin table, not per-element polynomials.
+VARIANTS = {"int2": ("angle_table=true",), "int3": ("angle_table=true",)}
+
+
+def plan_fields(text: str) -> dict:
+    """``"warps=4:stages=1"`` -> ``{"warps": 4, "stages": 1}``, the LaunchPlan fields it sets (``true`` / ``false``
+    for flags); a ValueError naming the fields there are for anything else."""
+    names = {f.name: f.type for f in dataclasses.fields(LaunchPlan)}
+    fields: dict = {}
+    for item in filter(None, text.split(":")):
+        name, _, value = item.partition("=")
+        flag = names.get(name) in (bool, "bool")
+        ok = name in names and (value.lower() in ("true", "false") if flag else value.isdigit())
+        if not ok:
+            raise ValueError(f"--plans: {item!r} is not FIELD=VALUE with FIELD one of {', '.join(names)}")
+        fields[name] = value.lower() == "true" if flag else int(value)
+    return fields
+
+
+@contextlib.contextmanager
+def planned(fields: dict):
+    """Within the block, every Triton partial launch runs with its plan's ``fields`` replaced."""
+    if not fields:
+        yield
+        return
+    from ...kernels import triton_decode  # Triton only where a variant runs
+
+    original = triton_decode.triton_partial
+
+    def replaced(query, storage, plan, *args):
+        return original(query, storage, plan.replace(**fields), *args)
+
+    triton_decode.triton_partial = replaced
+    try:
+        yield
+    finally:
+        triton_decode.triton_partial = original
