@@ -350,6 +350,30 @@ def test_rotated_segment_keeps_float16_headroom(inner, pre_rope):
     _close(tri, ref, torch.float16)
 
 
+def _pre_rope_segment(inner: str, layout: str, first: int, dtype, head_dim: int, seed: int):
+    """Keys stored before RoPE in ``inner``'s format (``-rot``: Hadamard-rotated codes) at positions from ``first``,
+    rotary pairs ``layout`` (half, interleaved, or partial: half the channels rotary): the segment, the keys after
+    RoPE it stands for, and the generator (for the query)."""
+    from hf_kvcache.formats import PreRopeSegment, RotatedCodec
+    from hf_kvcache.rope import RotarySpec, rotate_positions
+
+    rot_dim = head_dim // 2 if layout == "partial" else head_dim
+    spec = RotarySpec(1.0 / 10000 ** (torch.arange(0, rot_dim, 2).float() / rot_dim), rot_dim, layout == "interleaved")
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(2, 2, 96, head_dim, generator=g), torch.randn(2, 2, 96, head_dim, generator=g)
+    pre = rotate_positions(k, first, spec, inverse=True)
+    if inner == "dense":
+        return PreRopeSegment(DenseSegment(pre.to(dtype), v.to(dtype)), spec, first), k, g
+    if inner == "fp8":
+        base = Fp8Codec()
+    elif inner.startswith("int8"):
+        base = Int8Codec(None, torch.float32)
+    else:
+        base = _kivi_codec(inner, 16)
+    codec = RotatedCodec(base) if inner.endswith("-rot") else base
+    return PreRopeSegment(codec.segment(codec.encode(pre, v), 0), spec, first), k, g
+
+
 @pytest.mark.parametrize(
     "inner, layout, first",
     [
@@ -370,27 +394,8 @@ def test_pre_rope_segment_turns_keys_per_tile(inner, layout, first, dtype, monke
     rotary with each channel's pair loaded beside it). Over Hadamard-rotated KIVI codes (int3 / int2's default) the
     kernel rotates each tile back before turning it, in the same launch (the reference is not called); other rotated
     cases (int8, partial rotary) go to the reference."""
-    from hf_kvcache.formats import PreRopeSegment, RotatedCodec
-    from hf_kvcache.rope import RotarySpec, rotate_positions
-
     head_dim = 64
-    rot_dim = 32 if layout == "partial" else head_dim
-    spec = RotarySpec(1.0 / 10000 ** (torch.arange(0, rot_dim, 2).float() / rot_dim), rot_dim, layout == "interleaved")
-    g = torch.Generator().manual_seed(7)
-    k, v = torch.randn(2, 2, 96, head_dim, generator=g), torch.randn(2, 2, 96, head_dim, generator=g)
-    pre = rotate_positions(k, first, spec, inverse=True)
-    if inner == "dense":
-        seg = DenseSegment(pre.to(dtype), v.to(dtype))
-    else:
-        if inner == "fp8":
-            base = Fp8Codec()
-        elif inner.startswith("int8"):
-            base = Int8Codec(None, torch.float32)
-        else:
-            base = _kivi_codec(inner, 16)
-        codec = RotatedCodec(base) if inner.endswith("-rot") else base
-        seg = codec.segment(codec.encode(pre, v), 0)
-    seg = PreRopeSegment(seg, spec, first)
+    seg, k, g = _pre_rope_segment(inner, layout, first, dtype, head_dim, seed=7)
     keys, values = seg.read(0, seg.length)
     if inner == "dense":
         _close(keys, k, dtype)  # the round trip: turned back, then forward
@@ -416,21 +421,11 @@ def test_pre_rope_keys_turned_from_the_angle_table(inner, layout, dtype):
     """Launches planned with ``angle_table`` read each tile's cosines and sines from the rotation's table
     (:func:`hf_kvcache.rope.angle_table`, the reference's own) instead of computing them: equal to the reference at
     positions past 30,000, and the table is the one the reference turns keys with."""
-    from hf_kvcache.formats import PreRopeSegment, RotatedCodec
-    from hf_kvcache.rope import RotarySpec, angle_table, rotate_positions
+    from hf_kvcache.rope import angle_table
 
     head_dim, first = 64, 30011
-    spec = RotarySpec(1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim), head_dim, layout != "half")
-    g = torch.Generator().manual_seed(5)
-    k, v = torch.randn(2, 2, 96, head_dim, generator=g), torch.randn(2, 2, 96, head_dim, generator=g)
-    pre = rotate_positions(k, first, spec, inverse=True)
-    if inner == "dense":
-        seg = DenseSegment(pre.to(dtype), v.to(dtype))
-    else:
-        base = Int8Codec(None, torch.float32) if inner == "int8" else _kivi_codec(inner, 16)
-        codec = RotatedCodec(base) if inner.endswith("-rot") else base
-        seg = codec.segment(codec.encode(pre, v), 0)
-    seg = PreRopeSegment(seg, spec, first)
+    seg, _, g = _pre_rope_segment(inner, layout, first, dtype, head_dim, seed=5)
+    spec = seg.rotary
     mask = _two_query_mask(seg.length, 5)
     query = torch.randn(2, 8, 2, head_dim, generator=g).to(dtype)
     ref = combine([partial(query, seg, mask, 0.125, 0.0, 2)], dtype=torch.float32)
