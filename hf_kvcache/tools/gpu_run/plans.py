@@ -14,7 +14,13 @@ __all__ = ["VARIANTS", "plan_fields", "planned"]
 
 # Kind (a label of shapes.CACHE_KINDS) -> variants the kernels stage times beside its plan: candidates waiting for
 # a GPU to decide them. angle_table: pre-RoPE keys turned from the cos / sin table, not per-element polynomials.
-VARIANTS = {"int2": ("angle_table=true",), "int3": ("angle_table=true",)}
+# int8's plan (one stage: resident warps instead of cp.async stages) came from compile figures alone; pipelined
+# tiles compile to 12 warps per SM (64 tokens) or 16 (32 tokens).
+VARIANTS = {
+    "int2": ("angle_table=true",),
+    "int3": ("angle_table=true",),
+    "int8": ("stages=2", "block_n=32:stages=2"),
+}
 
 
 def plan_fields(text: str) -> dict:
