@@ -9,7 +9,6 @@ Run on a GPU machine from the project's root: ``python benchmarks/gpu_graph_prob
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 import time
@@ -21,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hf_kvcache.formats import DenseSegment, KVHandle, decode_attention  # noqa: E402
 from hf_kvcache.tools.gpu_run.kernels import _inputs, _sdpa, decode_handle  # noqa: E402
-from hf_kvcache.tools.gpu_run.plans import plan_fields, planned  # noqa: E402
+from hf_kvcache.tools.gpu_run.plans import each_plan, plan_fields  # noqa: E402
 from hf_kvcache.tools.gpu_run.shapes import cache_kinds, model_config  # noqa: E402
 from hf_kvcache.tools.gpu_run.timing import bench, graphed  # noqa: E402
 
@@ -44,6 +43,51 @@ def kernel_profile(fn) -> dict:
     for e in events:
         names[e.name[:60]] = names.get(e.name[:60], 0.0) + e.device_time / 5
     return {"launches": len(events) / 5, "kernel_us": sum(e.device_time for e in events) / 5, "by_kernel_us": names}
+
+
+def probe_kind(cell: dict, spec, x: dict, plans: list[str], config, base_s: float, deadline: float) -> list[dict]:
+    """One kind's step (``cell``: context, batch, kind; ``x``: the cell's inputs, ``kf`` / ``vf`` the dense K/V) under
+    each plan variant: issued, as a graph replay, and its
+    launches; rows printed as they are made."""
+    scaling = config.head_dim**-0.5
+    kf, vf = x["kf"], x["vf"]
+    cell = cell | {"sdpa_us": 1e6 * base_s}
+    rows = []
+    try:
+        if spec is None:
+            handle = KVHandle((DenseSegment(kf, vf),))
+        else:
+            handle = decode_handle(spec, config, x["k"], x["v"], x["k1"], x["v1"])[0]
+
+        def step():
+            return decode_attention(x["query"], handle, None, scaling)
+
+        for variant, under, diff in each_plan(step, plans):
+            row = cell | ({"plan": variant} if variant else {})
+            if diff is not None:
+                row["max_diff_vs_first_plan"] = diff
+            row["eager_us"] = 1e6 * bench(under, kf.device).median_s
+            row |= kernel_profile(under)
+            try:
+                row["graph_us"] = 1e6 * bench(graphed(under), kf.device).median_s
+            except Exception as err:  # noqa: BLE001 (a step that syncs cannot be captured: say so)
+                row["graph_error"] = f"{type(err).__name__}: {str(err)[:160]}"
+            rows.append(_printed(row, base_s))
+            if time.perf_counter() > deadline:
+                break
+    except Exception as err:  # noqa: BLE001 (recorded; the next kind runs)
+        rows.append(_printed(cell | {"error": f"{type(err).__name__}: {str(err)[:160]}"}, base_s))
+    return rows
+
+
+def _printed(row: dict, base_s: float) -> dict:
+    nan = float("nan")
+    eager, graph, kern = (row.get(key, nan) for key in ("eager_us", "graph_us", "kernel_us"))
+    note = row.get("error", row.get("graph_error", ""))
+    label = f"{row['kind']} [{row['plan']}]" if row.get("plan") else row["kind"]
+    print(f"  {label}: eager {eager:.0f}us, graph {graph:.0f}us ({1e6 * base_s / graph:.2f}x sdpa), "
+          f"{row.get('launches', 0):.0f} launches, kernels {kern:.0f}us {note}", flush=True)  # fmt: skip
+    return row
 
 
 def _shape(cell: str) -> tuple[int, int]:
@@ -71,7 +115,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     try:
-        plans = [plan_fields(text) for text in args.plans]
+        for text in args.plans:  # a typo is an error before the GPU's minutes are spent
+            plan_fields(text)
         shapes = [_shape(cell) for cell in args.shapes] if args.shapes else SHAPES
     except ValueError as err:
         parser.error(str(err))
@@ -87,47 +132,17 @@ def main() -> None:
     rows = []
     for context, batch in shapes:
         x = _inputs(config, dev, dtype, context, batch)
-        kf, vf = torch.cat([x["k"], x["k1"]], 2), torch.cat([x["v"], x["v1"]], 2)
+        kf, vf = torch.cat([x["k"], x["k1"]], 2), torch.cat([x["v"], x["v1"]], 2)  # what DynamicCache holds
+        x |= {"kf": kf, "vf": vf}
         sdpa, _ = _sdpa(x["query"], kf, vf, scaling)
         base = bench(sdpa, dev).median_s
         print(f"{context} x {batch}: sdpa {1e6 * base:.0f}us", flush=True)
-        for (label, spec), (variant, fields) in itertools.product(kinds.items(), zip(args.plans, plans)):
+        for label, spec in kinds.items():
             if time.perf_counter() > deadline:
                 print("budget spent", flush=True)
                 break
-            row = {"context": context, "batch": batch, "kind": label, "sdpa_us": 1e6 * base}
-            if variant:
-                row["plan"] = variant
-            try:
-                if spec is None:
-                    handle = KVHandle((DenseSegment(kf, vf),))
-                else:
-                    handle = decode_handle(spec, config, x["k"], x["v"], x["k1"], x["v1"])[0]
-
-                def step(handle=handle, query=x["query"], fields=fields):
-                    with planned(fields):
-                        return decode_attention(query, handle, None, scaling)
-
-                out = step().float()
-                if variant == args.plans[0]:
-                    first = out
-                else:
-                    row["max_diff_vs_first_plan"] = (out - first).abs().max().item()
-                row["eager_us"] = 1e6 * bench(step, dev).median_s
-                row |= kernel_profile(step)
-                try:
-                    row["graph_us"] = 1e6 * bench(graphed(step), dev).median_s
-                except Exception as err:  # noqa: BLE001 (a step that syncs cannot be captured: say so)
-                    row["graph_error"] = f"{type(err).__name__}: {str(err)[:160]}"
-            except Exception as err:  # noqa: BLE001
-                row["error"] = f"{type(err).__name__}: {str(err)[:160]}"
-            rows.append(row)
-            nan = float("nan")
-            eager, graph, kern = (row.get(key, nan) for key in ("eager_us", "graph_us", "kernel_us"))
-            note = row.get("error", row.get("graph_error", ""))
-            label = f"{label} [{variant}]" if variant else label
-            print(f"  {label}: eager {eager:.0f}us, graph {graph:.0f}us ({1e6 * base / graph:.2f}x sdpa), "
-                  f"{row.get('launches', 0):.0f} launches, kernels {kern:.0f}us {note}", flush=True)  # fmt: skip
+            cell = {"context": context, "batch": batch, "kind": label}
+            rows += probe_kind(cell, spec, x, args.plans, config, base, deadline)
         del x, kf, vf
         torch.cuda.empty_cache()
         (args.output / "graph_probe.json").write_text(json.dumps(rows, indent=1))

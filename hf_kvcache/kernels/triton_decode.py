@@ -516,9 +516,9 @@ def triton_partial(
     if s.key_rotation is not None:  # Hadamard rotations as their signs in the products' dtype and one scale each
         hk, hk_scale = _signs(s.key_rotation, query.dtype)
         hv, hv_scale = _signs(s.value_rotation, query.dtype)
-    angles = s.inv_freq
-    if s.rope and plan.angle_table and s.rotary_dim == block(dk):  # turned per tile from a table of cos / sin
-        angles = angle_table(s.inv_freq, s.first + s.length)
+    # Pre-RoPE keys are turned per tile from a table of cos / sin, or from inv_freq by per-element polynomials.
+    from_table = bool(s.rope and plan.angle_table and s.rotary_dim == block(dk))
+    angles = angle_table(s.inv_freq, s.first + s.length) if from_table else s.inv_freq
     if (s.key_levels is None) != (s.value_levels is None):
         raise ValueError("a KIVI segment's keys and values have codebooks together or not at all")
     opt = [s.ks, s.kz, s.vs, s.vz, s.key_levels, s.value_levels, s.table, mask_u8]
@@ -533,7 +533,7 @@ def triton_partial(
         HAS_MASK=mask is not None, SOFTCAP=bool(softcap), DOT_FP32=query.dtype == torch.float32, FOLD=s.fold,
         KIVI_TILE=plan.group_tiles,
         ROPE=s.rope, ROT_DIM=s.rotary_dim, ROTATED=hk is not None, RCH=min(64, block(dk), block(dv)),
-        ANGLE_TABLE=angles is not s.inv_freq,
+        ANGLE_TABLE=from_table,
         LARGE=any(_reach(x) >= 2**31 for x in (s.k, s.v, s.ks, s.vs, s.kz, s.vz, query)),
         ONE_QUERY=q_len == 1, SWAP=plan.swap, LEVELS=s.key_levels is not None, BLOCK_R=block(rows, MIN_ROWS),
         BLOCK_N=plan.block_n, BLOCK_DK=block(dk), BLOCK_DV=block(dv), num_stages=plan.stages, num_warps=plan.warps,

@@ -37,7 +37,7 @@ import torch
 from ...formats import DenseSegment, KVHandle, decode_attention
 from ...registry import make_cache
 from .env import peak_bandwidth
-from .plans import VARIANTS, plan_fields, planned
+from .plans import VARIANTS, each_plan
 from .record import StageRecord
 from .shapes import cache_kinds, model_config
 from .timing import Timing, bench, graphed
@@ -248,25 +248,22 @@ def _variants(config, dev, dtype, context: int, batch: int, label: str, variants
     scaling = config.head_dim**-0.5
     x = _inputs(config, dev, dtype, context, batch)
     handle = decode_handle(cache_kinds()[label], config, x["k"], x["v"], x["k1"], x["v1"])[0]
+
+    def step():
+        return decode_attention(x["query"], handle, None, scaling)
+
     items, base = [], None
-    for variant in ("", *variants):
-        fields = plan_fields(variant)
-
-        def step(fields=fields):
-            with planned(fields):
-                return decode_attention(x["query"], handle, None, scaling)
-
-        out = step().float()
-        timing, graph = bench(step, dev), _device_only(step, dev)
+    for variant, under, diff in each_plan(step, ("", *variants)):
+        timing, graph = bench(under, dev), _device_only(under, dev)
         item = {"measure": "variant", "context": context, "batch": batch, "kind": label, "plan": variant}
         item |= timing.as_dict() | _graph_fields(graph, None, 0, None)
         if base is None:
-            base, base_item = out, item
+            base = item
         else:
-            item["max_diff_vs_plan"] = (out - base).abs().max().item()
-            item["speedup_vs_plan"] = base_item["median_us"] / item["median_us"]
-            if "graph_us" in item and "graph_us" in base_item:
-                item["graph_speedup_vs_plan"] = base_item["graph_us"] / item["graph_us"]
+            item["max_diff_vs_plan"] = diff
+            item["speedup_vs_plan"] = base["median_us"] / item["median_us"]
+            if "graph_us" in item and "graph_us" in base:
+                item["graph_speedup_vs_plan"] = base["graph_us"] / item["graph_us"]
         items.append(item)
     return items
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable, Iterable, Iterator
 
 from ...kernels.storage import LaunchPlan
 
-__all__ = ["VARIANTS", "plan_fields", "planned"]
+__all__ = ["VARIANTS", "each_plan", "plan_fields", "planned"]
 
 # Kind (a label of shapes.CACHE_KINDS) -> variants the kernels stage times beside its plan: candidates waiting for
 # a GPU to decide them. angle_table: pre-RoPE keys turned from the cos / sin table, not per-element polynomials.
@@ -56,3 +57,21 @@ def planned(fields: dict):
         yield
     finally:
         triton_decode.triton_partial = original
+
+
+def each_plan(step: Callable, variants: Iterable[str]) -> Iterator[tuple[str, Callable, float | None]]:
+    """For each variant text (``""``: the formats' own plan): ``(variant, step under it, the largest difference of its
+    output from the first variant's)``, None for the first. Each step is run once here, so a variant that fails to
+    compile raises before it is timed."""
+    first = None
+    for variant in variants:
+        fields = plan_fields(variant)
+
+        def under(fields=fields):
+            with planned(fields):
+                return step()
+
+        out = under().float()
+        yield variant, under, None if first is None else (out - first).abs().max().item()
+        if first is None:
+            first = out

@@ -190,11 +190,7 @@ def _generate(record: dict) -> str:
         ])  # fmt: skip
     fits = [i for i in items if i["measure"] == "largest batch"]
     dyn = next((_largest(i) for i in fits if i["cache"] == "dynamic"), None)
-    fit_rows = [[f"{i['cache']} [{i['attn']}]", _largest_cell(i),
-                 f"{_largest(i) / dyn:.2f}" if dyn and _largest(i) is not None else "n/a", str(i["planned_batch"]),
-                 f"{_largest(i) / i['planned_batch']:.2f}" if i["planned_batch"] and _largest(i) is not None
-                 else "n/a"]
-                for i in fits]  # fmt: skip
+    fit_rows = [_fit_row(i, dyn) for i in fits]
     ttft = [i for i in items if i["measure"] == "ttft"]
     tbase = {(i["context"], i["batch"]): i["ttft_s"] for i in ttft if i["cache"] == "dynamic"}
     ttft_rows = [[f"{i['context']:,} x {i['batch']}", f"{i['cache']} [{i['attn']}]", f"{i['ttft_s']:.3f}",
@@ -270,6 +266,18 @@ def _largest(item: dict) -> int | None:
     the search said so itself recorded 0, not exact)."""
     found = item["largest_batch"]
     return None if found is None or (found == 0 and not item["exact"]) else found
+
+
+def _fit_row(item: dict, dynamic: int | None) -> list[str]:
+    """``[cache, largest batch, x dynamic's, plan's answer, x the plan's]`` for one largest-batch search."""
+    found, planned = _largest(item), item["planned_batch"]
+    return [
+        f"{item['cache']} [{item['attn']}]",
+        _largest_cell(item),
+        f"{found / dynamic:.2f}" if dynamic and found is not None else "n/a",
+        str(planned),
+        f"{found / planned:.2f}" if planned and found is not None else "n/a",
+    ]
 
 
 def _largest_cell(item: dict) -> str:
