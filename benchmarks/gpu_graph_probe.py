@@ -47,8 +47,7 @@ def kernel_profile(fn) -> dict:
 
 def probe_kind(cell: dict, spec, x: dict, plans: list[str], config, base_s: float, deadline: float) -> list[dict]:
     """One kind's step (``cell``: context, batch, kind; ``x``: the cell's inputs, ``kf`` / ``vf`` the dense K/V) under
-    each plan variant: issued, as a graph replay, and its
-    launches; rows printed as they are made."""
+    each plan variant: issued, as a graph replay, and its launches; rows printed as they are made."""
     scaling = config.head_dim**-0.5
     kf, vf = x["kf"], x["vf"]
     cell = cell | {"sdpa_us": 1e6 * base_s}
