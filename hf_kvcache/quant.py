@@ -22,6 +22,7 @@ Conventions
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 
@@ -310,8 +311,29 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return _pack_uniform(codes, bits)
 
 
+def _words(packed: torch.Tensor) -> torch.Tensor | None:
+    """``packed``'s bytes as int32 words, 4 bytes each with the first byte lowest, without a copy; None where its
+    width, strides or offset do not allow that view (or on a big-endian machine)."""
+    if sys.byteorder != "little" or packed.shape[-1] % 4:
+        return None
+    try:
+        return packed.view(torch.int32)
+    except RuntimeError:  # a stride or the storage offset is not a multiple of 4 bytes
+        return None
+
+
+@functools.cache
+def _word_shifts(bits: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(32 // bits, dtype=torch.int32, device=device) * bits
+
+
 def _unpack_uniform(packed: torch.Tensor, bits: int, out: torch.Tensor) -> None:
     per_byte, mask = 8 // bits, (1 << bits) - 1
+    words = _words(packed) if bits == 2 else None
+    if words is not None:  # 16 codes per word in one shift-and-mask pass: 2x faster on CPU than 4 per byte
+        codes = (words.unsqueeze(-1) >> _word_shifts(bits, packed.device)) & mask
+        out.view(*words.shape, 32 // bits).copy_(codes)
+        return
     view = out.view(*out.shape[:-1], packed.shape[-1], per_byte)  # (..., D/k, k)
     if bits == 1:  # 8 codes per byte: one lookup of each byte's row (8 shift-and-copy passes took 3.5x on CPU)
         table = _bit_rows(out.dtype, out.device)
@@ -336,8 +358,15 @@ def unpack(packed: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> 
     if bits == 8:
         return out.copy_(packed)
     if bits == 3:
-        # Each plane made contiguous first (a slice of the last dim shifts ~2x slower); the high bits unpacked in
-        # out's dtype and added in one pass (a float add per bit position cost 3x the whole 2-bit plane on CPU).
+        # Each plane made contiguous first (shifting a slice of the last dim is ~1.4x slower than the copy costs).
+        low, high = _words(packed[..., : width // 4].contiguous()), _words(packed[..., width // 4 :].contiguous())
+        if low is not None and high is not None:  # both planes as words: int32 codes, one conversion into out
+            codes = (low.unsqueeze(-1) >> _word_shifts(2, packed.device)) & 3  # (..., D/16, 16)
+            high_bits = (high.unsqueeze(-1) >> _word_shifts(1, packed.device)) & 1  # (..., D/32, 32)
+            codes = codes.view(*packed.shape[:-1], width).add_(high_bits.view(*packed.shape[:-1], width), alpha=4)
+            return out.copy_(codes)
+        # Planes that are not whole words: the high bits unpacked in out's dtype and added in one pass (a float add
+        # per bit position cost 3x the whole 2-bit plane on CPU).
         low = width // 4
         _unpack_uniform(packed[..., :low].contiguous(), 2, out)
         high = torch.empty(out.shape, dtype=out.dtype if out.is_floating_point() else torch.uint8, device=out.device)

@@ -155,15 +155,24 @@ def test_all_non_finite_group_reads_back_as_zeros():
     assert torch.equal(quant.dequantize_symmetric(codes, scale, dtype=torch.float32), torch.zeros_like(x))
 
 
-@given(st.sampled_from([2, 3, 4, 8]), st.integers(1, 5), st.integers(0, 2**31))
-def test_pack_unpack_round_trip(bits, rows, seed):
+@given(st.sampled_from([2, 3, 4, 8]), st.integers(1, 5), st.sampled_from([8, 16, 32, 64]), st.integers(0, 2**31))
+def test_pack_unpack_round_trip(bits, rows, width, seed):
+    """Into uint8 and into a float workspace slice, from packed rows read in place or as a strided view (a storage
+    buffer's): the int32-word unpacking where the bytes allow it (2 bits, 3 bits at 32 channels and more), else the
+    per-byte passes."""
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 1 << bits, (rows, 3, 16), generator=g, dtype=torch.uint8)
+    codes = torch.randint(0, 1 << bits, (rows, 3, width), generator=g, dtype=torch.uint8)
     packed = quant.pack(codes, bits)
-    assert packed.shape[-1] == 16 * bits // 8
+    assert packed.shape[-1] == width * bits // 8
     assert torch.equal(quant.unpack(packed, bits), codes)
-    out = torch.empty(rows, 3, 16)
+    out = torch.zeros(rows, 3, width + 8)[..., 4 : 4 + width]
     assert torch.equal(quant.unpack(packed, bits, out=out), codes.float())
+    buffer = torch.zeros(rows, 5, packed.shape[-1], dtype=torch.uint8)
+    buffer[:, 1:4] = packed
+    assert torch.equal(quant.unpack(buffer[:, 1:4], bits), codes)  # offset by one row of the buffer
+    odd = torch.zeros(rows, 3, packed.shape[-1] + 1, dtype=torch.uint8)
+    odd[..., 1:] = packed
+    assert torch.equal(quant.unpack(odd[..., 1:], bits), codes)  # rows at odd byte offsets: no word view
 
 
 def test_three_bit_packing_is_two_bit_planes():

@@ -449,6 +449,63 @@ def test_hadamard_is_orthonormal_symmetric_and_mixes_every_channel_of_its_block(
     assert (h[:block, block:] == 0).all()
 
 
+def _rotary(width: int, layout: str):
+    """A RoPE of ``width``-channel heads: every channel in the rotate_half layout ("half"), "interleaved" pairs, or
+    the first half of the channels only ("partial")."""
+    from hf_kvcache.rope import RotarySpec
+
+    rotary = width // 2 if layout == "partial" else width
+    return RotarySpec(1.0 / 10000 ** (torch.arange(0, rotary, 2).float() / rotary), rotary, layout == "interleaved")
+
+
+@pytest.mark.parametrize("width, layout", [(64, "half"), (64, None), (16, "half"), (96, "half"), (64, "interleaved"),
+                                           (64, "partial"), (12, None)])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rotating_back_equals_the_product_then_the_turn(width, layout, dtype):
+    """``rotate_back``: ``x H``, then keys stored before RoPE turned to positions ``first ..``, written into a
+    workspace slice (in place, too). Power-of-two widths with every channel rotary in the rotate_half layout take
+    the half-width products and fold the turn into their butterfly; the others the full product, then the turn."""
+    from hf_kvcache.formats import hadamard
+    from hf_kvcache.formats.rotated import _splits, rotate_back
+    from hf_kvcache.rope import rotate_positions
+
+    x = torch.randn(2, 3, 40, width, generator=torch.Generator().manual_seed(width)).to(dtype)
+    rope = None if layout is None else (_rotary(width, layout), 7)
+    want = x.double() @ hadamard(width, torch.float64, x.device)
+    if rope is not None:
+        want = rotate_positions(want.float(), 7, rope[0]).double()
+    tolerance = dict(rtol=0, atol=2e-5) if dtype == torch.float32 else dict(rtol=2 * torch.finfo(dtype).eps, atol=1e-3)
+    for in_place in (False, True):
+        space = torch.zeros(2, 3, 48, width, dtype=dtype)  # a workspace with headroom: non-contiguous slices
+        out = space[:, :, 4:44]
+        source = out.copy_(x) if in_place else x
+        rotate_back(source, out, torch.float32, rope)
+        torch.testing.assert_close(out.double(), want.to(dtype).double(), **tolerance)
+        assert (space[:, :, :4] == 0).all() and (space[:, :, 44:] == 0).all()
+    assert _splits(width, rope) == (width in (16, 64) and layout in (None, "half"))
+
+
+@pytest.mark.parametrize("bits", [None, 8, "fp8", 4, 3, 2])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_a_codec_turns_pre_rope_keys_as_it_decodes(bits, rotate):
+    """``decode(..., rope)`` of every codec: what ``decode`` reads, the keys then turned to their positions (the
+    rotated codecs fold the turn into rotating back; values untouched)."""
+    from hf_kvcache.formats import IdentityCodec, codec_for
+    from hf_kvcache.rope import rotate_positions
+
+    if bits is None and rotate:
+        pytest.skip("the exact residual is never rotated")
+    codec = IdentityCodec() if bits is None else codec_for(bits, 16, rotate=rotate)
+    k, v = _kv(32, head_dim=64, seed=3)
+    parts = codec.encode(k, v)
+    plain_k, plain_v, turned_k, turned_v = (torch.empty_like(k) for _ in range(4))
+    codec.decode(parts, plain_k, plain_v)
+    rope = (_rotary(64, "half"), 5)
+    codec.decode(parts, turned_k, turned_v, rope)
+    torch.testing.assert_close(turned_k, rotate_positions(plain_k, 5, rope[0]), rtol=0, atol=2e-5)
+    torch.testing.assert_close(turned_v, plain_v, rtol=0, atol=2e-5)
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_rotation_spreads_an_outlier_channel(bits):
     """One channel 30x the others stretches every per-token scale it belongs to; rotated, its energy is spread over
@@ -620,6 +677,28 @@ def test_sinks_keep_each_rows_first_real_tokens_exact_through_left_padding():
         torch.testing.assert_close(layer.sink.v[row], ref.layers[0].values[row, :, pad : pad + 2], rtol=0, atol=0)
     assert layer.quantized_tokens == 20 and layer.stored_tokens == 20
     assert "sinks=2" in repr(cache)
+
+
+@pytest.mark.parametrize("first, length, tokens", [(0, 10, 10), (0, 12, 10), (2, 8, 10), (1, 3, 4), (4, 6, 10),
+                                                   (6, 4, 10), (0, 5, 3)])  # fmt: skip
+def test_unpadded_sinks_patch_one_slice_as_the_rows_do(first, length, tokens, monkeypatch):
+    """With no row padded and every sink held, :meth:`RowSinks.patch` writes one slice: the same as the per-row
+    scatter, for positions ``first ..`` (a sliding layer's, after evictions) that start at, inside or past the sinks
+    and end past them or inside them, with new tokens after the ``tokens`` stored; before every sink is held, the
+    per-row scatter."""
+    from hf_kvcache.layers._sinks import RowSinks
+
+    k, v = _kv(4, batch=2, seed=1)
+    sinks = RowSinks(4, (0, 0), k, v)
+    sinks.fill(k, v, 0)
+    got = [t.clone() for t in _kv(length, batch=2, seed=2)]
+    want = [t.clone() for t in got]
+    sinks.patch(*got, first, tokens)
+    monkeypatch.setattr(RowSinks, "aligned", lambda self, tokens: False)
+    sinks.patch(*want, first, tokens)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not torch.equal(got[0], _kv(length, batch=2, seed=2)[0]) or first >= 4
 
 
 def test_sinks_cost_their_full_precision_bytes_and_help_where_the_first_tokens_matter():

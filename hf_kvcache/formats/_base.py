@@ -27,9 +27,20 @@ from ..kernels import reference
 from ..kernels._available import fall_back, fell_back
 from ..kernels._eager import eager
 from ..kernels.storage import MIN_ROWS, KernelStorage, LaunchPlan, block
+from ..rope import RotarySpec, rotate_positions
 
 Partials = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 Parts = dict[str, torch.Tensor]  # a codec's stored tensors by name
+KeyTurn = tuple[RotarySpec, int]  # keys stored before RoPE: the rotation, and the position of the first token
+
+
+def turn_keys(keys: torch.Tensor, rope: KeyTurn | None) -> None:
+    """Decoded keys that were stored before RoPE, turned in place to positions ``first ..`` (``rope``: the rotation
+    and ``first``); None: keys stored as the model made them, left as they are. A codec's ``decode`` ends with it
+    unless it turns the keys as it writes them."""
+    if rope is not None:
+        spec, first = rope
+        keys.copy_(rotate_positions(keys, first, spec))
 
 
 def channel_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from ..kernels import reference
 from ..kernels.append import append_kv
 from ..kernels.storage import DENSE, KernelStorage
-from ._base import Partials, Parts, SegmentFormat, register_partial
+from ._base import KeyTurn, Partials, Parts, SegmentFormat, register_partial, turn_keys
 
 __all__ = ["DenseSegment", "IdentityCodec"]
 
@@ -75,9 +75,10 @@ class IdentityCodec:
     def encode_into(self, k: torch.Tensor, v: torch.Tensor, out: Parts) -> None:
         append_kv(k, v, out["k"], out["v"], None, None, None, 0, 1)  # both in one launch on CUDA
 
-    def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+    def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor, rope: KeyTurn | None = None) -> None:
         k_out.copy_(parts["k"])
         v_out.copy_(parts["v"])
+        turn_keys(k_out, rope)
 
     def segment(self, parts: Parts, start: int = 0) -> DenseSegment:
         return DenseSegment(parts["k"][:, :, start:], parts["v"][:, :, start:])

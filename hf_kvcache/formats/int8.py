@@ -16,6 +16,7 @@ from ..kernels import reference
 from ..kernels.append import append_kv
 from ..kernels.storage import INT8, KernelStorage, LaunchPlan
 from ._base import (
+    KeyTurn,
     Partials,
     Parts,
     SegmentFormat,
@@ -24,6 +25,7 @@ from ._base import (
     plan_warps,
     register_partial,
     swapped,
+    turn_keys,
 )
 from .rotated import rotated
 
@@ -187,9 +189,10 @@ class Int8Codec:
         groups.copy_(channel_groups(codes, self.group(codes.shape[-1])))
         groups.mul_(scale.unsqueeze(-1))
 
-    def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+    def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor, rope: KeyTurn | None = None) -> None:
         self._decode_one(parts["k"], parts["ks"], k_out)
         self._decode_one(parts["v"], parts["vs"], v_out)
+        turn_keys(k_out, rope)
 
     @staticmethod
     def width(parts: Parts, name: str) -> int:

@@ -24,6 +24,7 @@ from ..kernels._eager import eager
 from ..kernels.storage import KIVI, KernelStorage, LaunchPlan, block
 from ..rope import RotarySpec
 from ._base import (
+    KeyTurn,
     Partials,
     Parts,
     SegmentFormat,
@@ -31,6 +32,7 @@ from ._base import (
     plan_warps,
     register_partial,
     swapped,
+    turn_keys,
 )
 from .pre_rope import PreRopeSegment
 from .rotated import rotated
@@ -560,12 +562,13 @@ class KiviCodec:
         kg = out.view(b, h, t // self.group_size, self.group_size, dk)
         kg.mul_(scale.unsqueeze(3)).add_(zero.unsqueeze(3))
 
-    def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+    def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor, rope: KeyTurn | None = None) -> None:
         if self.per_token_keys:
             self._decode_per_token(parts["k"], parts["ks"], parts["kz"], k_out, self.key_bits)
         else:
             self._decode_key_groups(parts["k"], parts["ks"], parts["kz"], k_out, self.key_bits)
         self._decode_per_token(parts["v"], parts["vs"], parts["vz"], v_out, self.value_bits)
+        turn_keys(k_out, rope)
 
     def bytes_per_token(
         self, num_kv_heads: int, key_dim: int, value_dim: int, kv_dtype: torch.dtype = torch.bfloat16

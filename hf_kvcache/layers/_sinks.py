@@ -81,6 +81,12 @@ class RowSinks:
     def patch(self, keys: torch.Tensor, values: torch.Tensor, first: int, tokens: int) -> None:
         """Materialized K/V ``(B, H, L, D)`` of positions ``first ..``: the sinks held among the first ``tokens``
         positions written over their codes' copies."""
+        if self.aligned(tokens):  # positions 0 .. count - 1 of every row: one slice each (a decode step's case)
+            start, stop = first, min(self.count, first + keys.shape[2])
+            if start < stop:
+                keys[:, :, : stop - start].copy_(self.k[:, :, start:stop])
+                values[:, :, : stop - start].copy_(self.v[:, :, start:stop])
+            return
         slots = self._slots(first)
         held = self.filled(tokens) & (slots >= 0) & (slots < keys.shape[2])
         if not bool(held.any()):

@@ -22,6 +22,7 @@ import torch
 
 from .._config import LayerSpec
 from ..formats import DenseSegment, IdentityCodec, KVHandle, PreRopeSegment
+from ..formats._base import KeyTurn
 from ..rope import RotarySpec, rotate_positions
 from ._common import AttentionMode, KVLayer, PaddingTracker, tokens_to_crop
 from ._sinks import RowSinks
@@ -239,8 +240,7 @@ class QuantizedLayer(KVLayer):
         # Decode the whole stored sequence (at most unit - 1 tokens more than needed on a sliding layer).
         keys, values = self.workspace.take(k_new, v_new, nq + nr + n)
         if nq:
-            self.codec.decode(self.store.views(), keys[:, :, :nq], values[:, :, :nq])
-            self._to_positions(keys[:, :, :nq])
+            self.codec.decode(self.store.views(), keys[:, :, :nq], values[:, :, :nq], self._key_turn())
         if nr:
             self.residual_codec.decode(self.residual.views(), keys[:, :, nq : nq + nr], values[:, :, nq : nq + nr])
         keys[:, :, nq + nr :].copy_(k_new)
@@ -373,18 +373,17 @@ class QuantizedLayer(KVLayer):
         b, h, t = self.batch_size, self.spec.num_kv_heads, self.store.length
         k = torch.empty((b, h, t, self.spec.key_dim), dtype=self.dtype, device=self.device)
         v = torch.empty((b, h, t, self.spec.value_dim), dtype=self.dtype, device=self.device)
-        self.codec.decode(self.store.views(), k, v)
-        self._to_positions(k)
+        self.codec.decode(self.store.views(), k, v, self._key_turn())
         return k, v
 
     def _store_position(self) -> int:
         """Position (token index in the layer) of the first quantized token."""
         return self.dropped
 
-    def _to_positions(self, keys: torch.Tensor) -> None:
-        """Decoded pre-RoPE keys of the quantized tokens, rotated in place to their positions."""
-        if self.key_rope is not None:
-            keys.copy_(rotate_positions(keys, self._store_position(), self.key_rope))
+    def _key_turn(self) -> KeyTurn | None:
+        """How the codes' keys turn to their positions as they are decoded: stored before RoPE, from the first
+        quantized token's position on (None: stored after RoPE)."""
+        return None if self.key_rope is None else (self.key_rope, self._store_position())
 
     def _evict(self) -> None:
         """Full-attention layers keep every token."""
