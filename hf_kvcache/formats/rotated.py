@@ -153,14 +153,17 @@ def rotate_back(x: torch.Tensor, out: torch.Tensor, compute: torch.dtype, rope: 
     """``out = x H`` computed in ``compute``, then turned to positions ``first ..`` by ``rope`` (keys stored before
     RoPE); ``x`` and ``out`` may be one tensor.
 
-    Where :func:`_splits`: with ``a = x_lo H' `` and ``b = x_hi H'`` (``H' = H_{w/2} / sqrt(2)``), ``x H = [a + b, a -
-    b]``, and RoPE's turn of that pair by angle ``t`` is ``[a (cos t - sin t) + b (cos t + sin t), a (cos t + sin t) -
-    b (cos t - sin t)]``: half the multiply-adds of ``x H`` (a 32-wide product ran 2x faster than the 64-wide one at
-    SmolLM2's shape on CPU), and the turn written with the butterfly instead of a pass of its own after it."""
+    In float32, where :func:`_splits`, with ``H' = H_{w/2} / sqrt(2)``, ``a = x_lo H'`` and ``b = x_hi H'``:
+
+    * ``x H = [a + b, a - b]``: half the multiply-adds of ``x H`` (a 32-wide product ran 2x faster than the 64-wide
+      one at SmolLM2's shape on CPU);
+    * RoPE's turn of that pair by an angle of cosine ``c`` and sine ``s``:
+      ``[a (c - s) + b (c + s), a (c + s) - b (c - s)]``, written with the butterfly, not in a pass of its own."""
     width = x.shape[-1]
     # One 2-D product over every token: matmul over a non-contiguous view (a workspace slice) falls back to one small
-    # product per token and head, 4-5x slower on CPU than the copy reshape makes.
-    if not _splits(width, rope):
+    # product per token and head, 4-5x slower on CPU than the copy reshape makes. In a 16-bit compute dtype (bfloat16
+    # on CUDA) the full product, whose sums are rounded once: the butterfly would round each half first.
+    if compute != torch.float32 or not _splits(width, rope):
         y = (x.to(compute).reshape(-1, width) @ hadamard(width, compute, x.device)).view(x.shape)
         out.copy_(rotate_positions(y, rope[1], rope[0]) if rope is not None else y)
         return
