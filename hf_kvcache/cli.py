@@ -145,7 +145,7 @@ def _bench(args) -> int:
     from .eval.bench import BenchConfig, default_contexts, run_bench, trained_context
     from .eval.flags import given_fields
     from .eval.report import check_output, format_bench_table, write_bench_report
-    from .eval.runner import load_model
+    from .eval.runner import load_configured_model
     from .registry import make_cache
 
     config = BenchConfig(**given_fields(args, args.names))
@@ -154,7 +154,7 @@ def _bench(args) -> int:
         check_output(args.output)  # an unwritable --output fails now, not after every timing
     if config.threads:
         torch.set_num_threads(config.threads)
-    model, _ = load_model(config)
+    model, _ = load_configured_model(config)
     for spec in config.caches:  # bad option values fail before any timing
         make_cache(spec, model.config)
     contexts = config.contexts or default_contexts(model.config, config.new_tokens)

@@ -228,7 +228,7 @@ def test_load_text_sources(tmp_path):
 def test_bad_flags_give_clear_errors(args, message, capsys, monkeypatch):
     import hf_kvcache.eval.runner as runner
 
-    monkeypatch.setattr(runner, "load_model", lambda config: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(runner, "load_configured_model", lambda config: pytest.fail("the model was loaded"))
     assert main(["eval", "--quiet", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -253,7 +253,7 @@ def test_bench_rejects_too_few_new_tokens():
 def test_bench_checks_its_flags_before_loading_the_model(args, message, capsys, monkeypatch):
     import hf_kvcache.eval.runner as runner
 
-    monkeypatch.setattr(runner, "load_model", lambda config: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(runner, "load_configured_model", lambda config: pytest.fail("the model was loaded"))
     assert main(["bench", *args]) == 2
     assert message in capsys.readouterr().err
 
@@ -266,7 +266,7 @@ def test_bench_rejects_a_bad_option_value_before_timing(capsys):
 def test_an_unwritable_output_fails_before_the_model_loads(tmp_path, capsys, monkeypatch):
     import hf_kvcache.eval.runner as runner
 
-    monkeypatch.setattr(runner, "load_model", lambda config: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(runner, "load_configured_model", lambda config: pytest.fail("the model was loaded"))
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     assert main(["eval", *SMALL, "--output", str(blocker / "run")]) == 2

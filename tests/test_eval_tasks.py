@@ -99,7 +99,7 @@ def test_a_sink_window_shorter_than_the_key_distance_loses_the_passkey(reference
 def test_task_flags_are_checked_before_the_model_loads(args, message, capsys, monkeypatch):
     import hf_kvcache.eval.runner as runner
 
-    monkeypatch.setattr(runner, "load_model", lambda config: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(runner, "load_configured_model", lambda config: pytest.fail("the model was loaded"))
     assert main(["eval", "--quiet", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err

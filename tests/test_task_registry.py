@@ -128,7 +128,7 @@ def test_its_flags_are_in_the_help_and_checked_before_the_model_loads(mytask, ca
     help_text = build_parser()._subparsers._group_actions[0].choices["eval"].format_help()
     assert "mytask task options" in help_text and "--my-option N" in help_text
     assert "mytask: streams per cache" in help_text  # the shared --samples names every owner
-    monkeypatch.setattr(runner, "load_model", lambda config: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(runner, "load_configured_model", lambda config: pytest.fail("the model was loaded"))
     for argv, message in [
         (["--task", "mytask", "--my-option", "0"], "--my-option must be an integer >= 1, got 0"),
         (["--task", "mytask", "--my-option", "x"], "--my-option"),

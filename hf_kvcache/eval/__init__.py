@@ -10,7 +10,7 @@ from .bench import BenchConfig, run_bench
 from .config import DEFAULT_CACHES, DEFAULT_TASKS, EvalConfig
 from .data import load_text
 from .report import format_bench_table, format_eval_table, write_bench_report, write_report
-from .runner import load_model, merge_results, run_eval, run_eval_distributed
+from .runner import load_configured_model, merge_results, run_eval, run_eval_distributed
 from .tasks import TASKS, get_task, register_task
 from .tasks.passkey import PasskeyOptions, build_passkey_document
 from .tasks.perplexity import PerplexityOptions, PerplexityResult, window_perplexity, windows
@@ -39,7 +39,7 @@ __all__ = [
     "format_bench_table",
     "format_eval_table",
     "get_task",
-    "load_model",
+    "load_configured_model",
     "load_text",
     "merge_results",
     "metric_path",

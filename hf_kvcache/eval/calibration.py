@@ -12,7 +12,7 @@ from ..caches.quantized import QuantizedKVCache
 from ..calibrate import copy_rows, search_key_bits
 from ..layer_widths import KEY_WIDTHS, LayerKeyWidths
 from ..registry import check_spec, parse_spec
-from . import runner  # load_model is looked up when called, as eval's own path does: a patched loader applies
+from . import runner  # its loader looked up when called, as eval's own path does: a patched loader applies
 from .config import ModelOptions
 from .data import DATASET_HELP, check_dataset, load_text
 from .runner import _progress, tokenize
@@ -75,7 +75,7 @@ def run_calibration(config: CalibrateConfig) -> LayerKeyWidths:
         widths.save(config.output)
         return widths
     name, options = parse_spec(config.cache)
-    model, tokenizer = runner.load_model(config)
+    model, tokenizer = runner.load_configured_model(config)
     ids = tokenize(tokenizer, load_text(config.dataset))
     rows = copy_rows(ids, config.rows, config.tokens, config.scored_tokens)
     layers = len(QuantizedKVCache(model, bits=int(name[3:]), **options).layers)  # bad option values fail here

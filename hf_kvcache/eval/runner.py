@@ -21,7 +21,7 @@ __all__ = [
     "DEFAULT_CACHES",
     "DEFAULT_TASKS",
     "EvalConfig",
-    "load_model",
+    "load_configured_model",
     "merge_results",
     "run_eval",
     "run_eval_distributed",
@@ -56,8 +56,9 @@ def quiet_loading() -> None:
         pass
 
 
-def load_model(config: ModelOptions):
-    """``(model, tokenizer)`` as the config asks (dtype, device or device_map, bitsandbytes weights).
+def load_configured_model(config: ModelOptions):
+    """``(model, tokenizer)`` as the harness's options ask (dtype, device or device_map, bitsandbytes weights),
+    loaded by :func:`hf_kvcache.load_model`.
 
     Expected failures (no such folder, a hub id that cannot be fetched, the hub switched off) become one-line
     ``ValueError``s that say what to do."""
@@ -151,7 +152,7 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, shard: tuple[int, i
     if shard[0] > 0:  # other shards run the shardable tasks only
         tasks = [t for t in tasks if t.shardable]
     if model is None:
-        model, tokenizer = load_model(config)
+        model, tokenizer = load_configured_model(config)
     for task in tasks:  # options against the model (its context), before any document
         task.check_model(config, model.config)
     for spec in config.caches:  # bad option values fail before any work

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None, help="write the rows and the settings here")
     args = parser.parse_args(argv)
-    from hf_kvcache.eval.runner import load_model
+    from hf_kvcache.eval.runner import load_configured_model
 
     started = time.perf_counter()
     common = dict(
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
         quiet=True,
     )
     cached = EvalConfig(**common, caches=CACHE_SPECS, chunk=args.chunk)
-    model, tokenizer = load_model(cached)
+    model, tokenizer = load_configured_model(cached)
     base_attn = model.config._attn_implementation
     rows = []
     results = run_eval(cached, model, tokenizer)

@@ -17,7 +17,7 @@ import evaluate
 import torch
 
 from hf_kvcache.eval.config import EvalConfig
-from hf_kvcache.eval.runner import load_model, tokenize
+from hf_kvcache.eval.runner import load_configured_model, tokenize
 from hf_kvcache.eval.tasks.perplexity import window_perplexity
 from hf_kvcache.registry import make_cache
 
@@ -63,7 +63,7 @@ class KVCachePerplexity(evaluate.Metric):
             prefill=prefill, chunk=chunk, quiet=True,
         )  # fmt: skip
         config.validate()
-        model, tokenizer = load_model(config)
+        model, tokenizer = load_configured_model(config)
         perplexities, total_nll, total_tokens = [], 0.0, 0
         for text in predictions:
             ids = tokenize(tokenizer, text)
