@@ -19,7 +19,8 @@ torch.set_num_threads(1)
 # The fast tier (``scripts/test.sh --fast``, ``-m "not slow"``) runs the package's unit and equivalence tests; the
 # full run (CI) adds what is marked slow: these end-to-end modules whole (subprocesses, the docs site, the real model,
 # ahead-of-time compiles, lm-eval, accelerate), tests marked one by one, the matrix's other families in the other
-# modes and attention (tests/matrix.py), and the interpreted kernels in 16-bit dtypes (float32 in the fast tier).
+# modes and attention (tests/matrix.py), the interpreted kernels in 16-bit dtypes (float32 in the fast tier), and the
+# parameter sets outside each test function's each-choice sample (:func:`_each_choice`).
 SLOW_MODULES = {
     "test_builtin_comparison",
     "test_compile",
@@ -78,10 +79,34 @@ def _slow(item) -> bool:
     return module == "test_kernels" and params.get("dtype", torch.float32) != torch.float32
 
 
+def _each_choice(items) -> set[str]:
+    """Node ids of a sample of each test function's parameter sets in which every value of every parameter appears at
+    least once: in collection order, a set is kept when it brings a value its function has not had yet. A grid of
+    5 x 4 x 3 values keeps 5 of its 60 sets; a one-parameter list keeps all. Values are told apart by ``repr`` (the
+    same choice on every xdist worker: each collects the same sets in the same order)."""
+    seen: dict[tuple[str, str], set[tuple[str, str]]] = {}
+    kept = set()
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is None:
+            continue
+        values = {(name, repr(value)) for name, value in callspec.params.items()}
+        had = seen.setdefault((item.module.__name__, item.originalname), set())
+        if not values <= had:
+            had |= values
+            kept.add(item.nodeid)
+    return kept
+
+
 def pytest_collection_modifyitems(config, items):
     slow = pytest.mark.slow
     for item in items:
         if _slow(item):
+            item.add_marker(slow)
+    # The fast tier's share of each grid, chosen among the sets it would otherwise run; the rest run in the full run.
+    sample = _each_choice([item for item in items if "slow" not in item.keywords])
+    for item in items:
+        if hasattr(item, "callspec") and "slow" not in item.keywords and item.nodeid not in sample:
             item.add_marker(slow)
     if torch.cuda.is_available():
         return
