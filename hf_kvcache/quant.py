@@ -327,12 +327,17 @@ def _word_shifts(bits: int, device: torch.device) -> torch.Tensor:
     return torch.arange(32 // bits, dtype=torch.int32, device=device) * bits
 
 
+def _word_codes(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """``(..., W)`` int32 words -> ``(..., W * 32 / bits)`` int32 codes, low bits first, in one shift-and-mask pass."""
+    codes = (words.unsqueeze(-1) >> _word_shifts(bits, words.device)) & ((1 << bits) - 1)
+    return codes.flatten(-2)
+
+
 def _unpack_uniform(packed: torch.Tensor, bits: int, out: torch.Tensor) -> None:
     per_byte, mask = 8 // bits, (1 << bits) - 1
     words = _words(packed) if bits == 2 else None
-    if words is not None:  # 16 codes per word in one shift-and-mask pass: 2x faster on CPU than 4 per byte
-        codes = (words.unsqueeze(-1) >> _word_shifts(bits, packed.device)) & mask
-        out.view(*words.shape, 32 // bits).copy_(codes)
+    if words is not None:  # 16 codes per word: 2x faster on CPU than 4 shift passes per byte
+        out.copy_(_word_codes(words, bits))
         return
     view = out.view(*out.shape[:-1], packed.shape[-1], per_byte)  # (..., D/k, k)
     if bits == 1:  # 8 codes per byte: one lookup of each byte's row (8 shift-and-copy passes took 3.5x on CPU)
@@ -361,10 +366,7 @@ def unpack(packed: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> 
         # Each plane made contiguous first (shifting a slice of the last dim is ~1.4x slower than the copy costs).
         low, high = _words(packed[..., : width // 4].contiguous()), _words(packed[..., width // 4 :].contiguous())
         if low is not None and high is not None:  # both planes as words: int32 codes, one conversion into out
-            codes = (low.unsqueeze(-1) >> _word_shifts(2, packed.device)) & 3  # (..., D/16, 16)
-            high_bits = (high.unsqueeze(-1) >> _word_shifts(1, packed.device)) & 1  # (..., D/32, 32)
-            codes = codes.view(*packed.shape[:-1], width).add_(high_bits.view(*packed.shape[:-1], width), alpha=4)
-            return out.copy_(codes)
+            return out.copy_(_word_codes(low, 2).add_(_word_codes(high, 1), alpha=4))
         # Planes that are not whole words: the high bits unpacked in out's dtype and added in one pass (a float add
         # per bit position cost 3x the whole 2-bit plane on CPU).
         low = width // 4

@@ -140,6 +140,12 @@ def _half_transform(width: int, dtype: torch.dtype, device: torch.device) -> tor
     return _HALVES[key]
 
 
+def _times(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """``x @ matrix`` as one 2-D product over every token: matmul over a non-contiguous view (a workspace or storage
+    slice) falls back to one small product per token and head, 4-5x slower on CPU than the copy reshape makes."""
+    return (x.reshape(-1, x.shape[-1]) @ matrix).view(*x.shape[:-1], matrix.shape[-1])
+
+
 def _splits(width: int, rope: KeyTurn | None) -> bool:
     """Whether :func:`rotate_back` can take ``x H`` as two half-width products and a butterfly: ``H`` is one
     Sylvester block (a power-of-two width), and keys turned by ``rope`` pair channel ``i`` with ``i + w / 2`` (every
@@ -160,32 +166,30 @@ def rotate_back(x: torch.Tensor, out: torch.Tensor, compute: torch.dtype, rope: 
     * RoPE's turn of that pair by an angle of cosine ``c`` and sine ``s``:
       ``[a (c - s) + b (c + s), a (c + s) - b (c - s)]``, written with the butterfly, not in a pass of its own."""
     width = x.shape[-1]
-    # One 2-D product over every token: matmul over a non-contiguous view (a workspace slice) falls back to one small
-    # product per token and head, 4-5x slower on CPU than the copy reshape makes. In a 16-bit compute dtype (bfloat16
-    # on CUDA) the full product, whose sums are rounded once: the butterfly would round each half first.
+    # In a 16-bit compute dtype (bfloat16 on CUDA) the full product, whose sums are rounded once: the butterfly would
+    # round each half first.
     if compute != torch.float32 or not _splits(width, rope):
-        y = (x.to(compute).reshape(-1, width) @ hadamard(width, compute, x.device)).view(x.shape)
+        y = _times(x.to(compute), hadamard(width, compute, x.device))
         out.copy_(rotate_positions(y, rope[1], rope[0]) if rope is not None else y)
         return
-    halves = x.to(compute).reshape(-1, width // 2) @ _half_transform(width, compute, x.device)
-    a, b = halves.view(*x.shape[:-1], 2, width // 2).unbind(-2)
+    halves = _times(x.to(compute).unflatten(-1, (2, width // 2)), _half_transform(width, compute, x.device))
+    a, b = halves.unbind(-2)
     lo, hi = out[..., : width // 2], out[..., width // 2 :]
+    in_place = out.dtype == compute  # one pass per operation (no out= into views: torch.compile refuses those)
     if rope is None:
-        minus_sin = plus_sin = None
-    else:
-        spec, first = rope
-        cos, sin = angle_table(spec.inv_freq, first + x.shape[-2])[first : first + x.shape[-2]].unbind(1)
-        minus_sin, plus_sin = cos - sin, cos + sin
-    if out.dtype == compute:  # in place, one pass per operation (no out= into views: torch.compile refuses those)
-        if rope is None:
+        if in_place:
             lo.copy_(a).add_(b)
             hi.copy_(a).sub_(b)
         else:
-            lo.copy_(a).mul_(minus_sin).addcmul_(b, plus_sin)
-            hi.copy_(a).mul_(plus_sin).addcmul_(b, minus_sin, value=-1)
-    elif rope is None:
-        lo.copy_(a + b)
-        hi.copy_(a - b)
+            lo.copy_(a + b)
+            hi.copy_(a - b)
+        return
+    spec, first = rope
+    cos, sin = angle_table(spec.inv_freq, first + x.shape[-2])[first : first + x.shape[-2]].unbind(1)
+    minus_sin, plus_sin = cos - sin, cos + sin
+    if in_place:
+        lo.copy_(a).mul_(minus_sin).addcmul_(b, plus_sin)
+        hi.copy_(a).mul_(plus_sin).addcmul_(b, minus_sin, value=-1)
     else:  # rounded to out's dtype once
         lo.copy_(torch.addcmul(a * minus_sin, b, plus_sin))
         hi.copy_(torch.addcmul(a * plus_sin, b, minus_sin, value=-1))
@@ -213,8 +217,8 @@ class RotatedCodec:
         """``x H``; float16 in float32 and returned as bfloat16: a rotated channel sums a block of channels, which
         overflows float16 where they are large (codes then get bfloat16 scales, of float32's range)."""
         if x.dtype == torch.float16:
-            return (x.float() @ hadamard(x.shape[-1], torch.float32, x.device)).to(torch.bfloat16)
-        return x @ hadamard(x.shape[-1], x.dtype, x.device)
+            return _times(x.float(), hadamard(x.shape[-1], torch.float32, x.device)).to(torch.bfloat16)
+        return _times(x, hadamard(x.shape[-1], x.dtype, x.device))
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
         return self.inner.encode(self._rotate(k), self._rotate(v))
