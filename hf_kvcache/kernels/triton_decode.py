@@ -2,10 +2,13 @@
 
 Flash-decoding: the grid is (batch x KV heads, splits); a program takes all query rows of one KV head (``G`` query
 heads x ``q`` query tokens, so K/V are read once per KV head, not once per query head), walks its split of the tokens
-``BLOCK_N`` at a time, dequantizes each tile in registers (int8: codes, scales folded into scores and probabilities;
-KIVI: a tile is one key group, its packed rows loaded whole and unpacked in registers, the group's channel scales and
-zero points folded into the query, values dequantized in the model's 16-bit dtype; paged: slots through the block
-table) and keeps an online softmax. Values dequantized in registers enter the second product as its first operand
+``BLOCK_N`` at a time, dequantizes each tile in registers and keeps an online softmax. Two kernels share the query
+load, the softmax step and the store of the partials, and differ in how a tile is read: :func:`_partial_kernel` reads
+each element as its storage lays it out (a function per storage: plain or fp8 codes, int8 with scales folded into
+scores and probabilities, pages through the block table, KIVI codes addressed per element), and
+:func:`_partial_group_kernel` reads KIVI codes a key group per tile (packed rows loaded whole and unpacked in
+registers, the group's channel scales and zero points folded into the query, values dequantized in the model's 16-bit
+dtype). Values dequantized in registers enter the second product as its first operand
 (``acc^T += v^T p^T``); with one query token the mask is one row per batch row, broadcast over the heads;
 :func:`triton_combine` reduces the splits of all segments in one more launch (the contract of
 :func:`~hf_kvcache.kernels.reference.combine`). Every load is masked (out-of-range tokens, channels
@@ -190,10 +193,6 @@ def _load_scale(
     return tl.load(KS + b * ss_b + h * ss_h + t * ss_t, mask=tok_ok, other=0).to(tl.float32)
 
 
-# Arguments that change between decode steps are not specialized on (Triton marks integers divisible by 16 and
-# pointers aligned to 16 bytes, so each would compile another kernel and switch between them as lengths grow): the
-# lengths, the scales' batch strides (their buffers grow with the history) and the mask, a slice whose offset and
-# strides follow the length. K/V strides stay specialized: their divisibility is what lets the tile loads vectorize.
 @triton.jit
 def _sincos(a):
     """``(sin a, cos a)`` of float32 angles (``|a|`` up to about 10^5): reduced by multiples of pi / 2 in three parts
@@ -276,46 +275,35 @@ def _dot_split(a, b):
     return tl.dot(a_hi, b) + tl.dot((a - a_hi.to(tl.float32)).to(b.dtype), b)
 
 
-@triton.jit(
-    do_not_specialize=["T", "sm_b", "sm_q", "POS0"],
-    do_not_specialize_on_alignment=["MASK"],
-)
-def _partial_kernel(
-    Q, K, V, KS, KZ, VS, VZ, KL, VL, TABLE, MASK, M_OUT, L_OUT, ACC_OUT, INV_FREQ, HK, HV,
-    sq_b, sq_h, sq_q, sq_d,
-    sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
-    sks_b, sks_h, sks_t, sks_d, svs_b, svs_h, svs_t, svs_d,
-    stab_b, stab_n, sm_b, sm_q, sm_t,
-    H, T, START, q_len, G, per_split, scaling, softcap, POS0, key_rotation_scale, value_rotation_scale,
-    DK: tl.constexpr, DV: tl.constexpr,
-    KIND: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
-    BS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, FOLD: tl.constexpr,
-    KIVI_TILE: tl.constexpr, ROPE: tl.constexpr, ROT_DIM: tl.constexpr, ROTATED: tl.constexpr, RCH: tl.constexpr,
-    ANGLE_TABLE: tl.constexpr, LARGE: tl.constexpr, ONE_QUERY: tl.constexpr, SWAP: tl.constexpr, LEVELS: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-):  # fmt: skip
+# --- one launch over one segment: two kernels (a tile per token range, a tile per KIVI key group) sharing the query,
+# the online softmax and the partials' store -------------------------------------------------------------------------
+
+
+@triton.jit
+def _program(H, LARGE: tl.constexpr):
+    """This program's batch row, KV head, split and the number of splits (grid: batch x KV heads, splits)."""
     pid = tl.program_id(0)
-    split = tl.program_id(1)
-    num_splits = tl.num_programs(1)
     b = pid // H
     h = pid % H
     if LARGE:  # storage past 2^31 elements: batch and head offsets in 64 bits
         b = b.to(tl.int64)
         h = h.to(tl.int64)
-    rows = tl.arange(0, BLOCK_R)
-    row_ok = rows < G * q_len
-    g = rows // q_len
-    i = rows % q_len
-    dk = tl.arange(0, BLOCK_DK)
-    dv = tl.arange(0, BLOCK_DV)
-    dk_ok = dk < DK
-    dv_ok = dv < DV
-    q_row = Q + b * sq_b + (h * G + g)[:, None] * sq_h + i[:, None] * sq_q
+    return pid, b, h, tl.program_id(1), tl.num_programs(1)
+
+
+@triton.jit
+def _load_query(
+    q_row, HK, row_ok, dk, dk_ok, sq_d, key_rotation_scale,
+    DK: tl.constexpr, ROTATE: tl.constexpr, DOT_FP32: tl.constexpr, RCH: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+):  # fmt: skip
+    """The program's ``(BLOCK_R, BLOCK_DK)`` query rows; with ``ROTATE`` (codes stored rotated, ``k H_k``) the rotated
+    query, whose scores against the codes are the query's against the keys. ``H_k = c S_k``: the signs ``S_k`` (in the
+    query's dtype, exact) give ``q S_k`` from one product per ``RCH``-channel slice, its products exact and summed in
+    float32, scaled by ``c`` before the query's dtype holds it. (64: a whole 128 x 128 ``H_k`` in registers spilled
+    14 KB; 32-channel slices left ptxas at 128 registers with spills at head_dim 64 on sm_90)"""
     q = tl.load(q_row + dk[None, :] * sq_d, mask=row_ok[:, None] & dk_ok[None, :], other=0)
-    if ROTATED and not ROPE:  # codes stored rotated (k H_k): scores are those of the rotated query. H_k = c S_k: the
-        # signs S_k (in q's dtype, exact) give q S_k from one product per RCH-channel slice, its products exact and
-        # summed in float32, scaled by c before q's dtype holds it. (64: a whole 128 x 128 H_k in registers spilled
-        # 14 KB; 32-channel slices left ptxas at 128 registers with spills at head_dim 64 on sm_90)
+    if ROTATE:
         qr = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
         for c in tl.static_range(0, BLOCK_DK, RCH):
             cc = c + tl.arange(0, RCH)
@@ -326,124 +314,65 @@ def _partial_kernel(
             else:
                 qr += tl.dot(qc, hk)
         q = (qr * key_rotation_scale).to(q.dtype)
-    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, T)
-    first = lo
-    if KIVI_TILE:  # tiles of one key group each, aligned to the groups of the stored tokens
-        first = lo - (lo + START) % BLOCK_N
-    for t0 in range(first, hi, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        tok_ok = t < hi
-        if KIVI_TILE:
-            tok_ok = tok_ok & (t >= lo)
-            ta = t + START
-            # keys: q . (code x scale_c + zero_c) = (q x scale) . code + q . zero, with this group's channel scales
-            k = _kivi_codes(K, b * sk_b + h * sk_h, ta, tok_ok, sk_t, sk_d, DK, KBITS, BLOCK_N, BLOCK_DK)
-            kgroup = b * sks_b + h * sks_h + ((t0 + START) // GK) * sks_t + dk * sks_d
-            k_scale = tl.load(KS + kgroup, mask=dk_ok, other=0).to(tl.float32)
-            k_zero = tl.load(KZ + kgroup, mask=dk_ok, other=0).to(tl.float32)
-            qf = q.to(tl.float32)
-            if ROPE:  # pre-RoPE keys: dequantized with the group's channel scales, then turned (no fold through RoPE)
-                if ROTATED:  # codes of k H_k: k = (k H_k) H_k back before RoPE turns it, as (c (k H_k)) S_k: c in
-                    # the group's scales, the product with the signs exact
-                    k_scale = k_scale * key_rotation_scale
-                    k_zero = k_zero * key_rotation_scale
-                kf = _code_values(k, KL, tl.float32, LEVELS) * k_scale[None, :] + k_zero[None, :]
-                if ROTATED:
-                    hk = tl.load(HK + dk[:, None] * DK + dk[None, :], mask=dk_ok[:, None] & dk_ok[None, :], other=0)
-                    if DOT_FP32:
-                        kf = tl.dot(kf, hk, input_precision="ieee")
-                    else:
-                        kf = tl.dot(kf.to(hk.dtype), hk)
-                kf = _rope_pairs(kf, t, tok_ok, INV_FREQ, POS0, ROPE, BLOCK_N, BLOCK_DK, ANGLE_TABLE)
-                qk = qf
-                bias = tl.zeros([BLOCK_R], tl.float32)
-            else:
-                qk = qf * k_scale[None, :]
-                bias = tl.sum(qf * k_zero[None, :], 1)
-            # values dequantized in the dtype they enter the product in (16-bit: packed multiply-adds, one rounding
-            # where float32 math rounded again when converted for the tensor cores)
-            VT: tl.constexpr = tl.float32 if DOT_FP32 else q.dtype
-            vbase = b * svs_b + h * svs_h
-            v = _kivi_codes(V, b * sv_b + h * sv_h, ta, tok_ok, sv_t, sv_d, DV, VBITS, BLOCK_N, BLOCK_DV)
-            v = _code_values(v, VL, VT, LEVELS)
-            v_scale = _kivi_group_expand(VS, vbase, ta, tok_ok, svs_t, svs_d, DV, GV, BLOCK_N, BLOCK_DV, VT)
-            v = v * v_scale + _kivi_group_expand(VZ, vbase, ta, tok_ok, svs_t, svs_d, DV, GV, BLOCK_N, BLOCK_DV, VT)
-            if ROPE:
-                if DOT_FP32:
-                    s = tl.dot(qk, tl.trans(kf), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(kf.to(q.dtype)))
-            elif DOT_FP32:
-                s = tl.dot(qk, tl.trans(_code_values(k, KL, tl.float32, LEVELS)), input_precision="ieee")
-                s += bias[:, None]
-            elif SWAP:  # codes (and levels) exact in 16 bits; unpacked in registers, the first operand: s^T = k q^T
-                s = tl.trans(tl.dot(_code_values(k, KL, q.dtype, LEVELS), tl.trans(qk.to(q.dtype)))) + bias[:, None]
-            else:
-                s = tl.dot(qk.to(q.dtype), tl.trans(_code_values(k, KL, q.dtype, LEVELS))) + bias[:, None]
-        else:
-            k = _load_kv(
-                K, KS, KZ, KL, b, h, t, tok_ok, dk, dk_ok, sk_b, sk_h, sk_t, sk_d, sks_b, sks_h, sks_t, sks_d,
-                TABLE, stab_b, stab_n, START, KIND, KBITS, GK, True, BS, FOLD, DK, LARGE, LEVELS,
-            )  # fmt: skip
-            v = _load_kv(
-                V, VS, VZ, VL, b, h, t, tok_ok, dv, dv_ok, sv_b, sv_h, sv_t, sv_d, svs_b, svs_h, svs_t, svs_d,
-                TABLE, stab_b, stab_n, START, KIND, VBITS, GV, False, BS, FOLD, DV, LARGE, LEVELS,
-            )  # fmt: skip
-            if ROPE:  # keys stored before RoPE: turned to their positions in registers
-                if ROT_DIM == BLOCK_DK:
-                    k = _rope_pairs(k, t, tok_ok, INV_FREQ, POS0, ROPE, BLOCK_N, BLOCK_DK, ANGLE_TABLE)
-                else:
-                    pair = _rope_partner(dk, ROPE, ROT_DIM)
-                    kp = _load_kv(
-                        K, KS, KZ, KL, b, h, t, tok_ok, pair, dk_ok, sk_b, sk_h, sk_t, sk_d, sks_b, sks_h, sks_t,
-                        sks_d, TABLE, stab_b, stab_n, START, KIND, KBITS, GK, True, BS, FOLD, DK, LARGE, LEVELS,
-                    )  # fmt: skip
-                    k = _rope_tile(k, kp, t, dk, INV_FREQ, POS0, ROPE, ROT_DIM)
-            if DOT_FP32:
-                s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
-            else:  # the model's 16-bit dtype on tensor cores (int8 codes are exact in it), accumulated in float32
-                s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        if FOLD:  # q . (code_t x scale_t) = (q . code_t) x scale_t
-            key_scales = _load_scale(KS, b, h, t, tok_ok, sks_b, sks_h, sks_t, TABLE, stab_b, stab_n, KIND, BS, LARGE)
-            s = s * key_scales[None, :]
-        s = s * scaling
-        if SOFTCAP:
-            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
-        valid = row_ok[:, None] & tok_ok[None, :]
-        if HAS_MASK and ONE_QUERY:  # one query token: the tile's mask is a row, loaded once and broadcast over the
-            # heads (a 2-D mask tile put the scores in a layout whose row reductions took 5 shuffle levels per row)
-            allowed = tl.load(MASK + b * sm_b + t * sm_t, mask=tok_ok, other=0)
-            valid = valid & (allowed != 0)[None, :]
-        elif HAS_MASK:
-            allowed = tl.load(MASK + b * sm_b + i[:, None] * sm_q + t[None, :] * sm_t, mask=valid, other=0)
-            valid = valid & (allowed != 0)
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - safe[:, None])
-        alpha = tl.exp(m_i - safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        pv = p
-        if FOLD:  # sum_t p_t (code_t x scale_t) = sum_t (p_t x scale_t) code_t
-            value_scales = _load_scale(VS, b, h, t, tok_ok, svs_b, svs_h, svs_t, TABLE, stab_b, stab_n, KIND, BS, LARGE)
-            pv = p * value_scales[None, :]
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
-        elif SWAP:  # values dequantized in registers as the product's first operand: acc^T += v^T p^T
-            acc = acc * alpha[:, None] + tl.trans(tl.dot(tl.trans(v.to(q.dtype)), tl.trans(pv.to(q.dtype))))
-        else:
-            acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype))
-        m_i = m_new
-    R = G * q_len
-    out = (pid * R + rows) * num_splits + split  # (B * H, R, S) row-major
+    return q
+
+
+@triton.jit
+def _masked_scores(
+    s, b, i, t, tok_ok, row_ok, MASK, sm_b, sm_q, sm_t, scaling, softcap,
+    HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, ONE_QUERY: tl.constexpr,
+):  # fmt: skip
+    """Raw scores of a tile scaled, soft-capped, and -inf where a row, a token or the mask rules them out."""
+    s = s * scaling
+    if SOFTCAP:
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
+    valid = row_ok[:, None] & tok_ok[None, :]
+    if HAS_MASK and ONE_QUERY:  # one query token: the tile's mask is a row, loaded once and broadcast over the
+        # heads (a 2-D mask tile put the scores in a layout whose row reductions took 5 shuffle levels per row)
+        allowed = tl.load(MASK + b * sm_b + t * sm_t, mask=tok_ok, other=0)
+        valid = valid & (allowed != 0)[None, :]
+    elif HAS_MASK:
+        allowed = tl.load(MASK + b * sm_b + i[:, None] * sm_q + t[None, :] * sm_t, mask=valid, other=0)
+        valid = valid & (allowed != 0)
+    return tl.where(valid, s, float("-inf"))
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i):
+    """The online softmax over one more tile: its probabilities, the factor that rescales what came before, the new
+    running max and sum."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - safe[:, None])
+    alpha = tl.exp(m_i - safe)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _accumulate(acc, alpha, p, v, dtype: tl.constexpr, DOT_FP32: tl.constexpr, SWAP: tl.constexpr):
+    """``acc`` rescaled plus ``p v``: in float32 (``DOT_FP32``), or on 16-bit tensor cores (``dtype``) accumulated
+    in float32; ``SWAP``: values dequantized in registers as the product's first operand, ``acc^T += v^T p^T``."""
+    if DOT_FP32:
+        return acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    elif SWAP:
+        return acc * alpha[:, None] + tl.trans(tl.dot(tl.trans(v.to(dtype)), tl.trans(p.to(dtype))))
+    else:
+        return acc * alpha[:, None] + tl.dot(p.to(dtype), v.to(dtype))
+
+
+@triton.jit
+def _store_partials(
+    M_OUT, L_OUT, ACC_OUT, HV, pid, split, num_splits, rows, row_ok, dv, dv_ok, m_i, l_i, acc, R,
+    value_rotation_scale,
+    DV: tl.constexpr, ROTATED: tl.constexpr, DOT_FP32: tl.constexpr, RCH: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """The split's running max, sum and accumulator, ``(B * H, R, S)`` row-major; with ``ROTATED`` the accumulator of
+    rotated values (``v H_v``) rotated back once (``H_v H_v = I``), ``RCH`` columns at a time: ``acc S_v`` times
+    ``H_v``'s scale."""
+    out = (pid * R + rows) * num_splits + split
     tl.store(M_OUT + out, m_i, mask=row_ok)
     tl.store(L_OUT + out, l_i, mask=row_ok)
-    if ROTATED:  # the accumulator of rotated values (v H_v) rotated back once (H_v H_v = I), RCH columns at a time:
-        # acc S_v times H_v's scale
+    if ROTATED:
         for c in tl.static_range(0, BLOCK_DV, RCH):
             cc = c + tl.arange(0, RCH)
             hv = tl.load(HV + dv[:, None] * DV + cc[None, :], mask=dv_ok[:, None] & (cc < DV)[None, :], other=0)
@@ -455,6 +384,193 @@ def _partial_kernel(
             tl.store(ACC_OUT + out[:, None] * DV + cc[None, :], part, mask=row_ok[:, None] & (cc < DV)[None, :])
     else:
         tl.store(ACC_OUT + out[:, None] * DV + dv[None, :], acc, mask=row_ok[:, None] & dv_ok[None, :])
+
+
+@triton.jit
+def _kivi_group_tile(
+    q, K, V, KS, KZ, VS, VZ, KL, VL, INV_FREQ, HK, b, h, t, t0, ta, tok_ok, dk, dk_ok,
+    sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sks_b, sks_h, sks_t, sks_d, svs_b, svs_h, svs_t, svs_d,
+    START, POS0, key_rotation_scale,
+    DK: tl.constexpr, DV: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, GK: tl.constexpr,
+    GV: tl.constexpr, DOT_FP32: tl.constexpr, ROPE: tl.constexpr, ROTATED: tl.constexpr, ANGLE_TABLE: tl.constexpr,
+    SWAP: tl.constexpr, LEVELS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """The raw scores and the values of one tile that is one key group of KIVI codes. Keys: ``q . (code x scale_c +
+    zero_c) = (q x scale) . code + q . zero``, with this group's channel scales; pre-RoPE keys (``ROPE``) are
+    dequantized with them instead (no fold through RoPE), rotated back when stored rotated, then turned. Values
+    dequantized in the dtype they enter the product in (16-bit: packed multiply-adds, one rounding where float32 math
+    rounded again when converted for the tensor cores)."""
+    k = _kivi_codes(K, b * sk_b + h * sk_h, ta, tok_ok, sk_t, sk_d, DK, KBITS, BLOCK_N, BLOCK_DK)
+    kgroup = b * sks_b + h * sks_h + ((t0 + START) // GK) * sks_t + dk * sks_d
+    k_scale = tl.load(KS + kgroup, mask=dk_ok, other=0).to(tl.float32)
+    k_zero = tl.load(KZ + kgroup, mask=dk_ok, other=0).to(tl.float32)
+    qf = q.to(tl.float32)
+    if ROPE:
+        if ROTATED:  # codes of k H_k: k = (k H_k) H_k back before RoPE turns it, as (c (k H_k)) S_k: c in the
+            # group's scales, the product with the signs exact
+            k_scale = k_scale * key_rotation_scale
+            k_zero = k_zero * key_rotation_scale
+        kf = _code_values(k, KL, tl.float32, LEVELS) * k_scale[None, :] + k_zero[None, :]
+        if ROTATED:
+            hk = tl.load(HK + dk[:, None] * DK + dk[None, :], mask=dk_ok[:, None] & dk_ok[None, :], other=0)
+            if DOT_FP32:
+                kf = tl.dot(kf, hk, input_precision="ieee")
+            else:
+                kf = tl.dot(kf.to(hk.dtype), hk)
+        kf = _rope_pairs(kf, t, tok_ok, INV_FREQ, POS0, ROPE, BLOCK_N, BLOCK_DK, ANGLE_TABLE)
+        qk = qf
+        bias = tl.zeros([q.shape[0]], tl.float32)
+    else:
+        qk = qf * k_scale[None, :]
+        bias = tl.sum(qf * k_zero[None, :], 1)
+    VT: tl.constexpr = tl.float32 if DOT_FP32 else q.dtype
+    vbase = b * svs_b + h * svs_h
+    v = _kivi_codes(V, b * sv_b + h * sv_h, ta, tok_ok, sv_t, sv_d, DV, VBITS, BLOCK_N, BLOCK_DV)
+    v = _code_values(v, VL, VT, LEVELS)
+    v_scale = _kivi_group_expand(VS, vbase, ta, tok_ok, svs_t, svs_d, DV, GV, BLOCK_N, BLOCK_DV, VT)
+    v = v * v_scale + _kivi_group_expand(VZ, vbase, ta, tok_ok, svs_t, svs_d, DV, GV, BLOCK_N, BLOCK_DV, VT)
+    if ROPE:
+        if DOT_FP32:
+            s = tl.dot(qk, tl.trans(kf), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(kf.to(q.dtype)))
+    elif DOT_FP32:
+        s = tl.dot(qk, tl.trans(_code_values(k, KL, tl.float32, LEVELS)), input_precision="ieee")
+        s += bias[:, None]
+    elif SWAP:  # codes (and levels) exact in 16 bits; unpacked in registers, the first operand: s^T = k q^T
+        s = tl.trans(tl.dot(_code_values(k, KL, q.dtype, LEVELS), tl.trans(qk.to(q.dtype)))) + bias[:, None]
+    else:
+        s = tl.dot(qk.to(q.dtype), tl.trans(_code_values(k, KL, q.dtype, LEVELS))) + bias[:, None]
+    return s, v
+
+
+# Arguments that change between decode steps are not specialized on (Triton marks integers divisible by 16 and
+# pointers aligned to 16 bytes, so each would compile another kernel and switch between them as lengths grow): the
+# lengths, the scales' batch strides (their buffers grow with the history) and the mask, a slice whose offset and
+# strides follow the length. K/V strides stay specialized: their divisibility is what lets the tile loads vectorize.
+@triton.jit(do_not_specialize=["T", "sm_b", "sm_q", "POS0"], do_not_specialize_on_alignment=["MASK"])
+def _partial_kernel(
+    Q, K, V, KS, KZ, VS, VZ, KL, VL, TABLE, MASK, M_OUT, L_OUT, ACC_OUT, INV_FREQ, HK, HV,
+    sq_b, sq_h, sq_q, sq_d,
+    sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+    sks_b, sks_h, sks_t, sks_d, svs_b, svs_h, svs_t, svs_d,
+    stab_b, stab_n, sm_b, sm_q, sm_t,
+    H, T, START, q_len, G, per_split, scaling, softcap, POS0, key_rotation_scale, value_rotation_scale,
+    DK: tl.constexpr, DV: tl.constexpr,
+    KIND: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
+    BS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, FOLD: tl.constexpr,
+    ROPE: tl.constexpr, ROT_DIM: tl.constexpr, ROTATED: tl.constexpr, RCH: tl.constexpr,
+    ANGLE_TABLE: tl.constexpr, LARGE: tl.constexpr, ONE_QUERY: tl.constexpr, SWAP: tl.constexpr, LEVELS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """One split of one (batch row, KV head) over tiles of ``BLOCK_N`` consecutive tokens, each element read as the
+    storage ``KIND`` lays it out (:func:`_load_kv`): dense, int8, fp8, pages of either, and KIVI codes whose groups
+    are not one tile. Pre-RoPE keys are turned per tile; codes stored rotated are read through the rotated query
+    (rotated pre-RoPE keys take :func:`_partial_group_kernel`)."""
+    tl.static_assert(not (ROTATED and ROPE), "rotated pre-RoPE keys are read a key group per tile")
+    pid, b, h, split, num_splits = _program(H, LARGE)
+    rows = tl.arange(0, BLOCK_R)
+    row_ok = rows < G * q_len
+    i = rows % q_len
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    dk_ok = dk < DK
+    dv_ok = dv < DV
+    q_row = Q + b * sq_b + (h * G + rows // q_len)[:, None] * sq_h + i[:, None] * sq_q
+    q = _load_query(q_row, HK, row_ok, dk, dk_ok, sq_d, key_rotation_scale, DK, ROTATED, DOT_FP32, RCH, BLOCK_R,
+                    BLOCK_DK)  # fmt: skip
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, T)
+    for t0 in range(lo, hi, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        tok_ok = t < hi
+        k = _load_kv(
+            K, KS, KZ, KL, b, h, t, tok_ok, dk, dk_ok, sk_b, sk_h, sk_t, sk_d, sks_b, sks_h, sks_t, sks_d,
+            TABLE, stab_b, stab_n, START, KIND, KBITS, GK, True, BS, FOLD, DK, LARGE, LEVELS,
+        )  # fmt: skip
+        v = _load_kv(
+            V, VS, VZ, VL, b, h, t, tok_ok, dv, dv_ok, sv_b, sv_h, sv_t, sv_d, svs_b, svs_h, svs_t, svs_d,
+            TABLE, stab_b, stab_n, START, KIND, VBITS, GV, False, BS, FOLD, DV, LARGE, LEVELS,
+        )  # fmt: skip
+        if ROPE:  # keys stored before RoPE: turned to their positions in registers
+            if ROT_DIM == BLOCK_DK:
+                k = _rope_pairs(k, t, tok_ok, INV_FREQ, POS0, ROPE, BLOCK_N, BLOCK_DK, ANGLE_TABLE)
+            else:
+                pair = _rope_partner(dk, ROPE, ROT_DIM)
+                kp = _load_kv(
+                    K, KS, KZ, KL, b, h, t, tok_ok, pair, dk_ok, sk_b, sk_h, sk_t, sk_d, sks_b, sks_h, sks_t,
+                    sks_d, TABLE, stab_b, stab_n, START, KIND, KBITS, GK, True, BS, FOLD, DK, LARGE, LEVELS,
+                )  # fmt: skip
+                k = _rope_tile(k, kp, t, dk, INV_FREQ, POS0, ROPE, ROT_DIM)
+        if DOT_FP32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
+        else:  # the model's 16-bit dtype on tensor cores (int8 codes are exact in it), accumulated in float32
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        if FOLD:  # q . (code_t x scale_t) = (q . code_t) x scale_t
+            key_scales = _load_scale(KS, b, h, t, tok_ok, sks_b, sks_h, sks_t, TABLE, stab_b, stab_n, KIND, BS, LARGE)
+            s = s * key_scales[None, :]
+        s = _masked_scores(s, b, i, t, tok_ok, row_ok, MASK, sm_b, sm_q, sm_t, scaling, softcap, HAS_MASK, SOFTCAP,
+                           ONE_QUERY)  # fmt: skip
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+        if FOLD:  # sum_t p_t (code_t x scale_t) = sum_t (p_t x scale_t) code_t
+            value_scales = _load_scale(VS, b, h, t, tok_ok, svs_b, svs_h, svs_t, TABLE, stab_b, stab_n, KIND, BS, LARGE)
+            p = p * value_scales[None, :]
+        acc = _accumulate(acc, alpha, p, v, q.dtype, DOT_FP32, SWAP)
+    _store_partials(M_OUT, L_OUT, ACC_OUT, HV, pid, split, num_splits, rows, row_ok, dv, dv_ok, m_i, l_i, acc,
+                    G * q_len, value_rotation_scale, DV, ROTATED, DOT_FP32, RCH, BLOCK_DV)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["T", "sm_b", "sm_q", "POS0"], do_not_specialize_on_alignment=["MASK"])
+def _partial_group_kernel(
+    Q, K, V, KS, KZ, VS, VZ, KL, VL, MASK, M_OUT, L_OUT, ACC_OUT, INV_FREQ, HK, HV,
+    sq_b, sq_h, sq_q, sq_d,
+    sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+    sks_b, sks_h, sks_t, sks_d, svs_b, svs_h, svs_t, svs_d,
+    sm_b, sm_q, sm_t,
+    H, T, START, q_len, G, per_split, scaling, softcap, POS0, key_rotation_scale, value_rotation_scale,
+    DK: tl.constexpr, DV: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
+    HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, ROPE: tl.constexpr, ROTATED: tl.constexpr,
+    RCH: tl.constexpr, ANGLE_TABLE: tl.constexpr, LARGE: tl.constexpr, ONE_QUERY: tl.constexpr, SWAP: tl.constexpr,
+    LEVELS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """One split of one (batch row, KV head) over KIVI codes a key group per tile (``BLOCK_N`` = the group),
+    tiles aligned to the groups of the stored tokens (:func:`_kivi_group_tile`); pre-RoPE keys (every channel
+    rotary) turned per tile, rotated or not."""
+    pid, b, h, split, num_splits = _program(H, LARGE)
+    rows = tl.arange(0, BLOCK_R)
+    row_ok = rows < G * q_len
+    i = rows % q_len
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    dk_ok = dk < DK
+    dv_ok = dv < DV
+    q_row = Q + b * sq_b + (h * G + rows // q_len)[:, None] * sq_h + i[:, None] * sq_q
+    q = _load_query(q_row, HK, row_ok, dk, dk_ok, sq_d, key_rotation_scale, DK, ROTATED and not ROPE, DOT_FP32, RCH,
+                    BLOCK_R, BLOCK_DK)  # fmt: skip
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, T)
+    for t0 in range(lo - (lo + START) % BLOCK_N, hi, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        tok_ok = (t < hi) & (t >= lo)
+        s, v = _kivi_group_tile(
+            q, K, V, KS, KZ, VS, VZ, KL, VL, INV_FREQ, HK, b, h, t, t0, t + START, tok_ok, dk, dk_ok,
+            sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sks_b, sks_h, sks_t, sks_d, svs_b, svs_h, svs_t, svs_d,
+            START, POS0, key_rotation_scale, DK, DV, KBITS, VBITS, GK, GV, DOT_FP32, ROPE, ROTATED, ANGLE_TABLE, SWAP,
+            LEVELS, BLOCK_N, BLOCK_DK, BLOCK_DV,
+        )  # fmt: skip
+        s = _masked_scores(s, b, i, t, tok_ok, row_ok, MASK, sm_b, sm_q, sm_t, scaling, softcap, HAS_MASK, SOFTCAP,
+                           ONE_QUERY)  # fmt: skip
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+        acc = _accumulate(acc, alpha, p, v, q.dtype, DOT_FP32, SWAP)
+    _store_partials(M_OUT, L_OUT, ACC_OUT, HV, pid, split, num_splits, rows, row_ok, dv, dv_ok, m_i, l_i, acc,
+                    G * q_len, value_rotation_scale, DV, ROTATED, DOT_FP32, RCH, BLOCK_DV)  # fmt: skip
 
 
 def _reach(t: torch.Tensor | None) -> int:
@@ -498,7 +614,9 @@ def triton_partial(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The contract of :func:`hf_kvcache.kernels.reference.partial`, as one Triton launch over storage ``s`` shaped
     by ``plan`` (both from the segment's format; Hadamard rotations: the query rotated before the loop and the
-    accumulator rotated back after it; keys stored before RoPE: turned to their positions per tile)."""
+    accumulator rotated back after it; keys stored before RoPE: turned to their positions per tile): KIVI codes a key
+    group per tile where the plan says so (:func:`_partial_group_kernel`), every other storage a token range per tile
+    (:func:`_partial_kernel`)."""
     b, hq, q_len, dk = query.shape
     hkv = s.k.shape[1]
     g = hq // hkv
@@ -521,23 +639,32 @@ def triton_partial(
     angles = angle_table(s.inv_freq, s.first + s.length) if from_table else s.inv_freq
     if (s.key_levels is None) != (s.value_levels is None):
         raise ValueError("a KIVI segment's keys and values have codebooks together or not at all")
-    opt = [s.ks, s.kz, s.vs, s.vz, s.key_levels, s.value_levels, s.table, mask_u8]
-    _partial_kernel[(b * hkv, splits)](
-        query, s.k, s.v, *(x if x is not None else dummy for x in opt),
-        m, l_, acc, *(x if x is not None else dummy for x in (angles, hk, hv)),
-        *query.stride(), *s.k_strides, *s.v_strides, *s.ks_strides, *s.vs_strides,
-        *strides(s.table, 2), *strides(mask_u8, 3),
-        hkv, s.length, s.start, q_len, g, per_split, float(scaling), float(softcap or 0.0), s.first, hk_scale, hv_scale,
-        DK=s.key_dim, DV=dv,
-        KIND=s.kind, KBITS=s.key_bits, VBITS=s.value_bits, GK=s.key_group, GV=s.value_group, BS=s.block_size,
-        HAS_MASK=mask is not None, SOFTCAP=bool(softcap), DOT_FP32=query.dtype == torch.float32, FOLD=s.fold,
-        KIVI_TILE=plan.group_tiles,
-        ROPE=s.rope, ROT_DIM=s.rotary_dim, ROTATED=hk is not None, RCH=min(64, block(dk), block(dv)),
-        ANGLE_TABLE=from_table,
+    if plan.group_tiles and s.kind != KIVI:
+        raise ValueError("a tile per key group reads KIVI storage only")
+    codes = [s.ks, s.kz, s.vs, s.vz, s.key_levels, s.value_levels]
+    outs = [m, l_, acc, *(x if x is not None else dummy for x in (angles, hk, hv))]
+    table = [] if plan.group_tiles else [s.table if s.table is not None else dummy]
+    mask_arg = mask_u8 if mask_u8 is not None else dummy
+    common = dict(
+        DK=s.key_dim, DV=dv, KBITS=s.key_bits, VBITS=s.value_bits, GK=s.key_group, GV=s.value_group,
+        HAS_MASK=mask is not None, SOFTCAP=bool(softcap), DOT_FP32=query.dtype == torch.float32, ROPE=s.rope,
+        ROTATED=hk is not None, RCH=min(64, block(dk), block(dv)), ANGLE_TABLE=from_table,
         LARGE=any(_reach(x) >= 2**31 for x in (s.k, s.v, s.ks, s.vs, s.kz, s.vz, query)),
         ONE_QUERY=q_len == 1, SWAP=plan.swap, LEVELS=s.key_levels is not None, BLOCK_R=block(rows, MIN_ROWS),
         BLOCK_N=plan.block_n, BLOCK_DK=block(dk), BLOCK_DV=block(dv), num_stages=plan.stages, num_warps=plan.warps,
     )  # fmt: skip
+    args = [
+        query, s.k, s.v, *(x if x is not None else dummy for x in codes), *table, mask_arg, *outs,
+        *query.stride(), *s.k_strides, *s.v_strides, *s.ks_strides, *s.vs_strides,
+        *([] if plan.group_tiles else strides(s.table, 2)), *strides(mask_u8, 3),
+        hkv, s.length, s.start, q_len, g, per_split, float(scaling), float(softcap or 0.0), s.first, hk_scale, hv_scale,
+    ]  # fmt: skip
+    if plan.group_tiles:
+        _partial_group_kernel[(b * hkv, splits)](*args, **common)
+    else:
+        _partial_kernel[(b * hkv, splits)](
+            *args, KIND=s.kind, BS=s.block_size, FOLD=s.fold, ROT_DIM=s.rotary_dim, **common
+        )
     return m.view(b, hkv, g, q_len, splits), l_.view(b, hkv, g, q_len, splits), acc.view(b, hkv, g, q_len, splits, dv)
 
 

@@ -108,6 +108,7 @@ def kernels() -> dict:
     decode = kernel_module()
     return {
         "partial": decode._partial_kernel,
+        "partial_group": decode._partial_group_kernel,
         "combine": decode._combine_kernel,
         "append": triton_append._append_kernel,
         "kivi_encode": triton_append._kivi_encode_kernel,
