@@ -26,8 +26,7 @@ def _step(spec: str, tokens: int, rows: int = 1):
 
 @pytest.mark.parametrize(
     "spec, short, long",
-    [("int4:residual_length=16", (200, 1), (4200, 2)), ("int8", (8000, 1), (8192, 1)),
-     ("paged", (16384, 1), (8192, 4))],
+    [("int4:residual_length=16", (200, 1), (4200, 2)), ("int8", (8000, 1), (8192, 1))],
 )  # fmt: skip
 def test_off_cuda_the_storage_is_handed_over_from_the_measured_length(monkeypatch, spec, short, long):
     monkeypatch.setattr(_common, "CPU_HANDLES", "auto")
@@ -35,11 +34,12 @@ def test_off_cuda_the_storage_is_handed_over_from_the_measured_length(monkeypatc
     assert isinstance(_step(spec, *long), KVHandle)
 
 
-def test_a_bounded_window_keeps_sdpas_path_off_cuda_and_the_choice_can_be_forced(monkeypatch):
+@pytest.mark.parametrize("spec", ["sink:window=64:sinks=4", "paged", "paged:bits=8"])
+def test_windows_and_pages_keep_sdpas_path_off_cuda_and_the_choice_can_be_forced(monkeypatch, spec):
     monkeypatch.setattr(_common, "CPU_HANDLES", "auto")
-    assert isinstance(_step("sink:window=64:sinks=4", 5000, 4), torch.Tensor)
+    assert isinstance(_step(spec, 5000, 4), torch.Tensor)
     monkeypatch.setattr(_common, "CPU_HANDLES", "always")
-    assert isinstance(_step("sink:window=64:sinks=4", 100), KVHandle)
+    assert isinstance(_step(spec, 100), KVHandle)
     assert isinstance(_step("int8", 10), KVHandle)
     monkeypatch.setattr(_common, "CPU_HANDLES", "never")
     assert isinstance(_step("int8", 9000, 2), torch.Tensor)

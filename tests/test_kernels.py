@@ -63,14 +63,20 @@ def _segment(kind: str, k: torch.Tensor, v: torch.Tensor, start: int = 0, block_
     return seg, keys, values
 
 
-def _paged(k, v, block_size, int8=False, pad_blocks=0):
-    """Scatter ``k``/``v`` into a shuffled pool with ``pad_blocks`` leading padding entries in row 0."""
+def _paged(k, v, block_size, int8=False, pad_blocks=0, head_major=False):
+    """Scatter ``k``/``v`` into a shuffled pool with ``pad_blocks`` leading padding entries in row 0; slot-major
+    ``(slots, H, D)`` in memory, or head-major as :class:`~hf_kvcache.layers.paged.PagedStorage` lays its pools out
+    (the same shape, a view of ``(H, slots, D)``)."""
     b, h, t, d = k.shape
     blocks = -(-t // block_size)
     ids = torch.randperm(b * blocks + 3, generator=torch.Generator().manual_seed(0))[: b * blocks].view(b, blocks)
     table = ids.to(torch.int32).clone()
     table[0, :pad_blocks] = PAD_BLOCK
-    pool_k = torch.zeros(((b * blocks + 3) * block_size, h, d), dtype=k.dtype)
+    slots_total = (b * blocks + 3) * block_size
+    if head_major:
+        pool_k = torch.zeros((h, slots_total, d), dtype=k.dtype).transpose(0, 1)
+    else:
+        pool_k = torch.zeros((slots_total, h, d), dtype=k.dtype)
     pool_v = torch.zeros_like(pool_k)
     slots = (ids.unsqueeze(-1) * block_size + torch.arange(block_size)).flatten(1)[:, :t]  # (B, T)
     pool_k[slots.flatten()] = k.transpose(1, 2).reshape(-1, h, d)
@@ -260,12 +266,14 @@ def test_kivi_group_sizes(bits, group, head_dim, dtype):
     _close(tri, ref, dtype)
 
 
+@pytest.mark.parametrize("head_major", [False, True], ids=["slot-major", "head-major"])
 @pytest.mark.parametrize("block_size", [1, 5, 16])
-def test_paged_kernel_with_padding_blocks_and_any_block_size(block_size):
+def test_paged_kernel_with_padding_blocks_and_any_block_size(block_size, head_major):
     g = torch.Generator().manual_seed(1)
     k, v = torch.randn(2, 2, 77, 64, generator=g), torch.randn(2, 2, 77, 64, generator=g)
     pad = 2 if block_size > 1 else 9
-    seg = _paged(k, v, block_size, pad_blocks=pad)
+    seg = _paged(k, v, block_size, pad_blocks=pad, head_major=head_major)
+    assert seg.k.transpose(0, 1).is_contiguous() == head_major
     mask = torch.ones(2, 1, 77, dtype=torch.bool)
     mask[0, :, : pad * block_size] = False  # row 0's padding blocks are masked, as generate() masks left padding
     query = torch.randn(2, 8, 1, 64, generator=g)
@@ -641,11 +649,13 @@ def test_append_kernel_copies_full_precision_tokens(dtype):
     assert not k_buf[:, :, :5].any() and not k_buf[:, :, 9:].any() and not v_buf[:, :, 9:].any()
 
 
+@pytest.mark.parametrize("head_major", [False, True], ids=["slot-major", "head-major"])
 @pytest.mark.parametrize("quantized", [True, False], ids=["int8-pages", "pages"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_append_kernel_writes_pages_through_the_block_table(quantized, dtype):
+def test_append_kernel_writes_pages_through_the_block_table(quantized, dtype, head_major):
     """Tokens at positions start.. of each row go to their slots through the block table; a padding entry (a row's
-    left padding blocks) stores nothing; the kernel equals the reference bit for bit."""
+    left padding blocks) stores nothing; the kernel equals the reference bit for bit, into pools laid out slot-major
+    or head-major (as the paged cache's)."""
     from hf_kvcache.kernels.append import _append_reference
     from hf_kvcache.kernels.triton_append import triton_append
 
@@ -655,9 +665,10 @@ def test_append_kernel_writes_pages_through_the_block_table(quantized, dtype):
     table = torch.tensor([[PAD_BLOCK, 3, 0], [2, 5, 4]], dtype=torch.int32)
     results = []
     for store in (_append_reference, triton_append):
-        pool_k = torch.zeros(24, 3, 64, dtype=torch.int8 if quantized else dtype)
+        shape = ((3, 24), (0, 1)) if head_major else ((24, 3), (0, 0))  # (dims, the two swapped back)
+        pool_k = torch.zeros(*shape[0], 64, dtype=torch.int8 if quantized else dtype).transpose(*shape[1])
         pool_v = torch.zeros_like(pool_k)
-        scales = [torch.zeros(24, 3) for _ in range(2)] if quantized else [None, None]
+        scales = [torch.zeros(*shape[0]).transpose(*shape[1]) for _ in range(2)] if quantized else [None, None]
         store(k, v, pool_k, pool_v, *scales, table, 2, 4)  # positions 2..6: blocks 0 and 1 of each row
         results.append([x for x in (pool_k, pool_v, *scales) if x is not None])
     for ref, tri in zip(*results):

@@ -100,6 +100,24 @@ def test_growing_pool_keeps_block_ids_and_contents():
     assert torch.equal(storage.keys[:8], snapshot)
 
 
+@pytest.mark.parametrize("bits", [None, 8])
+def test_pools_stay_head_major_and_one_row_reads_without_a_second_copy(bits):
+    """Pools are views of head-major tensors (each head's slots contiguous), kept so when they grow, so a row's gather
+    comes out as attention takes it; what a read returns is contiguous, for one row or several."""
+    model = tiny_model("llama", "eager")
+    cache = PagedKVCache(model, block_size=4, grow_blocks=2, bits=bits)
+    with torch.no_grad():
+        model(_ids(2, 8), past_key_values=cache, use_cache=True)
+        model(_ids(2, 40, seed=1), past_key_values=cache, use_cache=True)
+    storage = cache.state.storages[0]
+    for t in storage.tensors.values():
+        assert t.transpose(0, 1).is_contiguous(), t.stride()
+    keys, values = storage.read(cache.state.read_slots(storage.keys.device))
+    assert keys.is_contiguous() and values.is_contiguous() and keys.shape[:3] == (2, storage.keys.shape[1], 48)
+    one_row, _ = storage.read(cache.state.read_slots(storage.keys.device)[1:])
+    assert one_row.is_contiguous() and torch.equal(one_row, keys[1:])
+
+
 def test_reorder_permutes_tables_without_copying():
     model = tiny_model("llama", "eager")
     cache = PagedKVCache(model, block_size=4)

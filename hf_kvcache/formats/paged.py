@@ -37,10 +37,11 @@ class PagedSegment(SegmentFormat):
         slots = self.slots(a, b)
         batch, n = slots.shape
         flat = slots.flatten()
-        x = pool.index_select(0, flat).float()  # (B * n, H, D)
+        # gathered per head (H, B * n, D): one copy from the caches' head-major pools (PagedStorage)
+        x = pool.transpose(0, 1).index_select(1, flat).float()
         if scales is not None:
-            x = x * scales.index_select(0, flat).float().unsqueeze(-1)
-        return x.view(batch, n, *x.shape[1:]).transpose(1, 2)  # (B, H, n, D)
+            x = x * scales.transpose(0, 1).index_select(1, flat).float().unsqueeze(-1)
+        return x.view(x.shape[0], batch, n, x.shape[-1]).transpose(0, 1)  # (B, H, n, D)
 
     def read_keys(self, a: int, b: int) -> torch.Tensor:
         return self._gather(self.k, self.ks, a, b)

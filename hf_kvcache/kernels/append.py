@@ -51,18 +51,29 @@ def _append_reference(
         payloads = [{name: t[i] for name, t in both.items()} for i in range(2)]
     else:
         payloads = [_encoded(k, k_out, k_scales, paged), _encoded(v, v_out, v_scales, paged)]
-    for x, payload, out, scales_out in ((k, payloads[0], k_out, k_scales), (v, payloads[1], v_out, v_scales)):
+    if paged:
+        slots, keep = _slots(table, start, k.shape[2], block_size, k_out.device)
+    for payload, out, scales_out in ((payloads[0], k_out, k_scales), (payloads[1], v_out, v_scales)):
         dests = {"x": out, "s": scales_out}
-        if not paged:
-            for name, t in payload.items():
+        for name, t in payload.items():
+            if not paged:
                 dests[name].copy_(t)
-            continue
-        positions = torch.arange(start, start + x.shape[2], device=table.device)
-        slots = (table[:, positions // block_size].long() * block_size + positions % block_size).flatten()
-        keep = slots >= 0  # not under a padding entry
-        for name, t in payload.items():  # (B, H, n, ...) -> (B * n, H, ...) rows of the pool
-            rows = t.transpose(1, 2).reshape(-1, *t.shape[1:2], *t.shape[3:])
-            dests[name].index_copy_(0, slots[keep].to(out.device), rows[keep.to(rows.device)])
+                continue
+            rows = t.transpose(1, 2).reshape(-1, *t.shape[1:2], *t.shape[3:])  # (B, H, n, ...) -> (B * n, H, ...)
+            dests[name].index_copy_(0, slots, rows if keep is None else rows[keep.to(rows.device)])
+
+
+def _slots(table: torch.Tensor, start: int, n: int, block_size: int, device: torch.device):
+    """Pool slots of positions ``start .. start + n`` of every row, flattened row-major, and which of them to keep
+    (None: all; those under a padding entry are negative and not stored). Where no row has padding the rows of the
+    payload are written without a boolean selection (a nonzero and two gathers, most of a short forward's append
+    on CPU)."""
+    positions = torch.arange(start, start + n, device=table.device)
+    slots = (table[:, positions // block_size].long() * block_size + positions % block_size).flatten()
+    keep = slots >= 0
+    if bool(keep.all()):
+        return slots.to(device), None
+    return slots[keep].to(device), keep
 
 
 def _append(

@@ -66,22 +66,40 @@ def page_bytes_per_token(spec: LayerSpec, bits: int | None, dtype: torch.dtype) 
     return codec.bytes_per_token(spec.num_kv_heads, spec.key_dim, spec.value_dim)
 
 
+def _pool(slots: int, heads: int, rest: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A zeroed pool ``(slots, H, ...)`` laid out head-major in memory (each head's slots contiguous): a gather of one
+    row's tokens then comes out ``(H, n, D)``, the layout attention takes, in one copy (slot-major pools needed a
+    second, transposing one; kernels read either through the strides)."""
+    return torch.zeros((heads, slots, *rest), dtype=dtype, device=device).transpose(0, 1)
+
+
+def _gather_rows(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``(B, H, n, ...)`` of a head-major pool's ``(B, n)`` slots, each row gathered straight into its place: one
+    copy, contiguous as DynamicCache's K/V are (some models ``.view()`` what they get back)."""
+    heads = pool.transpose(0, 1)  # (H, slots, ...): contiguous
+    out = heads.new_empty((slots.shape[0], heads.shape[0], slots.shape[1], *heads.shape[2:]))
+    for row, row_slots in enumerate(slots):
+        torch.index_select(heads, 1, row_slots, out=out[row])
+    return out
+
+
 class PagedStorage:
     """One layer's K/V slots, slot ``b * block_size + i`` being token ``i`` of block ``b``: ``keys`` ``(slots, H, Dk)``
     and ``values`` ``(slots, H, Dv)`` in the model's dtype, or (``bits=8``) int8 codes with one float32 scale per
-    token and head in ``key_scales`` / ``value_scales`` ``(slots, H)``, as the int8 cache encodes them."""
+    token and head in ``key_scales`` / ``value_scales`` ``(slots, H)``, as the int8 cache encodes them. Each is a
+    view of a head-major tensor (:func:`_pool`)."""
 
     def __init__(self, spec: LayerSpec, dtype: torch.dtype, device: torch.device, num_slots: int, bits: int | None):
         self.spec, self.dtype, self.bits = spec, dtype, bits
         code = torch.int8 if bits == 8 else dtype
         heads = spec.num_kv_heads
         self.tensors = {
-            "keys": torch.zeros((num_slots, heads, spec.key_dim), dtype=code, device=device),
-            "values": torch.zeros((num_slots, heads, spec.value_dim), dtype=code, device=device),
+            "keys": _pool(num_slots, heads, (spec.key_dim,), code, device),
+            "values": _pool(num_slots, heads, (spec.value_dim,), code, device),
         }
         if bits == 8:
-            self.tensors["key_scales"] = torch.zeros((num_slots, heads), dtype=torch.float32, device=device)
-            self.tensors["value_scales"] = torch.zeros((num_slots, heads), dtype=torch.float32, device=device)
+            self.tensors["key_scales"] = _pool(num_slots, heads, (), torch.float32, device)
+            self.tensors["value_scales"] = _pool(num_slots, heads, (), torch.float32, device)
         self.codec = page_codec(bits)
 
     @property
@@ -101,7 +119,7 @@ class PagedStorage:
         if num_slots <= self.num_slots:
             return
         for name, old in self.tensors.items():
-            new = old.new_zeros((num_slots, *old.shape[1:]))
+            new = _pool(num_slots, old.shape[1], old.shape[2:], old.dtype, old.device)
             new[: old.shape[0]].copy_(old)
             self.tensors[name] = new
 
@@ -113,16 +131,13 @@ class PagedStorage:
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V ``(B, H, n, D)`` of the ``(B, n)`` ``slots``, in the model's dtype."""
-        b, t = slots.shape
-        flat = slots.to(self.keys.device).flatten()
+        slots = slots.to(self.keys.device)
         out = []
         for name in ("keys", "values"):
-            x = self.tensors[name].index_select(0, flat)  # (B * n, H, D)
+            x = _gather_rows(self.tensors[name], slots)
             if self.codec is not None:
-                scale = self.tensors[name[:-1] + "_scales"].index_select(0, flat)
-                x = (x.float() * scale.unsqueeze(-1)).to(self.dtype)
-            # (B, n, H, D) -> (B, H, n, D), contiguous as DynamicCache's are: some models .view() what they get back
-            out.append(x.view(b, t, *x.shape[1:]).transpose(1, 2).contiguous())
+                x = (x.float() * _gather_rows(self.tensors[name[:-1] + "_scales"], slots).unsqueeze(-1)).to(self.dtype)
+            out.append(x)
         return out[0], out[1]
 
     def segment(self, block_table: torch.Tensor, block_size: int, length: int) -> PagedSegment:
@@ -365,8 +380,9 @@ class PagedLayer(KVLayer):
     """A full-attention layer whose K/V live in the blocks of a :class:`PagedState`."""
 
     is_sliding = False
-    # SmolLM2, one CPU thread, reference vs gather + sdpa: 0.75x at 4k x 4, 1.0x at 16k x 1, 1.5x at 8k x 4.
-    CPU_HANDLE_TOKENS = 32768
+    # Off CUDA the gather (one copy per row from the head-major pools) + sdpa beats the reference kernel reading the
+    # pages in place at every length measured (SmolLM2, one CPU thread: 1.26x at 8k x 4, pages and int8 pages).
+    CPU_HANDLE_TOKENS = None
 
     def __init__(
         self,
