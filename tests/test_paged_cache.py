@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from hf_kvcache import PagedKVCache, cache_nbytes, make_cache
 from hf_kvcache._config import LayerSpec
-from hf_kvcache.layers.paged import PagedLayer, PagedState, PagedStorage
+from hf_kvcache.layers.paged import PagedLayer, PagedState, PagedStorage, _gather_rows
 from hf_kvcache.paging import PAD_BLOCK, PoolExhaustedError
 
 
@@ -116,6 +116,10 @@ def test_pools_stay_head_major_and_one_row_reads_without_a_second_copy(bits):
     assert keys.is_contiguous() and values.is_contiguous() and keys.shape[:3] == (2, storage.keys.shape[1], 48)
     one_row, _ = storage.read(cache.state.read_slots(storage.keys.device)[1:])
     assert one_row.is_contiguous() and torch.equal(one_row, keys[1:])
+    slots = cache.state.read_slots(storage.keys.device)
+    for pool in storage.tensors.values():  # a launch per row (one copy) or one batched gather (CUDA's way): equal
+        per_row, batched = _gather_rows(pool, slots, batched=False), _gather_rows(pool, slots, batched=True)
+        assert per_row.is_contiguous() and batched.is_contiguous() and torch.equal(per_row, batched)
 
 
 def test_reorder_permutes_tables_without_copying():

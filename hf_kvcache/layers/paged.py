@@ -73,11 +73,17 @@ def _pool(slots: int, heads: int, rest: tuple[int, ...], dtype: torch.dtype, dev
     return torch.zeros((heads, slots, *rest), dtype=dtype, device=device).transpose(0, 1)
 
 
-def _gather_rows(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``(B, H, n, ...)`` of a head-major pool's ``(B, n)`` slots, each row gathered straight into its place: one
-    copy, contiguous as DynamicCache's K/V are (some models ``.view()`` what they get back)."""
+def _gather_rows(pool: torch.Tensor, slots: torch.Tensor, batched: bool | None = None) -> torch.Tensor:
+    """``(B, H, n, ...)`` of a head-major pool's ``(B, n)`` slots, contiguous as DynamicCache's K/V are (some models
+    ``.view()`` what they get back). One row, or several off CUDA: each row gathered straight into its place, one
+    copy. Several rows on CUDA: one gather and one transposing copy, two launches whatever the batch (a launch per row
+    would cost more than the second copy at decode's small sizes). ``batched`` forces one way (None: by device)."""
     heads = pool.transpose(0, 1)  # (H, slots, ...): contiguous
-    out = heads.new_empty((slots.shape[0], heads.shape[0], slots.shape[1], *heads.shape[2:]))
+    rows, n = slots.shape
+    if rows > 1 and (heads.is_cuda if batched is None else batched):
+        x = heads.index_select(1, slots.flatten())
+        return x.view(x.shape[0], rows, n, *x.shape[2:]).transpose(0, 1).contiguous()
+    out = heads.new_empty((rows, heads.shape[0], n, *heads.shape[2:]))
     for row, row_slots in enumerate(slots):
         torch.index_select(heads, 1, row_slots, out=out[row])
     return out
