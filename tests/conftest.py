@@ -79,23 +79,32 @@ def _slow(item) -> bool:
     return module == "test_kernels" and params.get("dtype", torch.float32) != torch.float32
 
 
-def _each_choice(items) -> set[str]:
+# Modules whose tests are each a few seconds of interpreted kernels: their fast-tier sample is drawn per module, not
+# per function (:func:`_each_choice`), so a storage kind read by one kernel test is not read again by the next one.
+SAMPLED_PER_MODULE = {"test_kernels"}
+
+
+def _each_choice(items, per_module=frozenset()) -> set[str]:
     """Node ids of a sample of each test function's parameter sets in which every value of every parameter appears at
     least once: in collection order, a set is kept when it brings a value its function has not had yet. A grid of
     5 x 4 x 3 values, collected in order, keeps 1 + 4 + 3 + 2 = 10 of its 60 sets; a one-parameter list keeps all.
-    Values are told apart by ``repr`` (the same choice on every xdist worker: each collects the same sets in the same
-    order)."""
+    In a module of ``per_module`` a value counts as had once any function of the module had it (each function still
+    keeps its first set), so each value appears once in the module. Values are told apart by parameter name and
+    ``repr`` (the same choice on every xdist worker: each collects the same sets in the same order)."""
     seen: dict[tuple[str, str], set[tuple[str, str]]] = {}
+    functions = set()
     kept = set()
     for item in items:
         callspec = getattr(item, "callspec", None)
         if callspec is None:
             continue
+        module, function = item.module.__name__, item.originalname
         values = {(name, repr(value)) for name, value in callspec.params.items()}
-        had = seen.setdefault((item.module.__name__, item.originalname), set())
-        if not values <= had:
+        had = seen.setdefault((module, "" if module in per_module else function), set())
+        if not values <= had or (module, function) not in functions:
             had |= values
             kept.add(item.nodeid)
+        functions.add((module, function))
     return kept
 
 
@@ -105,7 +114,7 @@ def pytest_collection_modifyitems(config, items):
         if _slow(item):
             item.add_marker(slow)
     # The fast tier's share of each grid, chosen among the sets it would otherwise run; the rest run in the full run.
-    sample = _each_choice([item for item in items if "slow" not in item.keywords])
+    sample = _each_choice([item for item in items if "slow" not in item.keywords], SAMPLED_PER_MODULE)
     for item in items:
         if hasattr(item, "callspec") and "slow" not in item.keywords and item.nodeid not in sample:
             item.add_marker(slow)
