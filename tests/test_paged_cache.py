@@ -9,7 +9,8 @@ from transformers import DynamicCache
 
 from hf_kvcache import PagedKVCache, cache_nbytes, make_cache
 from hf_kvcache._config import LayerSpec
-from hf_kvcache.layers.paged import PagedLayer, PagedState, PagedStorage, _gather_rows
+from hf_kvcache.formats.paged import gather_rows
+from hf_kvcache.layers.paged import PagedLayer, PagedState, PagedStorage
 from hf_kvcache.paging import PAD_BLOCK, PoolExhaustedError
 
 
@@ -118,7 +119,7 @@ def test_pools_stay_head_major_and_one_row_reads_without_a_second_copy(bits):
     assert one_row.is_contiguous() and torch.equal(one_row, keys[1:])
     slots = cache.state.read_slots(storage.keys.device)
     for pool in storage.tensors.values():  # a launch per row (one copy) or one batched gather (CUDA's way): equal
-        per_row, batched = _gather_rows(pool, slots, batched=False), _gather_rows(pool, slots, batched=True)
+        per_row, batched = gather_rows(pool, slots, batched=False), gather_rows(pool, slots, batched=True)
         assert per_row.is_contiguous() and batched.is_contiguous() and torch.equal(per_row, batched)
 
 

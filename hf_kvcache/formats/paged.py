@@ -14,7 +14,24 @@ from ..kernels import reference
 from ..kernels.storage import PAGED, PAGED_INT8, KernelStorage, LaunchPlan, pool_strides
 from ._base import Partials, SegmentFormat, plan_warps, register_partial, swapped
 
-__all__ = ["PagedSegment"]
+__all__ = ["PagedSegment", "gather_rows"]
+
+
+def gather_rows(pool: torch.Tensor, slots: torch.Tensor, batched: bool | None = None) -> torch.Tensor:
+    """``(B, H, n, ...)`` of a pool's ``(B, n)`` slots, contiguous as DynamicCache's K/V are (some models ``.view()``
+    what they get back). The caches' pools are head-major (:class:`~hf_kvcache.layers.paged.PagedStorage`): one row,
+    or several off CUDA, is each row gathered straight into its place, one copy. Several rows on CUDA: one gather and
+    one transposing copy, two launches whatever the batch (a launch per row would cost more than the second copy at
+    decode's small sizes). ``batched`` forces one way (None: by device)."""
+    heads = pool.transpose(0, 1)  # (H, slots, ...): contiguous for head-major pools
+    rows, n = slots.shape
+    if rows > 1 and (heads.is_cuda if batched is None else batched):
+        x = heads.index_select(1, slots.flatten())
+        return x.view(x.shape[0], rows, n, *x.shape[2:]).transpose(0, 1).contiguous()
+    out = heads.new_empty((rows, heads.shape[0], n, *heads.shape[2:]))
+    for row, row_slots in enumerate(slots):
+        torch.index_select(heads, 1, row_slots, out=out[row])
+    return out
 
 
 @dataclass(frozen=True)
@@ -35,13 +52,10 @@ class PagedSegment(SegmentFormat):
 
     def _gather(self, pool: torch.Tensor, scales: torch.Tensor | None, a: int, b: int) -> torch.Tensor:
         slots = self.slots(a, b)
-        batch, n = slots.shape
-        flat = slots.flatten()
-        # gathered per head (H, B * n, D): one copy from the caches' head-major pools (PagedStorage)
-        x = pool.transpose(0, 1).index_select(1, flat).float()
+        x = gather_rows(pool, slots).float()  # (B, H, n, D)
         if scales is not None:
-            x = x * scales.transpose(0, 1).index_select(1, flat).float().unsqueeze(-1)
-        return x.view(x.shape[0], batch, n, x.shape[-1]).transpose(0, 1)  # (B, H, n, D)
+            x = x * gather_rows(scales, slots).float().unsqueeze(-1)
+        return x
 
     def read_keys(self, a: int, b: int) -> torch.Tensor:
         return self._gather(self.k, self.ks, a, b)

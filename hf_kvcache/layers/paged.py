@@ -36,6 +36,7 @@ import torch
 
 from .._config import LayerSpec
 from ..formats import DenseSegment, Int8Codec, KVHandle, PagedSegment, codec_for
+from ..formats.paged import gather_rows
 from ..kernels.append import append_kv
 from ..paging import PAD_BLOCK, BlockAllocator, BlockTables
 from ._common import AttentionMode, KVLayer, PaddingTracker, as_index, tokens_to_crop
@@ -71,22 +72,6 @@ def _pool(slots: int, heads: int, rest: tuple[int, ...], dtype: torch.dtype, dev
     row's tokens then comes out ``(H, n, D)``, the layout attention takes, in one copy (slot-major pools needed a
     second, transposing one; kernels read either through the strides)."""
     return torch.zeros((heads, slots, *rest), dtype=dtype, device=device).transpose(0, 1)
-
-
-def _gather_rows(pool: torch.Tensor, slots: torch.Tensor, batched: bool | None = None) -> torch.Tensor:
-    """``(B, H, n, ...)`` of a head-major pool's ``(B, n)`` slots, contiguous as DynamicCache's K/V are (some models
-    ``.view()`` what they get back). One row, or several off CUDA: each row gathered straight into its place, one
-    copy. Several rows on CUDA: one gather and one transposing copy, two launches whatever the batch (a launch per row
-    would cost more than the second copy at decode's small sizes). ``batched`` forces one way (None: by device)."""
-    heads = pool.transpose(0, 1)  # (H, slots, ...): contiguous
-    rows, n = slots.shape
-    if rows > 1 and (heads.is_cuda if batched is None else batched):
-        x = heads.index_select(1, slots.flatten())
-        return x.view(x.shape[0], rows, n, *x.shape[2:]).transpose(0, 1).contiguous()
-    out = heads.new_empty((rows, heads.shape[0], n, *heads.shape[2:]))
-    for row, row_slots in enumerate(slots):
-        torch.index_select(heads, 1, row_slots, out=out[row])
-    return out
 
 
 class PagedStorage:
@@ -140,9 +125,9 @@ class PagedStorage:
         slots = slots.to(self.keys.device)
         out = []
         for name in ("keys", "values"):
-            x = _gather_rows(self.tensors[name], slots)
+            x = gather_rows(self.tensors[name], slots)
             if self.codec is not None:
-                x = (x.float() * _gather_rows(self.tensors[name[:-1] + "_scales"], slots).unsqueeze(-1)).to(self.dtype)
+                x = (x.float() * gather_rows(self.tensors[name[:-1] + "_scales"], slots).unsqueeze(-1)).to(self.dtype)
             out.append(x)
         return out[0], out[1]
 
