@@ -292,6 +292,21 @@ def _program(H, LARGE: tl.constexpr):
 
 
 @triton.jit
+def _rows(
+    Q, b, h, sq_b, sq_h, sq_q, G, q_len,
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """The program's query rows (``G`` query heads x ``q_len`` tokens, padded to ``BLOCK_R``), which are real, each
+    row's query token, the key and value channels and which are real, and each row's query pointer."""
+    rows = tl.arange(0, BLOCK_R)
+    i = rows % q_len
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    q_row = Q + b * sq_b + (h * G + rows // q_len)[:, None] * sq_h + i[:, None] * sq_q
+    return rows, rows < G * q_len, i, dk, dk < DK, dv, dv < DV, q_row
+
+
+@triton.jit
 def _load_query(
     q_row, HK, row_ok, dk, dk_ok, sq_d, key_rotation_scale,
     DK: tl.constexpr, ROTATE: tl.constexpr, DOT_FP32: tl.constexpr, RCH: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -469,14 +484,8 @@ def _partial_kernel(
     (rotated pre-RoPE keys take :func:`_partial_group_kernel`)."""
     tl.static_assert(not (ROTATED and ROPE), "rotated pre-RoPE keys are read a key group per tile")
     pid, b, h, split, num_splits = _program(H, LARGE)
-    rows = tl.arange(0, BLOCK_R)
-    row_ok = rows < G * q_len
-    i = rows % q_len
-    dk = tl.arange(0, BLOCK_DK)
-    dv = tl.arange(0, BLOCK_DV)
-    dk_ok = dk < DK
-    dv_ok = dv < DV
-    q_row = Q + b * sq_b + (h * G + rows // q_len)[:, None] * sq_h + i[:, None] * sq_q
+    rows, row_ok, i, dk, dk_ok, dv, dv_ok, q_row = _rows(Q, b, h, sq_b, sq_h, sq_q, G, q_len, DK, DV, BLOCK_R, BLOCK_DK,
+                                                         BLOCK_DV)  # fmt: skip
     q = _load_query(q_row, HK, row_ok, dk, dk_ok, sq_d, key_rotation_scale, DK, ROTATED, DOT_FP32, RCH, BLOCK_R,
                     BLOCK_DK)  # fmt: skip
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -541,14 +550,8 @@ def _partial_group_kernel(
     tiles aligned to the groups of the stored tokens (:func:`_kivi_group_tile`); pre-RoPE keys (every channel
     rotary) turned per tile, rotated or not."""
     pid, b, h, split, num_splits = _program(H, LARGE)
-    rows = tl.arange(0, BLOCK_R)
-    row_ok = rows < G * q_len
-    i = rows % q_len
-    dk = tl.arange(0, BLOCK_DK)
-    dv = tl.arange(0, BLOCK_DV)
-    dk_ok = dk < DK
-    dv_ok = dv < DV
-    q_row = Q + b * sq_b + (h * G + rows // q_len)[:, None] * sq_h + i[:, None] * sq_q
+    rows, row_ok, i, dk, dk_ok, dv, dv_ok, q_row = _rows(Q, b, h, sq_b, sq_h, sq_q, G, q_len, DK, DV, BLOCK_R, BLOCK_DK,
+                                                         BLOCK_DV)  # fmt: skip
     q = _load_query(q_row, HK, row_ok, dk, dk_ok, sq_d, key_rotation_scale, DK, ROTATED and not ROPE, DOT_FP32, RCH,
                     BLOCK_R, BLOCK_DK)  # fmt: skip
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
