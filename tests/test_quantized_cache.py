@@ -510,6 +510,28 @@ def test_a_codec_turns_pre_rope_keys_as_it_decodes(bits, rotate):
     torch.testing.assert_close(turned_v, plain_v, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("bits", [8, "fp8", 4, 3, 2])
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_codec_decodes_into_workspace_slices_what_it_decodes_into_whole_tensors(bits, rotate, dtype):
+    """A layer decodes into slices of its workspace (rows of other lengths around them): the same values, bit for
+    bit, as into tensors of their own (a rotated codec decodes into a scratch tensor there first), and nothing
+    written beside them."""
+    from hf_kvcache.formats import codec_for
+
+    codec = codec_for(bits, 16, rotate=rotate)
+    k, v = _kv(32, head_dim=64, batch=2, dtype=dtype, seed=4)
+    parts = codec.encode(k, v)
+    rope = (_rotary(64, "half"), 5)
+    whole_k, whole_v = torch.empty_like(k), torch.empty_like(v)
+    codec.decode(parts, whole_k, whole_v, rope)
+    space_k, space_v = (torch.zeros(2, 2, 40, 64, dtype=dtype) for _ in range(2))
+    codec.decode(parts, space_k[:, :, 3:35], space_v[:, :, 3:35], rope)
+    for space, whole in ((space_k, whole_k), (space_v, whole_v)):
+        assert torch.equal(space[:, :, 3:35], whole)
+        assert not space[:, :, :3].any() and not space[:, :, 35:].any()
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_rotation_spreads_an_outlier_channel(bits):
     """One channel 30x the others stretches every per-token scale it belongs to; rotated, its energy is spread over
