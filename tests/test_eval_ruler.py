@@ -3,6 +3,8 @@ RULER's scoring, intervals that can fail to separate caches, one prefill per doc
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from hf_kvcache.eval.tasks.ruler import RULER_TASKS, build_ruler_document, inter
 torch.set_num_threads(1)
 
 
-@pytest.mark.parametrize("task", [t for t in RULER_TASKS if t != "cwe"])
+@pytest.mark.parametrize("task", [t for t in RULER_TASKS if t not in ("cwe", "fwe")])
 @pytest.mark.parametrize("length", [400, 1500])
 def test_documents_have_the_length_and_state_every_answer(reference, ids, task, length):
     _, tokenizer = reference
@@ -54,12 +56,31 @@ def test_common_words_lists_ten_words_six_times_and_the_others_once(reference, i
     assert "The top 10 words that appear most often in the list are:" in tokenizer.decode(doc.question)
 
 
+@pytest.mark.parametrize("length", [400, 2048])
+def test_frequent_words_asks_for_the_three_most_frequent_after_the_noise(reference, ids, length):
+    _, tokenizer = reference
+    doc = build_ruler_document(tokenizer, ids, "fwe", length, seed=7)
+    assert length - 32 <= len(doc.context) + len(doc.question) <= length
+    text = tokenizer.decode(doc.context).split("three most frequently appeared coded words. ")[1]
+    counts = collections.Counter(text.split("\nQuestion:")[0].split())
+    ranked = [w for w, _ in counts.most_common()]
+    assert ranked[0] == "..." and ranked[1:4] == doc.answers and len(ranked) >= 5
+    assert counts[ranked[1]] > counts[ranked[2]] > counts[ranked[3]] > counts[ranked[4]]  # no tie at the answer's edge
+    assert counts["..."] > 3 * counts[ranked[1]]  # Zeta(2): rank 1 four times rank 2 (floors aside)
+    assert all(len(w) == 6 and w.isalpha() for w in ranked[1:])
+    assert "the three most frequently appeared words are:" in tokenizer.decode(doc.question)
+    assert build_ruler_document(tokenizer, ids, "fwe", length, seed=7) == doc
+    assert build_ruler_document(tokenizer, ids, "fwe", length, seed=8).answers != doc.answers
+
+
 def test_a_document_too_short_for_its_needles_is_a_clear_error(reference, ids):
     _, tokenizer = reference
     with pytest.raises(ValueError, match="--ruler-lengths 120 is too short for a niah_multiquery document"):
         build_ruler_document(tokenizer, ids, "niah_multiquery", 120, seed=0)
     with pytest.raises(ValueError, match="--ruler-lengths 300 is too short for a cwe document"):
         build_ruler_document(tokenizer, ids, "cwe", 300, seed=0)
+    with pytest.raises(ValueError, match="--ruler-lengths 256 is too short for an fwe document: its 52 words leave"):
+        build_ruler_document(tokenizer, ids, "fwe", 256, seed=3)
 
 
 def test_string_match_all_counts_the_share_of_expected_strings():

@@ -50,6 +50,8 @@ ABLATION_OPTIONS = (
     "rotate=hadamard:sinks=4:pre_rope=true",
 )
 _ROT_SINKS = "int2:rotate=hadamard:sinks=4:pre_rope=false"
+# The RULER tasks of the runs made before fwe joined the suite's default (named, so their commands still reproduce them)
+RULER_SIX = ["--ruler-tasks", "niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,cwe"]
 ABLATION_CACHES = ",".join(f"int{b}:{o}" for b in (4, 3, 2) for o in ABLATION_OPTIONS)
 BENCH = [
     *"--new-tokens 8 --repeats 1 --caches".split(),
@@ -124,7 +126,15 @@ RUNS: dict[str, list[str]] = {
         "eval",
         *REAL,
         *"--task ruler --chat-template --ruler-lengths 1024,2048 --ruler-samples 10".split(),
+        *RULER_SIX,
         *["--caches", f"dynamic,int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2-2.25')}"],
+    ],
+    # RULER at twice the runs' longest length above (4,096 tokens): every default width.
+    "eval-ruler-4k": [
+        "eval",
+        *REAL,
+        *"--task ruler --chat-template --ruler-lengths 4096 --ruler-samples 10".split(),
+        *["--caches", "dynamic,int8,int4,int3,int2"],
     ],
     # The residual in int8 (residual_bits=8) next to the full-precision residual, on the default run's protocol.
     "eval-residual": [
@@ -157,6 +167,7 @@ RUNS: dict[str, list[str]] = {
         "eval",
         *REAL,
         *"--task ruler --chat-template --ruler-lengths 1024,2048 --ruler-samples 10".split(),
+        *RULER_SIX,
         *["--caches", EVAL_CACHES],
     ],
     # RULER through int2 with 3-bit keys, next to int2 and int3 (keys and values at their own widths).
@@ -164,6 +175,7 @@ RUNS: dict[str, list[str]] = {
         "eval",
         *REAL,
         *"--task ruler --chat-template --ruler-lengths 1024,2048 --ruler-samples 10".split(),
+        *RULER_SIX,
         *["--caches", "dynamic,int2,int2:key_bits=3,int3"],
     ],
     # CPU speed and memory on the real model (2 cores, one thread each; 1 repeat: read ratios, not spreads).

@@ -13,7 +13,10 @@ the dataset and the seed (the same documents for every cache); needles and quest
 - ``vt`` (variable tracking): a chain ``VAR A = 12345``, ``VAR B = VAR A``, ... of five variables hidden in the filler
   (and a second chain as a distractor); asked for every variable that holds the first chain's value;
 - ``cwe`` (common-words extraction, aggregation): a numbered list of the dataset's words in which ten appear six times
-  and the others once (RULER's setting below 4k tokens), after a one-shot example; asked for the ten.
+  and the others once (RULER's setting below 4k tokens), after a one-shot example; asked for the ten;
+- ``fwe`` (frequent-words extraction, aggregation): a text of random six-letter "coded" words whose counts follow a
+  Zeta distribution (``alpha = 2``: the word of rank ``k`` about ``k^-2`` of the time; the most frequent one is
+  ``...``, noise to ignore); asked for the three most frequent words after it.
 
 Keys are adjective-noun pairs (``quiet-harbor``), values 7-digit numbers, variables five capital letters. Scored as
 RULER's ``string_match_all``: the share of the expected strings that appear in the greedy answer (case-insensitive),
@@ -46,7 +49,7 @@ NIAH = {
     "niah_multivalue": (1, 4, 1, 48),
     "niah_multiquery": (4, 1, 4, 48),
 }
-RULER_TASKS = (*NIAH, "vt", "cwe")
+RULER_TASKS = (*NIAH, "vt", "cwe", "fwe")
 VT_CHAIN = 5  # variables per chain (RULER's vt: 1 chain of 4 hops)
 VT_ANSWER_TOKENS = 30
 # cwe below 4k tokens, as RULER: 10 common words 6 times each among words listed once; a one-shot example of 20 words
@@ -57,6 +60,14 @@ CWE_TEMPLATE = (
     "appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?"
 )
 CWE_PREFIX = " Answer: The top 10 words that appear most often in the list are:"
+# fwe as RULER: a vocabulary of length / 50 coded words of 6 letters, counts n k^-2 / zeta(2) by rank k, rank 1 noise
+FWE_WORD_LETTERS, FWE_TOKENS_PER_WORD, FWE_ANSWER_TOKENS = 6, 50, 50
+FWE_TEMPLATE = (
+    "Read the following coded text and track the frequency of each coded word. Find the three most frequently "
+    "appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What "
+    "are the three most frequently appeared words in the above coded text?"
+)
+FWE_PREFIX = " Answer: According to the coded text above, the three most frequently appeared words are:"
 
 ADJECTIVES = (
     "amber", "ancient", "bitter", "bold", "brave", "bright", "calm", "clever", "cold", "crimson", "curious", "dark",
@@ -193,6 +204,8 @@ def build_ruler_document(
     rng = random.Random(seed)
     if task == "cwe":
         return _common_words(tokenizer, filler, length, rng, chat)
+    if task == "fwe":
+        return _frequent_words(tokenizer, length, rng, chat)
     sentences, query, answers = _needles(task, rng)
     if task == "vt":
         intro, question = VT_INSTRUCTION, VT_QUESTION.format(value=query)
@@ -262,11 +275,25 @@ def _common_words(tokenizer, filler: torch.Tensor, length: int, rng: random.Rand
             return _encode(tokenizer, before + text), _encode(tokenizer, after + CWE_PREFIX.lstrip())
         return _encode(tokenizer, text, special=True), _encode(tokenizer, CWE_PREFIX)
 
-    low, high = 0, len(rest)  # the most rare words that fit, by bisection (tokens grow with the words)
-    head, tail = build(0)
+    short = f"the dataset has too few distinct words ({len(pool)}) for a {length}-token cwe document"
+    _, head, tail = _fit(build, length, 0, len(rest), "cwe", short)  # the most rare words that fit
+    return RulerDocument(head, tail, list(common), CWE_ANSWER_TOKENS)
+
+
+def _zeta_counts(words: int, vocabulary: int) -> list[int]:
+    """RULER's fwe counts of the words of rank 1 .. ``vocabulary`` in a text of about ``words`` words:
+    ``floor(words k^-2 / zeta(2))``, ``zeta(2) = pi^2 / 6``."""
+    return [int(words * k**-2 / (math.pi**2 / 6)) for k in range(1, vocabulary + 1)]
+
+
+def _fit(build, length: int, low: int, high: int, task: str, short: str) -> tuple[int, list[int], list[int]]:
+    """The largest ``n`` in ``[low, high]`` whose ``build(n)`` (``(head, tail)`` token lists, growing with ``n``) fits
+    ``length`` tokens, by bisection, with its head and tail; a ``ValueError`` where even ``build(low)`` does not fit,
+    or saying ``short`` where the best leaves more than 32 tokens unused."""
+    head, tail = build(low)
     if len(head) + len(tail) > length:
         raise ValueError(
-            f"--ruler-lengths {length} is too short for a cwe document: its fixed parts take "
+            f"--ruler-lengths {length} is too short for a {task} document: its fixed parts take "
             f"{len(head) + len(tail)} tokens with this tokenizer"
         )
     while low < high:
@@ -275,8 +302,40 @@ def _common_words(tokenizer, filler: torch.Tensor, length: int, rng: random.Rand
         low, high = (mid, high) if len(h) + len(t) <= length else (low, mid - 1)
     head, tail = build(low)
     if len(head) + len(tail) < length - 32:
-        raise ValueError(f"the dataset has too few distinct words ({len(pool)}) for a {length}-token cwe document")
-    return RulerDocument(head, tail, list(common), CWE_ANSWER_TOKENS)
+        raise ValueError(short)
+    return low, head, tail
+
+
+def _frequent_words(tokenizer, length: int, rng: random.Random, chat: bool) -> RulerDocument:
+    """RULER's frequent-words extraction (fwe): coded words in Zeta-distributed counts, shuffled; the three most
+    frequent after the noise word ``...`` asked for. As many words as fit ``length`` tokens (the document is at most
+    ``length`` and at least 32 short)."""
+    vocabulary = max(length // FWE_TOKENS_PER_WORD, 5)
+    coded: list[str] = ["..."]
+    while len(coded) < vocabulary:
+        word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(FWE_WORD_LETTERS))
+        if word not in coded:
+            coded.append(word)
+    order_seed = rng.random()
+
+    def build(words: int) -> tuple[list[int], list[int]]:
+        text = [w for w, n in zip(coded, _zeta_counts(words, vocabulary)) for _ in range(n)]
+        random.Random(order_seed).shuffle(text)
+        prompt = FWE_TEMPLATE.format(context=" ".join(text))
+        if chat:
+            before, after = chat_parts(tokenizer)
+            return _encode(tokenizer, before + prompt), _encode(tokenizer, after + FWE_PREFIX.lstrip())
+        return _encode(tokenizer, prompt, special=True), _encode(tokenizer, FWE_PREFIX)
+
+    # every word takes at least one token: `length` words do not fit
+    words, head, tail = _fit(build, length, 0, length, "fwe", f"an fwe document cannot be sized to {length} tokens")
+    counts = _zeta_counts(words, vocabulary)
+    if not counts[1] > counts[2] > counts[3] > counts[4]:  # the three asked for, each more frequent than the next
+        raise ValueError(
+            f"--ruler-lengths {length} is too short for an fwe document: its {words} words leave the three most "
+            f"frequent tied ({counts[1:5]})"
+        )
+    return RulerDocument(head, tail, coded[1:4], FWE_ANSWER_TOKENS)
 
 
 def _sentence_ends(tokenizer, fill: list[int], needed: int) -> list[int]:
