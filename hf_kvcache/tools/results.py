@@ -129,11 +129,11 @@ RUNS: dict[str, list[str]] = {
         *RULER_SIX,
         *["--caches", f"dynamic,int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2-2.25')}"],
     ],
-    # RULER at twice the runs' longest length above (4,096 tokens): every default width.
+    # RULER at twice the longest length above (4,096 tokens), every default width; 5 documents a cell (35 a cache).
     "eval-ruler-4k": [
         "eval",
         *REAL,
-        *"--task ruler --chat-template --ruler-lengths 4096 --ruler-samples 10".split(),
+        *"--task ruler --chat-template --ruler-lengths 4096 --ruler-samples 5".split(),
         *["--caches", "dynamic,int8,int4,int3,int2"],
     ],
     # The residual in int8 (residual_bits=8) next to the full-precision residual, on the default run's protocol.
