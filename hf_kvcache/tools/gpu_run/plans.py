@@ -16,11 +16,14 @@ __all__ = ["VARIANTS", "each_plan", "plan_fields", "planned"]
 # Kind (a label of shapes.CACHE_KINDS) -> variants the kernels stage times beside its plan: candidates waiting for
 # a GPU to decide them. angle_table: pre-RoPE keys turned from the cos / sin table, not per-element polynomials.
 # int8's plan (one stage: resident warps instead of cp.async stages) came from compile figures alone; pipelined
-# tiles compile to 12 warps per SM (64 tokens) or 16 (32 tokens).
+# tiles compile to 12 warps per SM (64 tokens) or 16 (32 tokens). int4 (0.56x sdpa on the device, 6% of its bandwidth:
+# latency-bound): compiled for sm_90, 2 stages keep its 12 warps per SM (152 registers against 154) and prefetch the
+# next key group; 8 warps hold 16 per SM (116 registers) for 48% more instructions per token.
 VARIANTS = {
     "int2": ("angle_table=true",),
     "int3": ("angle_table=true",),
     "int8": ("stages=2", "block_n=32:stages=2"),
+    "int4": ("stages=2", "warps=8"),  # last: the stage's time box reaches the candidates waiting longer first
 }
 
 
