@@ -515,8 +515,8 @@ def test_a_codec_turns_pre_rope_keys_as_it_decodes(bits, rotate):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_codec_decodes_into_workspace_slices_what_it_decodes_into_whole_tensors(bits, rotate, dtype):
     """A layer decodes into slices of its workspace (rows of other lengths around them): the same values, bit for
-    bit, as into tensors of their own (a rotated codec decodes into a scratch tensor there first), and nothing
-    written beside them."""
+    bit, as into tensors of their own (a rotated codec rotates back in place there, through a reshaping copy), and
+    nothing written beside them."""
     from hf_kvcache.formats import codec_for
 
     codec = codec_for(bits, 16, rotate=rotate)

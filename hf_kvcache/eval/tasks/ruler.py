@@ -60,8 +60,8 @@ CWE_TEMPLATE = (
     "appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?"
 )
 CWE_PREFIX = " Answer: The top 10 words that appear most often in the list are:"
-# fwe as RULER: a vocabulary of length / 50 coded words of 6 letters, counts n k^-2 / zeta(2) by rank k, rank 1 noise
-FWE_WORD_LETTERS, FWE_TOKENS_PER_WORD, FWE_ANSWER_TOKENS = 6, 50, 50
+# fwe as RULER: one distinct 6-letter coded word per 50 document tokens, counts n k^-2 / zeta(2) by rank k, rank 1 noise
+FWE_WORD_LETTERS, FWE_TOKENS_PER_DISTINCT_WORD, FWE_ANSWER_TOKENS = 6, 50, 50
 FWE_TEMPLATE = (
     "Read the following coded text and track the frequency of each coded word. Find the three most frequently "
     "appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What "
@@ -299,8 +299,10 @@ def _fit(build, length: int, low: int, high: int, task: str, short: str) -> tupl
     while low < high:
         mid = (low + high + 1) // 2
         h, t = build(mid)
-        low, high = (mid, high) if len(h) + len(t) <= length else (low, mid - 1)
-    head, tail = build(low)
+        if len(h) + len(t) <= length:
+            low, head, tail = mid, h, t
+        else:
+            high = mid - 1
     if len(head) + len(tail) < length - 32:
         raise ValueError(short)
     return low, head, tail
@@ -310,7 +312,7 @@ def _frequent_words(tokenizer, length: int, rng: random.Random, chat: bool) -> R
     """RULER's frequent-words extraction (fwe): coded words in Zeta-distributed counts, shuffled; the three most
     frequent after the noise word ``...`` asked for. As many words as fit ``length`` tokens (the document is at most
     ``length`` and at least 32 short)."""
-    vocabulary = max(length // FWE_TOKENS_PER_WORD, 5)
+    vocabulary = max(length // FWE_TOKENS_PER_DISTINCT_WORD, 5)
     coded: list[str] = ["..."]
     while len(coded) < vocabulary:
         word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(FWE_WORD_LETTERS))
