@@ -136,6 +136,14 @@ RUNS: dict[str, list[str]] = {
         *"--task ruler --chat-template --ruler-lengths 4096 --ruler-samples 5".split(),
         *["--caches", "dynamic,int8,int4,int3,int2"],
     ],
+    # Frequent-words extraction (fwe, the task added after the RULER runs above) at their lengths and sample count,
+    # every default width and 3-bit keys beside int2.
+    "eval-ruler-fwe": [
+        "eval",
+        *REAL,
+        *"--task ruler --chat-template --ruler-lengths 1024,2048 --ruler-samples 10 --ruler-tasks fwe".split(),
+        *["--caches", "dynamic,int8,int4,int3,int2,int2:key_bits=3"],
+    ],
     # The residual in int8 (residual_bits=8) next to the full-precision residual, on the default run's protocol.
     "eval-residual": [
         "eval",
