@@ -109,11 +109,11 @@ def search_key_bits(
         logits = model(input_ids=tail, past_key_values=prefill.into(cache)).logits
         return torch.log_softmax(logits.float(), dim=-1)
 
-    reference = log_probs(DynamicCache())
+    exact = log_probs(DynamicCache())
 
     def loss(key_bits: list[int]) -> float:
         measured = log_probs(QuantizedKVCache(model, bits=bits, key_bits=key_bits, **cache_options))
-        kl = (reference.exp() * (reference - measured)).sum(-1).mean().item()
+        kl = (exact.exp() * (exact - measured)).sum(-1).mean().item()
         if progress is not None:
             progress(1)
         return kl

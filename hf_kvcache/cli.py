@@ -191,7 +191,7 @@ def _add_demo_parser(sub) -> None:
     demo.add_argument(
         "--caches",
         default=",".join(DEMO_CACHES),
-        help="comma-separated make_cache specs; the first is the reference the others are compared with",
+        help="comma-separated make_cache specs; the first is the baseline the others are compared with",
     )
     demo.add_argument(
         "--model", default=None, help="smollm2, reference or a local folder (default: smollm2 when installed)"

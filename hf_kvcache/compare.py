@@ -1,4 +1,4 @@
-"""Side-by-side generation comparison of caches: tokens vs the reference, bytes held, speed.
+"""Side-by-side generation comparison of caches: tokens vs the baseline cache, bytes held, speed.
 
 Used by ``hf-kvcache demo`` and ``benchmarks/bench_quantized.py``; the full evaluation harness (perplexity through
 the cache, reports, plots) builds on the same measurements. The tiny random models of the tests and benchmarks are
@@ -22,8 +22,8 @@ from transformers.cache_utils import Cache
 from .memory import cache_nbytes
 from .registry import make_cache
 
-# Bounds the shared test matrix asserts for the lossy kinds: max |logit error| / std(reference logits) under teacher
-# forcing (tests/matrix.py reads them from here; the demo quotes them).
+# Bounds the shared test matrix asserts for the lossy kinds: max |logit error| / std(DynamicCache's logits) under
+# teacher forcing (tests/matrix.py reads them from here; the demo quotes them).
 LOGIT_BOUNDS = {"int8": 0.06, "fp8": 0.25, "int4": 0.25, "int3": 0.5, "int2": 1.0}
 
 __all__ = [
@@ -57,10 +57,10 @@ LLAMA3_8B = dict(
 @dataclass
 class CompareRow:
     cache: str
-    same_tokens: int  # leading generated tokens identical to the reference, per row minimum
+    same_tokens: int  # leading generated tokens identical to the baseline's, per row minimum
     first_divergence: int | None  # generated-token index of the first difference, None if identical
     cache_bytes: int  # cache_nbytes() after generation
-    bytes_ratio: float  # cache_bytes / reference cache_bytes
+    bytes_ratio: float  # cache_bytes / the baseline's cache_bytes
     ttft_s: float  # median time to first token (prefill + 1 token)
     decode_tokens_per_s: float  # median decode tokens/s after the first token, all rows together
     spread: float  # (max - min) / median of the decode rate over repeats
@@ -211,21 +211,21 @@ def compare_caches(
     caches: dict[str, Callable[[], Cache]] | list[str],
     max_new_tokens: int = 64,
     repeats: int = 3,
-    reference: str = "dynamic",
+    baseline: str = "dynamic",
 ) -> list[CompareRow]:
-    """Greedy-generate with each cache and compare with ``reference`` (the first entry if absent).
+    """Greedy-generate with each cache and compare with ``baseline`` (the first entry if absent).
 
     ``caches`` maps a label to a zero-argument factory, or is a list of ``make_cache`` specs. Timing: one warm-up,
     then ``repeats`` runs of 1 and of ``max_new_tokens`` tokens; decode rate = extra tokens / extra time (medians).
     """
     if isinstance(caches, list):
         caches = {spec: (lambda spec=spec: make_cache(spec, model)) for spec in caches}
-    if reference not in caches:
-        reference = next(iter(caches))
+    if baseline not in caches:
+        baseline = next(iter(caches))
     timings = {label: time_decode(model, inputs, factory, max_new_tokens, repeats) for label, factory in caches.items()}
     prompt = inputs["input_ids"].shape[1]
-    ref_tokens = timings[reference].output[:, prompt:]
-    ref_bytes = cache_nbytes(timings[reference].cache)
+    ref_tokens = timings[baseline].output[:, prompt:]
+    ref_bytes = cache_nbytes(timings[baseline].cache)
     rows = []
     for label, timing in timings.items():
         diff = (timing.output[:, prompt:] != ref_tokens).any(0).nonzero()
@@ -247,7 +247,7 @@ def compare_caches(
     return rows
 
 
-def format_table(rows: list[CompareRow], baseline: str = "reference") -> str:
+def format_table(rows: list[CompareRow], baseline: str = "baseline") -> str:
     """Markdown table of :func:`compare_caches` rows; ``baseline`` names the cache the ratios are against."""
     from tabulate import tabulate
 

@@ -4,7 +4,7 @@ A spec string names a kind and its options: ``"int4:group_size=32:residual_lengt
 int, float, ``true`` / ``false`` / ``none`` or left as strings; an option may appear once. The CLI's ``--caches``
 takes the same strings. Each cache module registers its kinds where the cache is defined (:mod:`hf_kvcache.caches`,
 which the package imports before anything can look a kind up: this module imports no cache); ``dynamic``
-(transformers' ``DynamicCache``, the reference) is registered here.
+(transformers' ``DynamicCache``, the baseline) is registered here.
 """
 
 from __future__ import annotations
@@ -116,6 +116,6 @@ def make_cache(spec: str, config, **overrides) -> Cache:
     return kind.factory(config, **options)  # a model stays a model: some caches hook it (sink padding)
 
 
-@register_cache("dynamic", "transformers' DynamicCache: full precision, the reference", options=())
+@register_cache("dynamic", "transformers' DynamicCache: full precision, the baseline", options=())
 def _dynamic(config) -> Cache:
     return DynamicCache(config=resolve_config(config))

@@ -5,7 +5,7 @@ The report compiles with Triton's CUDA backend, which cannot run in a process wh
 before triton was imported (conftest sets it without a GPU), so the command runs in a subprocess without it. The
 quick subset (one variant per storage kind at the 8B shape, both targets) and one more process compiling the
 variants that once spilled (and two of the quick ones again, for determinism) keep this file under two minutes on one
-core; the script compiles the whole grid. The thresholds of issue 22 that the kernels meet are tested here (the
+core; the script compiles the whole grid. The report's thresholds that the kernels meet are tested here (the
 compiled numbers are deterministic); the report lists the ones they do not meet yet (its findings).
 """
 
@@ -182,7 +182,7 @@ def test_thresholds_no_spills_and_loop_cost_against_dense(report):
 
 @needs_ptxas
 def test_threshold_no_spills_at_one_and_four_query_tokens(recompiled):
-    """Issue 22's threshold beyond the 8B shape: no spills at q_len 1 or 4, checked on the variants that spilled
+    """The spill threshold beyond the 8B shape: no spills at q_len 1 or 4, checked on the variants that spilled
     (the whole grid is the report's: its findings list any variant that spills)."""
     assert not recompiled["findings"], recompiled["findings"]
     rows = _rows_of(recompiled["rows"], ONCE_SPILLING)

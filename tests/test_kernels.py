@@ -21,7 +21,7 @@ from hf_kvcache.formats import (
     PagedSegment,
     decode_attention,
 )
-from hf_kvcache.kernels import combine, partial, reference
+from hf_kvcache.kernels import combine, partial, torch_decode
 from hf_kvcache.paging import PAD_BLOCK
 
 triton_decode = pytest.importorskip("hf_kvcache.kernels.triton_decode", reason="needs triton")
@@ -148,7 +148,7 @@ def _triton(query, seg, mask, softcap, splits):
     storage = seg.kernel_storage()
     plan = None if storage is None else seg.launch_plan(query, mask)
     if plan is None:
-        return reference.partial(query, seg, mask, 0.125, softcap, splits)
+        return torch_decode.partial(query, seg, mask, 0.125, softcap, splits)
     return triton_decode.triton_partial(query, storage, plan, mask, 0.125, softcap, splits)
 
 
@@ -283,9 +283,9 @@ def test_paged_kernel_with_padding_blocks_and_any_block_size(block_size, head_ma
 
 
 def test_reference_scratch_is_bounded_by_its_chunk(monkeypatch):
-    """The reference reads at most REFERENCE_SCRATCH_BYTES of float32 keys, values and scores per chunk (at least
-    REFERENCE_CHUNK tokens), and a small history in one chunk."""
-    from hf_kvcache.kernels import reference
+    """The reference reads at most TORCH_SCRATCH_BYTES of float32 keys, values and scores per chunk (at least
+    TORCH_CHUNK tokens), and a small history in one chunk."""
+    from hf_kvcache.kernels import torch_decode
 
     query, seg, _, _, mask = _case("int8", 2000)
     widths = []
@@ -294,8 +294,8 @@ def test_reference_scratch_is_bounded_by_its_chunk(monkeypatch):
     partial(query, seg, mask, 0.125, 0.0, 1)
     assert widths == [2000]  # 2 rows x 2 heads x 64 channels: 2,000 tokens are far below the budget
     widths.clear()
-    monkeypatch.setattr(reference, "REFERENCE_SCRATCH_BYTES", 2**20)
-    chunk = reference.chunk_tokens(query, 2, 64, 64, minimum=64)
+    monkeypatch.setattr(torch_decode, "TORCH_SCRATCH_BYTES", 2**20)
+    chunk = torch_decode.chunk_tokens(query, 2, 64, 64, minimum=64)
     b, hq, q, _ = query.shape
     assert 4 * b * (2 * 128 + 2 * hq * q) * chunk <= 2**20 and chunk % 64 == 0
     partial(query, seg, mask, 0.125, 0.0, 1, chunk=chunk)
@@ -415,7 +415,7 @@ def test_pre_rope_segment_turns_keys_per_tile(inner, layout, first, dtype, monke
         def no_reference(*args, **kwargs):
             raise AssertionError("the Triton kernel handed a rotated pre-RoPE KIVI segment to the reference")
 
-        monkeypatch.setattr(reference, "partial", no_reference)
+        monkeypatch.setattr(torch_decode, "partial", no_reference)
     tri = combine([_triton(query, seg, mask, 0.0, 2)], dtype=torch.float32)
     monkeypatch.undo()
     _close(tri, ref, dtype)
@@ -463,7 +463,7 @@ def _partials(b, hkv, g, q, splits, dv, gen):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_combine_kernel_equals_reference(segments, sinks, dtype):
     """The split reduction in one launch over up to four segments' partials (sinks, history, residual, new tokens:
-    each with its own split count), with a learned sink logit per head or none, equals reference.combine; the
+    each with its own split count), with a learned sink logit per head or none, equals torch_decode.combine; the
     custom op the attention calls is that one launch (the reference here)."""
     from hf_kvcache.kernels.ops import combine_partials
 
@@ -511,13 +511,13 @@ SCALE_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "
 def test_append_kernel_encodes_int8_bit_exactly(dtype, scale_dtype, group, head_dim):
     """Quantize-on-append in one launch writes exactly the codes and scales of quant.quantize_symmetric (the
     reference the int8 cache is tested against) into the slots of a layer's buffers, and nothing beside them."""
-    from hf_kvcache.kernels.append import _append_reference
+    from hf_kvcache.kernels.append import _append_torch
     from hf_kvcache.kernels.triton_append import triton_append
 
     k, v = _awkward_kv(dtype, head_dim, torch.Generator().manual_seed(head_dim))
     width = head_dim // (group or head_dim)
     results = []
-    for store in (_append_reference, triton_append):
+    for store in (_append_torch, triton_append):
         kc, vc = torch.zeros(2, 3, 9, head_dim, dtype=torch.int8), torch.zeros(2, 3, 9, head_dim, dtype=torch.int8)
         ks, vs = torch.zeros(2, 3, 9, width, dtype=scale_dtype), torch.zeros(2, 3, 9, width, dtype=scale_dtype)
         store(k, v, kc[:, :, 2:7], vc[:, :, 2:7], ks[:, :, 2:7], vs[:, :, 2:7], None, 0, 1)
@@ -538,7 +538,7 @@ def test_append_kernel_encodes_fp8_bit_exactly(dtype, scale_dtype, head_dim):
     """fp8 on append, in the same launch as int8's: exactly quant.quantize_fp8's e4m3 bits and scales (torch's
     rounding to nearest even), subnormal codes, -0.0, ties between two codes, NaN / +-inf and a token of zeros
     included, into the slots of a layer's buffers and nothing beside them."""
-    from hf_kvcache.kernels.append import _append_reference
+    from hf_kvcache.kernels.append import _append_torch
     from hf_kvcache.kernels.triton_append import triton_append
 
     gen = torch.Generator().manual_seed(head_dim)
@@ -549,7 +549,7 @@ def test_append_kernel_encodes_fp8_bit_exactly(dtype, scale_dtype, head_dim):
     v[1, 2, 4] = 0.0
     v[1, 2, 4, : len(ties)] = ties.to(dtype)
     results = []
-    for store in (_append_reference, triton_append):
+    for store in (_append_torch, triton_append):
         kc, vc = torch.zeros(2, 3, 9, head_dim, dtype=torch.uint8), torch.zeros(2, 3, 9, head_dim, dtype=torch.uint8)
         ks, vs = torch.zeros(2, 3, 9, 1, dtype=scale_dtype), torch.zeros(2, 3, 9, 1, dtype=scale_dtype)
         store(k, v, kc[:, :, 2:7], vc[:, :, 2:7], ks[:, :, 2:7], vs[:, :, 2:7], None, 0, 1)
@@ -656,7 +656,7 @@ def test_append_kernel_writes_pages_through_the_block_table(quantized, dtype, he
     """Tokens at positions start.. of each row go to their slots through the block table; a padding entry (a row's
     left padding blocks) stores nothing; the kernel equals the reference bit for bit, into pools laid out slot-major
     or head-major (as the paged cache's)."""
-    from hf_kvcache.kernels.append import _append_reference
+    from hf_kvcache.kernels.append import _append_torch
     from hf_kvcache.kernels.triton_append import triton_append
 
     k, v = _awkward_kv(dtype, 64, torch.Generator().manual_seed(5))
@@ -664,7 +664,7 @@ def test_append_kernel_writes_pages_through_the_block_table(quantized, dtype, he
         k = torch.nan_to_num(k)
     table = torch.tensor([[PAD_BLOCK, 3, 0], [2, 5, 4]], dtype=torch.int32)
     results = []
-    for store in (_append_reference, triton_append):
+    for store in (_append_torch, triton_append):
         shape = ((3, 24), (0, 1)) if head_major else ((24, 3), (0, 0))  # (dims, the two swapped back)
         pool_k = torch.zeros(*shape[0], 64, dtype=torch.int8 if quantized else dtype).transpose(*shape[1])
         pool_v = torch.zeros_like(pool_k)
@@ -704,7 +704,7 @@ def test_encoders_saturate_scales_past_a_16_bit_dtype_bit_exactly(bits):
     """float32 tokens of up to 1e7 with float16 scales: a scale or zero point past float16's range is stored as its
     largest finite value (the group's extremes clipped, never inf or NaN), by the Triton encoders exactly as by the
     reference; decoding gives finite values within the clipped range."""
-    from hf_kvcache.kernels.append import _append_reference
+    from hf_kvcache.kernels.append import _append_torch
     from hf_kvcache.kernels.triton_append import triton_append, triton_kivi_encode
 
     g = torch.Generator().manual_seed(bits)
@@ -712,7 +712,7 @@ def test_encoders_saturate_scales_past_a_16_bit_dtype_bit_exactly(bits):
     v = torch.randn(2, 2, 32, 64, generator=g) * torch.logspace(0, 7, 32).view(1, 1, 32, 1)
     if bits == 8:
         results = []
-        for store in (_append_reference, triton_append):
+        for store in (_append_torch, triton_append):
             kc, vc = torch.zeros(2, 2, 32, 64, dtype=torch.int8), torch.zeros(2, 2, 32, 64, dtype=torch.int8)
             ks, vs = torch.zeros(2, 2, 32, 1, dtype=torch.float16), torch.zeros(2, 2, 32, 1, dtype=torch.float16)
             store(k, v, kc, vc, ks, vs, None, 0, 1)

@@ -212,10 +212,10 @@ def test_hf_kvcache_attention_reads_pages_in_place_when_decoding(monkeypatch):
     a gather; only the 40-token prefill, too long for the decode kernels, takes the gather path."""
     from hf_kvcache import attention
     from hf_kvcache.formats import PagedSegment
-    from hf_kvcache.kernels import reference
+    from hf_kvcache.kernels import torch_decode
 
     reads, kernel_calls = [], []
-    real_read, real_partial = PagedStorage.read, reference.partial
+    real_read, real_partial = PagedStorage.read, torch_decode.partial
     monkeypatch.setattr(
         PagedStorage, "read", lambda self, slots: reads.append(slots.shape[1]) or real_read(self, slots)
     )
@@ -224,7 +224,7 @@ def test_hf_kvcache_attention_reads_pages_in_place_when_decoding(monkeypatch):
         kernel_calls.append(isinstance(segment, PagedSegment))
         return real_partial(query, segment, *args, **kwargs)
 
-    monkeypatch.setattr(reference, "partial", counting_partial)
+    monkeypatch.setattr(torch_decode, "partial", counting_partial)
     inputs = {"input_ids": _ids(2, 40), "attention_mask": torch.ones(2, 40, dtype=torch.long)}
     inputs["attention_mask"][1, :7] = 0
     outs = []

@@ -377,7 +377,7 @@ def test_per_token_keys_plan_equals_nbytes(family, spec):
 
 def test_per_token_keys_reference_kernel_equals_attention_over_decoded_history():
     from hf_kvcache.formats import DenseSegment, KiviCodec
-    from hf_kvcache.kernels import reference_attention
+    from hf_kvcache.kernels import torch_attention
 
     codec = KiviCodec(2, 8, torch.float32, key_axis="token")
     k, v = _kv(37, head_dim=16)
@@ -386,8 +386,8 @@ def test_per_token_keys_reference_kernel_equals_attention_over_decoded_history()
     codec.decode(parts, keys, values)
     query = torch.randn(1, 4, 2, 16, generator=torch.Generator().manual_seed(1))
     mask = torch.rand(1, 2, 32, generator=torch.Generator().manual_seed(2)) > 0.3
-    got = reference_attention(query, (codec.segment(parts, 5),), mask, 0.25)
-    want = reference_attention(query, (DenseSegment(keys[:, :, 5:], values[:, :, 5:]),), mask, 0.25)
+    got = torch_attention(query, (codec.segment(parts, 5),), mask, 0.25)
+    want = torch_attention(query, (DenseSegment(keys[:, :, 5:], values[:, :, 5:]),), mask, 0.25)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import reference
+from ..kernels import torch_decode
 from ..kernels._available import fall_back, fell_back
 from ..kernels._eager import eager
 from ..kernels.storage import MIN_ROWS, KernelStorage, LaunchPlan, block
@@ -110,9 +110,9 @@ class SegmentFormat:
         on sm_90 for dense tiles, with twice the shared memory for no fewer instructions)."""
         return LaunchPlan(block_n=64, stages=2, warps=plan_warps(query, self.heads, mask, rotary_dim))
 
-    def reference_partial(self, query, mask, scaling, softcap, splits, chunk=None) -> Partials:
-        """The contract of :func:`hf_kvcache.kernels.reference.partial` in pure torch, from :meth:`read`."""
-        return reference.partial_from_reads(query, self, mask, scaling, softcap, splits, chunk)
+    def torch_partial(self, query, mask, scaling, softcap, splits, chunk=None) -> Partials:
+        """The contract of :func:`hf_kvcache.kernels.torch_decode.partial` in pure torch, from :meth:`read`."""
+        return torch_decode.partial_from_reads(query, self, mask, scaling, softcap, splits, chunk)
 
 
 class OverSegment(SegmentFormat):
@@ -187,7 +187,7 @@ def launch(query, segment, mask, scaling, softcap, splits) -> Partials:
             return triton_partial(query, storage, plan, mask, scaling, softcap, splits)
         except Exception as err:  # noqa: BLE001 (fall_back re-raises what is not a build failure)
             fall_back(name, err)
-    return reference.partial(query, segment, mask, scaling, softcap, splits)
+    return torch_decode.partial(query, segment, mask, scaling, softcap, splits)
 
 
 def register_partial(name: str, schema_fn, to_segment, heads_and_dim):

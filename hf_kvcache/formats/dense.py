@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import reference
+from ..kernels import torch_decode
 from ..kernels.append import append_kv
 from ..kernels.storage import DENSE, KernelStorage
 from ._base import KeyTurn, Partials, Parts, SegmentFormat, register_partial, turn_keys
@@ -49,7 +49,7 @@ def _partial(
     softcap: float,
     splits: int,
 ) -> Partials:
-    return reference.partial(query, DenseSegment(keys, values), mask, scaling, softcap, splits)
+    return torch_decode.partial(query, DenseSegment(keys, values), mask, scaling, softcap, splits)
 
 
 _OP = register_partial(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import quant
-from ..kernels import reference
+from ..kernels import torch_decode
 from ..kernels.storage import FP8
 from ._base import Partials, register_partial
 from .int8 import Int8Codec, Int8Segment
@@ -51,7 +51,7 @@ def _partial(
     softcap: float,
     splits: int,
 ) -> Partials:
-    return reference.partial(query, Fp8Segment(k, ks, v, vs), mask, scaling, softcap, splits)
+    return torch_decode.partial(query, Fp8Segment(k, ks, v, vs), mask, scaling, softcap, splits)
 
 
 _OP = register_partial(

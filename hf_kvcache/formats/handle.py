@@ -22,7 +22,7 @@ import torch
 
 from ..kernels._eager import dispatching
 from ..kernels.ops import combine_partials
-from ..kernels.reference import num_splits
+from ..kernels.torch_decode import num_splits
 from ._base import OverSegment, SegmentFormat, launch
 
 __all__ = ["KVHandle", "decode_attention", "segment_inputs"]

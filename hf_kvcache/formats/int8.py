@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import quant
-from ..kernels import reference
+from ..kernels import torch_decode
 from ..kernels.append import append_kv
 from ..kernels.storage import INT8, KernelStorage, LaunchPlan
 from ._base import (
@@ -119,7 +119,7 @@ def _partial(
     splits: int,
 ) -> Partials:
     segment = rotated(Int8Segment(k, ks, v, vs), key_rotation, value_rotation)
-    return reference.partial(query, segment, mask, scaling, softcap, splits)
+    return torch_decode.partial(query, segment, mask, scaling, softcap, splits)
 
 
 _OP = register_partial(

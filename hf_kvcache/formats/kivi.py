@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import quant
-from ..kernels import reference
+from ..kernels import torch_decode
 from ..kernels._available import guarded, triton_available
 from ..kernels._eager import eager
 from ..kernels.storage import KIVI, KernelStorage, LaunchPlan, block
@@ -268,7 +268,7 @@ def _partial(
 ) -> Partials:
     segment = _segment(k, ks, kz, v, vs, vz, key_levels, value_levels, key_bits, value_bits, group, start, length,
                        key_rotation, value_rotation, inv_freq, rotary_dim, interleaved, first)  # fmt: skip
-    return reference.partial(query, segment, mask, scaling, softcap, splits)
+    return torch_decode.partial(query, segment, mask, scaling, softcap, splits)
 
 
 _OP = register_partial(
@@ -348,7 +348,7 @@ def _token_partial(
     splits: int,
 ) -> Partials:
     segment = KiviTokenSegment(key_bits, value_bits, group, k, ks, kz, v, vs, vz, key_levels, value_levels)
-    return reference.partial(query, segment, mask, scaling, softcap, splits)
+    return torch_decode.partial(query, segment, mask, scaling, softcap, splits)
 
 
 _TOKEN_OP = register_partial(
@@ -365,7 +365,7 @@ _TOKEN_OP = register_partial(
 _STORED = ("k", "ks", "kz", "v", "vs", "vz")
 
 
-def _encode_reference(k: torch.Tensor, v: torch.Tensor, out: tuple, key_bits: int, value_bits: int, group: int,
+def _encode_torch(k: torch.Tensor, v: torch.Tensor, out: tuple, key_bits: int, value_bits: int, group: int,
                       per_token: bool, codebook: str) -> None:  # fmt: skip
     """:meth:`KiviCodec.encode` copied into ``out``, the storage views in :data:`_STORED` order."""
     key_axis = "token" if per_token else "channel"
@@ -393,7 +393,7 @@ def _encode(
     points, as :meth:`KiviCodec.encode` returns them; the scale dtype the views'): one launch on CUDA
     (:func:`~hf_kvcache.kernels.triton_append.triton_kivi_encode`, bit-exact to this reference) where the geometry
     packs whole bytes per channel group, the reference elsewhere."""
-    _encode_reference(k, v, (kp, ks, kz, vp, vs, vz), key_bits, value_bits, group, per_token_keys, codebook)
+    _encode_torch(k, v, (kp, ks, kz, vp, vs, vz), key_bits, value_bits, group, per_token_keys, codebook)
 
 
 _ENCODE_OP = torch.library.custom_op("hf_kvcache::encode_kivi", mutates_args=("kp", "ks", "kz", "vp", "vs", "vz"))(
@@ -409,7 +409,7 @@ def _(k, v, kp, ks, kz, vp, vs, vz, key_bits, value_bits, group, per_token_keys,
 @_ENCODE_OP.register_kernel("cuda")
 def _encode_cuda(k, v, kp, ks, kz, vp, vs, vz, key_bits, value_bits, group, per_token_keys, codebook):
     stored = (kp, ks, kz, vp, vs, vz)
-    reference_encode = (k, v, stored, key_bits, value_bits, group, per_token_keys, codebook)
+    torch_encode = (k, v, stored, key_bits, value_bits, group, per_token_keys, codebook)
     if triton_available():
         from ..kernels.triton_append import kivi_encodable, triton_kivi_encode
 
@@ -420,9 +420,9 @@ def _encode_cuda(k, v, kp, ks, kz, vp, vs, vz, key_bits, value_bits, group, per_
                 lambda: triton_kivi_encode(
                     k, v, dict(zip(_STORED, stored)), key_bits, value_bits, group, per_token_keys, *levels
                 ),
-                lambda: _encode_reference(*reference_encode),
+                lambda: _encode_torch(*torch_encode),
             )
-    return _encode_reference(*reference_encode)
+    return _encode_torch(*torch_encode)
 
 
 encode_kivi = eager(_ENCODE_OP, _encode, _encode_cuda)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import reference
+from ..kernels import torch_decode
 from ..kernels.storage import PAGED, PAGED_INT8, KernelStorage, LaunchPlan, pool_strides
 from ._base import Partials, SegmentFormat, plan_warps, register_partial, swapped
 
@@ -101,7 +101,7 @@ def _partial(
     splits: int,
 ) -> Partials:
     segment = PagedSegment(keys, values, block_table, block_size, length, key_scales, value_scales)
-    return reference.partial(query, segment, mask, scaling, softcap, splits)
+    return torch_decode.partial(query, segment, mask, scaling, softcap, splits)
 
 
 _OP = register_partial(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import reference
+from ..kernels import torch_decode
 from ..kernels.storage import KernelStorage, LaunchPlan
 from ..rope import RotarySpec, rotate_positions
 from ._base import OverSegment, Partials, SegmentFormat, launch
@@ -43,7 +43,7 @@ class PreRopeSegment(OverSegment):
     def partial_apart(self, query, mask, scaling, softcap, splits) -> Partials:
         if query.is_cuda:  # not a custom op: the Triton launch called directly on CUDA (when triton imports)
             return launch(query, self, mask, scaling, softcap, splits)
-        return reference.partial(query, self, mask, scaling, softcap, splits)
+        return torch_decode.partial(query, self, mask, scaling, softcap, splits)
 
     def kernel_storage(self) -> KernelStorage | None:
         storage = self.inner.kernel_storage()

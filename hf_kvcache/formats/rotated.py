@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import reference
+from ..kernels import torch_decode
 from ..kernels.storage import KernelStorage, LaunchPlan
 from ..rope import angle_table, rotate_positions
 from ._base import KeyTurn, OverSegment, Partials, Parts, SegmentFormat
@@ -84,8 +84,8 @@ class RotatedSegment(OverSegment):
             return None
         return plan.replace(stages=1)
 
-    def reference_partial(self, query, mask, scaling, softcap, splits, chunk=None) -> Partials:
-        return fold_rotation(reference.partial, query, self, mask, scaling, softcap, splits, chunk)
+    def torch_partial(self, query, mask, scaling, softcap, splits, chunk=None) -> Partials:
+        return fold_rotation(torch_decode.partial, query, self, mask, scaling, softcap, splits, chunk)
 
 
 def rotate_query(query: torch.Tensor, segment: RotatedSegment) -> torch.Tensor:

@@ -61,14 +61,14 @@ def fall_back(name: str, err: BaseException) -> None:
     )
 
 
-def guarded(name: str, launch: Callable[[], T], reference: Callable[[], T]) -> T:
-    """``launch()`` (a Triton kernel ``name``), or ``reference()`` from the first time it fails to build or launch
-    on this machine on: warned once, recorded in :func:`kernel_fallbacks`. Running out of device memory is not a
-    build failure and propagates."""
+def guarded(name: str, launch: Callable[[], T], fallback: Callable[[], T]) -> T:
+    """``launch()`` (a Triton kernel ``name``), or ``fallback()`` (its pure-torch reference) from the first time it
+    fails to build or launch on this machine on: warned once, recorded in :func:`kernel_fallbacks`. Running out of
+    device memory is not a build failure and propagates."""
     if name in _FALLBACKS:
-        return reference()
+        return fallback()
     try:
         return launch()
     except Exception as err:  # noqa: BLE001 (fall_back re-raises what is not a build failure)
         fall_back(name, err)
-        return reference()
+        return fallback()

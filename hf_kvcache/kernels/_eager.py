@@ -40,11 +40,11 @@ def _device(first) -> torch.device:
     return (first if isinstance(first, torch.Tensor) else first[0]).device
 
 
-def eager(op, reference: Callable, cuda: Callable | None = None) -> Callable:
+def eager(op, torch_impl: Callable, cuda: Callable | None = None) -> Callable:
     """``op`` as the code above the kernels calls it: ``cuda(*args)`` when the first argument (or the first tensor
-    of a list) is on a CUDA device, with that device current as the dispatcher would make it, ``reference(*args)``
-    elsewhere, and ``op(*args)`` under ``torch.compile`` (``.op`` on the result). Both implementations are the ones
-    the op registers, so the two paths compute the same thing."""
+    of a list) is on a CUDA device, with that device current as the dispatcher would make it, ``torch_impl(*args)``
+    (the pure-torch reference) elsewhere, and ``op(*args)`` under ``torch.compile`` (``.op`` on the result). Both
+    implementations are the ones the op registers, so the two paths compute the same thing."""
 
     def call(*args):
         if dispatching():
@@ -56,8 +56,8 @@ def eager(op, reference: Callable, cuda: Callable | None = None) -> Callable:
                     with torch.cuda.device(device):
                         return cuda(*args)
                 return cuda(*args)
-        return reference(*args)
+        return torch_impl(*args)
 
-    functools.update_wrapper(call, reference)
+    functools.update_wrapper(call, torch_impl)
     call.op = op
     return call

@@ -25,7 +25,7 @@ def _encoded(x: torch.Tensor, out: torch.Tensor, scales_out: torch.Tensor | None
     return {"x": codes.view(x.shape), "s": scales.squeeze(-1) if paged else scales}
 
 
-def _append_reference(
+def _append_torch(
     k: torch.Tensor,
     v: torch.Tensor,
     k_out: torch.Tensor,
@@ -100,7 +100,7 @@ def _append(
     Every argument is required: torch 2.11's in-place bookkeeping for a mutating custom op indexes the mutated
     arguments by position among those passed, so a defaulted, omitted ``k_scales`` raised ``IndexError`` there (on
     the first GPU run) while newer torch fills the defaults in first."""
-    _append_reference(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size)
+    _append_torch(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size)
 
 
 _OP = torch.library.custom_op("hf_kvcache::append_kv", mutates_args=("k_out", "v_out", "k_scales", "v_scales"))(_append)
@@ -119,9 +119,9 @@ def _append_cuda(k, v, k_out, v_out, k_scales, v_scales, table, start, block_siz
         return guarded(
             "append_kv",
             lambda: triton_append(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size),
-            lambda: _append_reference(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size),
+            lambda: _append_torch(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size),
         )
-    return _append_reference(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size)
+    return _append_torch(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size)
 
 
 append_kv = eager(_OP, _append, _append_cuda)

@@ -8,25 +8,25 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from . import torch_decode
 from ._available import guarded, triton_available
 from ._eager import eager
 
 __all__ = ["combine_partials"]
 
 
-def _combine_reference(
+def _combine_torch(
     m: list[torch.Tensor],
     l: list[torch.Tensor],  # noqa: E741
     acc: list[torch.Tensor],
     sinks: torch.Tensor | None,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """:func:`reference.combine` over the partials of a handle's segments, contiguous ``(B, q, Hq, Dv)``."""
-    return reference.combine(list(zip(m, l, acc)), sinks, dtype).contiguous()
+    """:func:`torch_decode.combine` over the partials of a handle's segments, contiguous ``(B, q, Hq, Dv)``."""
+    return torch_decode.combine(list(zip(m, l, acc)), sinks, dtype).contiguous()
 
 
-_OP = torch.library.custom_op("hf_kvcache::combine", mutates_args=())(_combine_reference)
+_OP = torch.library.custom_op("hf_kvcache::combine", mutates_args=())(_combine_torch)
 
 
 @_OP.register_fake
@@ -40,7 +40,7 @@ def _combine_cuda(m, l, acc, sinks, dtype):  # noqa: E741
     partials = list(zip(m, l, acc))
 
     def ref() -> torch.Tensor:
-        return reference.combine(partials, sinks, dtype).contiguous()
+        return torch_decode.combine(partials, sinks, dtype).contiguous()
 
     if triton_available():
         from .triton_decode import MAX_COMBINED_SEGMENTS, triton_combine
@@ -50,4 +50,4 @@ def _combine_cuda(m, l, acc, sinks, dtype):  # noqa: E741
     return ref()
 
 
-combine_partials = eager(_OP, _combine_reference, _combine_cuda)
+combine_partials = eager(_OP, _combine_torch, _combine_cuda)

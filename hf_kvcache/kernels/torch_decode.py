@@ -16,8 +16,8 @@ The contract every implementation (this one, the Triton one) follows, for one se
 :func:`combine` merges the partials of all segments (and a learned sink logit per head, as GPT-OSS has) into the
 attention output ``(B, q, Hq, Dv)``. Splits are what lets a GPU spread one long row over many programs
 (flash-decoding); here they only fix the shape of the contract. The reference walks each split in chunks with an
-online softmax, each chunk's float32 reads and scores within ``REFERENCE_SCRATCH_BYTES`` (at least
-``REFERENCE_CHUNK`` tokens), so its scratch is bounded, not the history's size; a small model's history is one chunk,
+online softmax, each chunk's float32 reads and scores within ``TORCH_SCRATCH_BYTES`` (at least
+``TORCH_CHUNK`` tokens), so its scratch is bounded, not the history's size; a small model's history is one chunk,
 so a decode step costs a few operations per segment, not a few per 512 tokens.
 """
 
@@ -28,8 +28,8 @@ from typing import Protocol
 import torch
 
 __all__ = [
-    "REFERENCE_CHUNK",
-    "REFERENCE_SCRATCH_BYTES",
+    "TORCH_CHUNK",
+    "TORCH_SCRATCH_BYTES",
     "Segment",
     "chunk_tokens",
     "combine",
@@ -53,14 +53,14 @@ class Segment(Protocol):
     def value_dim(self) -> int: ...
     def scores(self, query: torch.Tensor, a: int, b: int) -> torch.Tensor: ...
     def weighted_values(self, weights: torch.Tensor, a: int, b: int) -> torch.Tensor: ...
-    def reference_partial(self, query, mask, scaling, softcap, splits, chunk=None): ...
+    def torch_partial(self, query, mask, scaling, softcap, splits, chunk=None): ...
 
 
-REFERENCE_CHUNK = 512  # tokens dequantized at a time by the reference, at least
+TORCH_CHUNK = 512  # tokens dequantized at a time by the reference, at least
 # Bytes of float32 reads and scores per chunk: one chunk for SmolLM2's history at 8k tokens (3 KV heads x 64 channels),
 # 512 tokens at Llama-3-8B's attention shape with 8 rows. Few large operations instead of many small ones is what the
 # CPU needs (each torch call costs microseconds of dispatch whatever its size).
-REFERENCE_SCRATCH_BYTES = 32 * 2**20
+TORCH_SCRATCH_BYTES = 32 * 2**20
 MIN_SPLIT_TOKENS = 256  # a split below this is not worth a program
 MAX_SPLITS = 64
 TARGET_PROGRAMS = 528  # about four waves of programs on a 132-SM GPU
@@ -72,12 +72,12 @@ def num_splits(length: int, batch_heads: int) -> int:
     return max(1, min(MAX_SPLITS, -(-length // MIN_SPLIT_TOKENS), wanted))
 
 
-def chunk_tokens(query: torch.Tensor, heads: int, key_dim: int, value_dim: int, minimum: int = REFERENCE_CHUNK) -> int:
+def chunk_tokens(query: torch.Tensor, heads: int, key_dim: int, value_dim: int, minimum: int = TORCH_CHUNK) -> int:
     """Tokens per chunk of the reference for this query: float32 keys, values and scores of a chunk within
-    :data:`REFERENCE_SCRATCH_BYTES` (a multiple of 64 tokens, so chunks stay aligned to KIVI's key groups)."""
+    :data:`TORCH_SCRATCH_BYTES` (a multiple of 64 tokens, so chunks stay aligned to KIVI's key groups)."""
     b, hq, q, _ = query.shape
     per_token = 4 * b * (heads * (key_dim + value_dim) + 2 * hq * q)  # reads, scores and weights
-    return max(minimum, REFERENCE_SCRATCH_BYTES // per_token // 64 * 64)
+    return max(minimum, TORCH_SCRATCH_BYTES // per_token // 64 * 64)
 
 
 def split_bounds(length: int, splits: int) -> list[tuple[int, int]]:
@@ -96,7 +96,7 @@ def partial(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The contract in the module docstring, in pure torch: :func:`partial_from_reads` over the segment's tokens, or
     the segment's own reading of it (a rotated segment folds its rotation around its inner segment's)."""
-    return segment.reference_partial(query, mask, scaling, softcap, splits, chunk)
+    return segment.torch_partial(query, mask, scaling, softcap, splits, chunk)
 
 
 def partial_from_reads(
@@ -168,7 +168,7 @@ def combine(
     return out.reshape(b, hkv * g, q, -1).transpose(1, 2).to(dtype)
 
 
-def reference_attention(
+def torch_attention(
     query: torch.Tensor,
     segments: tuple[Segment, ...],
     mask: torch.Tensor | None,

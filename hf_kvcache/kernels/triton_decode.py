@@ -1,4 +1,4 @@
-"""Triton decode-attention kernels: the contract of :mod:`hf_kvcache.kernels.reference`, reading storage in place.
+"""Triton decode-attention kernels: the contract of :mod:`hf_kvcache.kernels.torch_decode`, reading storage in place.
 
 Flash-decoding: the grid is (batch x KV heads, splits); a program takes all query rows of one KV head (``G`` query
 heads x ``q`` query tokens, so K/V are read once per KV head, not once per query head), walks its split of the tokens
@@ -11,7 +11,7 @@ registers, the group's channel scales and zero points folded into the query, val
 dtype). Values dequantized in registers enter the second product as its first operand
 (``acc^T += v^T p^T``); with one query token the mask is one row per batch row, broadcast over the heads;
 :func:`triton_combine` reduces the splits of all segments in one more launch (the contract of
-:func:`~hf_kvcache.kernels.reference.combine`). Every load is masked (out-of-range tokens, channels
+:func:`~hf_kvcache.kernels.torch_decode.combine`). Every load is masked (out-of-range tokens, channels
 and rows), so the kernels also run under ``TRITON_INTERPRET=1`` on CPU tensors, which is how the CPU test suite checks
 them (float32 and float16: the interpreter is wrong for bfloat16, which only a GPU run checks).
 """
@@ -615,7 +615,7 @@ def triton_partial(
     softcap: float,
     splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The contract of :func:`hf_kvcache.kernels.reference.partial`, as one Triton launch over storage ``s`` shaped
+    """The contract of :func:`hf_kvcache.kernels.torch_decode.partial`, as one Triton launch over storage ``s`` shaped
     by ``plan`` (both from the segment's format; Hadamard rotations: the query rotated before the loop and the
     accumulator rotated back after it; keys stored before RoPE: turned to their positions per tile): KIVI codes a key
     group per tile where the plan says so (:func:`_partial_group_kernel`), every other storage a token range per tile
@@ -738,7 +738,7 @@ def triton_combine(
     sinks: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """The contract of :func:`hf_kvcache.kernels.reference.combine` as one launch over the partials of up to
+    """The contract of :func:`hf_kvcache.kernels.torch_decode.combine` as one launch over the partials of up to
     :data:`MAX_COMBINED_SEGMENTS` segments, read where the partial kernels wrote them (no concatenation); the output
     ``(B, q, Hq, Dv)`` is contiguous."""
     if not 1 <= len(partials) <= MAX_COMBINED_SEGMENTS:

@@ -3,13 +3,13 @@
 For each model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` a tiny random model is built from its own config class
 (a generic shrink: 2 layers, hidden 64, 4 heads; per-family overrides where the generic one cannot build), loaded with
 each attention implementation, and run under ``generate()`` on a left-padded batch of 2 with transformers'
-``DynamicCache`` (the reference) and with each cache kind. Every cell is exactly one of:
+``DynamicCache`` (the baseline) and with each cache kind. Every cell is exactly one of:
 
-- ``equal``: a lossless cache's tokens and logits equal the reference's;
-- ``bound``: a lossy cache's teacher-forced logits stay within the stated bound of the reference's;
+- ``equal``: a lossless cache's tokens and logits equal the baseline's;
+- ``bound``: a lossy cache's teacher-forced logits stay within the stated bound of the baseline's;
 - ``refused``: a one-line ``ValueError`` naming the model type and the reason, at construction or the first forward;
 - ``n/a``: the model itself cannot run this way (no tiny build, the attention implementation unsupported by
-  transformers for it, or the reference generation fails); the reason is recorded;
+  transformers for it, or the baseline's generation fails); the reason is recorded;
 - ``FAIL``: anything else (another exception, a multi-line error, a wrong answer). The matrix must have none.
 
 Usage::
@@ -48,7 +48,7 @@ NEW_TOKENS = 6
 # with set_attn_implementation (what a user with an already loaded model does).
 ATTENTION = ("eager", "sdpa", "hf_kvcache", "hf_kvcache-later")
 LATER = "hf_kvcache-later"
-# (column, spec, lossless, logit bound as a multiple of the reference logits' std; the test matrix's bounds)
+# (column, spec, lossless, logit bound as a multiple of the baseline logits' std; the test matrix's bounds)
 CACHES = (
     ("int8", "int8", False, 0.06),
     ("fp8", "fp8", False, 0.25),
@@ -279,13 +279,13 @@ def _line(error: BaseException) -> str:
 
 
 def _compare(ref, out, lossless: bool, rows=slice(None)) -> tuple[str | None, float]:
-    """(what differs, or None; the lossy error: max teacher-forced |logit error| / std of the reference logits)."""
+    """(what differs, or None; the lossy error: max teacher-forced |logit error| / std of the baseline's logits)."""
     if out.sequences.shape != ref.sequences.shape:
         return f"sequence shape {tuple(out.sequences.shape)} != {tuple(ref.sequences.shape)}", float("inf")
     got, want = out.sequences[rows], ref.sequences[rows]
     if lossless:
         if not torch.equal(got, want):
-            return "tokens differ from the reference", float("inf")
+            return "tokens differ from the baseline's", float("inf")
         worst = max(float((a[rows] - b[rows]).abs().max()) for a, b in zip(out.logits, ref.logits))
         scale = max(float(b[rows].abs().max()) for b in ref.logits)
         return (None if worst <= 1e-4 * max(scale, 1.0) else f"logits differ by {worst:.2e}"), 0.0
@@ -322,7 +322,7 @@ def attends_to_padding(model) -> bool:
 
 
 def run_family(model_type: str, variant: dict | None = None) -> dict:
-    """``{attn: {"reference": status, cache: {"status", "detail"}}}`` for one model type (with a variant's config)."""
+    """``{attn: {"model": status, cache: {"status", "detail"}}}`` for one model type (with a variant's config)."""
     from transformers import DynamicCache
 
     from hf_kvcache import make_cache
@@ -342,7 +342,7 @@ def run_family(model_type: str, variant: dict | None = None) -> dict:
         except Exception as error:  # noqa: BLE001  (any failure to build is recorded, not raised)
             cells["model"] = {"status": "n/a", "detail": _line(error)}
             continue
-        try:  # the reference is transformers' DynamicCache (some configs default to use_cache=False: MPT)
+        try:  # the baseline is transformers' DynamicCache (some configs default to use_cache=False: MPT)
             ref = _generate(model, DynamicCache(config=model.config))
         except Exception as error:  # noqa: BLE001
             cells["model"] = {"status": "n/a", "detail": "reference generate: " + _line(error)}
@@ -518,10 +518,10 @@ def render(saved: dict) -> str:
         "of:",
         "",
         "- **equal**: tokens and logits equal `DynamicCache`'s (lossless caches);",
-        "- **within bound** (the number: max teacher-forced logit error / std of the reference logits): lossy "
+        "- **within bound** (the number: max teacher-forced logit error / std of the baseline's logits): lossy "
         + ", ".join(f"`{c}` ≤ {b}" for c, b in bounds.items())
         + ", the test matrix's bounds; **over bound**: the error is larger (listed below: an open problem);",
-        "- **runs**: an evicting window (no reference to equal) generates without error;",
+        "- **runs**: an evicting window (no baseline to equal) generates without error;",
         "- **refused (Rn)**: a one-line `ValueError` naming the model type and the reason (listed below).",
         "",
         "Column `plan`: `kv_bytes('dynamic', model, ...)` (what `hf-kvcache plan` counts) **equal** to the bytes a "

@@ -75,7 +75,7 @@ LAUNCH_FLOOR_US = 2.0  # an assumed GPU-side floor per small kernel (launch + ra
 MODEL = f"""\
 Estimate (a roofline model, not a measurement). Per layer and decode step, for a kernel variant at T tokens x B rows:
 
-  programs   = B * H_kv * splits,  splits = hf_kvcache.kernels.reference.num_splits(T, B * H_kv) (as on CUDA)
+  programs   = B * H_kv * splits,  splits = hf_kvcache.kernels.torch_decode.num_splits(T, B * H_kv) (as on CUDA)
   tiles      = ceil(ceil(T / splits) / 64)                  64-token tiles walked by one program
   t_memory   = bytes / (BW * min(1, programs / SMs))        bytes: the cache's stored bytes for T tokens
                                                             (hf_kvcache.plan.kv_bytes) + the bool mask B*q*T
@@ -126,7 +126,7 @@ def _intercepted(launches: list):
     the CUDA path computes) instead of the CPU reference; the attention then returns zeros."""
     from hf_kvcache import attention
     from hf_kvcache.formats import segment_inputs
-    from hf_kvcache.kernels.reference import num_splits
+    from hf_kvcache.kernels.torch_decode import num_splits
 
     def decode_attention(query, handle, mask, scaling, softcap=0.0, sinks=None):
         b, hq, q, _ = query.shape
@@ -211,7 +211,7 @@ def _bytes(spec: str, head_dim: int, tokens: int, batch: int, q_len: int, mask: 
 
 
 def _waves_and_tiles(tokens: int, batch: int) -> tuple[int, int]:
-    from hf_kvcache.kernels.reference import num_splits
+    from hf_kvcache.kernels.torch_decode import num_splits
 
     splits = num_splits(tokens, batch * 8)
     per_split = -(-tokens // splits)  # as triton_partial: ceil(T / splits), rounded up to whole 64-token tiles
@@ -366,7 +366,7 @@ def helper_launches() -> list[tuple[str, object]]:
     and the new token stored (int8 codes into a layer's buffers, into int8 pages, bfloat16 into pages); and, every
     ``group`` steps, a KIVI cache's oldest residual tokens encoded into its storage (4, 3 and 2 bits, groups of 64)."""
     from hf_kvcache.formats import KiviCodec
-    from hf_kvcache.kernels.reference import num_splits
+    from hf_kvcache.kernels.torch_decode import num_splits
     from hf_kvcache.kernels.triton_append import triton_append, triton_kivi_encode
 
     decode = aot.kernel_module()
@@ -607,7 +607,7 @@ def _table(rows: list[dict], columns: list[str]) -> str:
 
 
 def summary(report: dict) -> list[dict]:
-    """The before/after table of issue 22: per kind at the 8B shape (head_dim 128, one query token, padded batch)."""
+    """The before / after summary table: per kind at the 8B shape (head_dim 128, one query token, padded batch)."""
     launches = {(r["cache"], r["padded"]): r for r in report["launches"]}
     ratios = {(e["kind"], e["gpu"]): e for e in report["estimate"] if e["shape"] == "16k x 8"}
     out = []

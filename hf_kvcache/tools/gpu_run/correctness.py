@@ -3,8 +3,9 @@ bfloat16 (the CPU interpreter cannot check bfloat16), for every storage kind, an
 
 1. **decode**: per cache kind, a one-layer cache at Llama-3-8B's attention shape holding 1,000 tokens (2 rows, row 1
    left-padded by 7), one decode step of 1 and of 4 new tokens (causal) read by ``decode_attention`` (the Triton
-   launches on CUDA) and by the reference (``reference.partial`` per segment, ``reference.combine``), compared with
-   the tolerance of ``tests/test_kernels.py`` (2e-3 in float16, 1.6e-2 in bfloat16, relative to the output's scale);
+   launches on CUDA) and by the pure-torch reference (``torch_decode.partial`` per segment, ``torch_decode.combine``),
+   compared with the tolerance of ``tests/test_kernels.py`` (2e-3 in float16, 1.6e-2 in bfloat16, relative to the
+   output's scale);
 2. **encode**: the tokens a cache encodes, by the Triton launch (``encode_into``: int8's append, KIVI's encode) and
    by the codec's torch ``encode`` on the same device and on the CPU: the share of identical codes, scales and zero
    points (the kernels are meant to be bit-exact to the CPU reference; torch on CUDA divides by a Python scalar as a
@@ -24,7 +25,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from ...formats import KVHandle, codec_for, decode_attention
-from ...kernels import reference
+from ...kernels import torch_decode
 from ...registry import make_cache
 from .kernels import decode_handle, triton_status
 from .record import StageRecord
@@ -45,13 +46,13 @@ def _mask(batch: int, q_len: int, total: int, device) -> torch.Tensor:
     return mask
 
 
-def _reference_attention(query, handle: KVHandle, mask, scaling) -> torch.Tensor:
+def _torch_attention(query, handle: KVHandle, mask, scaling) -> torch.Tensor:
     parts, col = [], 0
     for segment in handle.segments:
         part_mask = mask[:, 0, :, col : col + segment.length]
-        parts.append(reference.partial(query, segment, part_mask, scaling, 0.0, 1))
+        parts.append(torch_decode.partial(query, segment, part_mask, scaling, 0.0, 1))
         col += segment.length
-    return reference.combine(parts, None, torch.float32)
+    return torch_decode.combine(parts, None, torch.float32)
 
 
 def _decode_checks(record: StageRecord, dev, dtype, q_len: int, smoke: bool) -> None:
@@ -73,7 +74,7 @@ def _decode_checks(record: StageRecord, dev, dtype, q_len: int, smoke: bool) -> 
             handle = decode_handle(spec, config, k, v, *new)[0]
             mask = _mask(2, q_len, handle.length, dev)
             got = decode_attention(query, handle, mask, scaling).float()
-            want = _reference_attention(query, handle, mask, scaling)
+            want = _torch_attention(query, handle, mask, scaling)
         except Exception as err:
             record.error(what, err)
             continue
