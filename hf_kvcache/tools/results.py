@@ -136,6 +136,13 @@ RUNS: dict[str, list[str]] = {
         *"--task ruler --chat-template --ruler-lengths 4096 --ruler-samples 5".split(),
         *["--caches", "dynamic,int8,int4,int3,int2"],
     ],
+    # 3-bit keys beside 2-bit values (int2:key_bits=3) on the 4,096-token protocol above.
+    "eval-ruler-4k-kvbits": [
+        "eval",
+        *REAL,
+        *"--task ruler --chat-template --ruler-lengths 4096 --ruler-samples 5".split(),
+        *["--caches", "dynamic,int2:key_bits=3"],
+    ],
     # Frequent-words extraction (fwe, the task added after the RULER runs above) at their lengths and sample count,
     # every default width and 3-bit keys beside int2.
     "eval-ruler-fwe": [
