@@ -224,11 +224,11 @@ def compare_caches(
         baseline = next(iter(caches))
     timings = {label: time_decode(model, inputs, factory, max_new_tokens, repeats) for label, factory in caches.items()}
     prompt = inputs["input_ids"].shape[1]
-    ref_tokens = timings[baseline].output[:, prompt:]
-    ref_bytes = cache_nbytes(timings[baseline].cache)
+    base_tokens = timings[baseline].output[:, prompt:]
+    base_bytes = cache_nbytes(timings[baseline].cache)
     rows = []
     for label, timing in timings.items():
-        diff = (timing.output[:, prompt:] != ref_tokens).any(0).nonzero()
+        diff = (timing.output[:, prompt:] != base_tokens).any(0).nonzero()
         first = int(diff[0]) if len(diff) else None
         nbytes = cache_nbytes(timing.cache)
         rows.append(
@@ -237,7 +237,7 @@ def compare_caches(
                 same_tokens=max_new_tokens if first is None else first,
                 first_divergence=first,
                 cache_bytes=nbytes,
-                bytes_ratio=nbytes / ref_bytes if ref_bytes else float("nan"),
+                bytes_ratio=nbytes / base_bytes if base_bytes else float("nan"),
                 ttft_s=timing.ttft_s,
                 decode_tokens_per_s=timing.decode_tokens_per_s,
                 spread=timing.spread,

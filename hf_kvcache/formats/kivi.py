@@ -409,7 +409,7 @@ def _(k, v, kp, ks, kz, vp, vs, vz, key_bits, value_bits, group, per_token_keys,
 @_ENCODE_OP.register_kernel("cuda")
 def _encode_cuda(k, v, kp, ks, kz, vp, vs, vz, key_bits, value_bits, group, per_token_keys, codebook):
     stored = (kp, ks, kz, vp, vs, vz)
-    torch_encode = (k, v, stored, key_bits, value_bits, group, per_token_keys, codebook)
+    encode_args = (k, v, stored, key_bits, value_bits, group, per_token_keys, codebook)
     if triton_available():
         from ..kernels.triton_append import kivi_encodable, triton_kivi_encode
 
@@ -420,9 +420,9 @@ def _encode_cuda(k, v, kp, ks, kz, vp, vs, vz, key_bits, value_bits, group, per_
                 lambda: triton_kivi_encode(
                     k, v, dict(zip(_STORED, stored)), key_bits, value_bits, group, per_token_keys, *levels
                 ),
-                lambda: _encode_torch(*torch_encode),
+                lambda: _encode_torch(*encode_args),
             )
-    return _encode_torch(*torch_encode)
+    return _encode_torch(*encode_args)
 
 
 encode_kivi = eager(_ENCODE_OP, _encode, _encode_cuda)
