@@ -16,6 +16,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 __all__ = [
     "ATTENTION_LAYER_TYPES",
+    "STATE_LAYER_TYPES",
     "LayerSpec",
     "is_latent_attention",
     "layer_specs",
@@ -27,6 +28,10 @@ __all__ = [
 
 # Layer types whose cache is plain K/V (chunked attention behaves like a sliding window for the cache).
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# Layers of hybrid models that keep no per-token K/V: fixed-size convolution / recurrent states (Mamba, gated
+# DeltaNet, LFM2's convolutions; "linear_attention", "conv") and layers with nothing to cache (MoE- or MLP-only
+# blocks, which transformers calls "dummy"). Every cache keeps them as transformers does (``hf_kvcache.layers.state``).
+STATE_LAYER_TYPES = ("linear_attention", "conv", "dummy")
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,12 @@ class LayerSpec:
     key_dim: int  # channels per head of key_states
     value_dim: int  # channels per head of value_states (differs from key_dim under latent attention)
     uses_rope: bool = True  # False on the NoPE layers of SmolLM3 and Llama 4 (``no_rope_layers``)
+    states: int = 0  # convolution / recurrent states of a STATE_LAYER_TYPES layer (transformers' number_of_states)
+
+    @property
+    def holds_kv(self) -> bool:
+        """Whether the model passes this layer's keys and values to the cache (else: a state layer, no K/V)."""
+        return self.layer_type in ATTENTION_LAYER_TYPES
 
     @property
     def bytes_per_token_factor(self) -> int:
@@ -141,12 +152,22 @@ def layer_specs(config: PretrainedConfig, cache_name: str, tp_size: int = 1, mod
     modules win."""
     layouts = _module_layouts(model) if isinstance(model, torch.nn.Module) and tp_size == 1 else {}
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
-    unsupported = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
+    if "reuse" in (_global(config, "kv_sharing_modes") or ()):
+        raise ValueError(
+            f"{cache_name} cannot serve model_type {model_type(config)!r}: some of its layers read another layer's "
+            "cached keys and values (KV sharing), which hf_kvcache caches do not hand between layers"
+        )
+    unsupported = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES + STATE_LAYER_TYPES})
     if unsupported:
         raise ValueError(
-            f"{cache_name} supports models whose layers are {', '.join(ATTENTION_LAYER_TYPES)}; this config "
-            f"(model_type {model_type(config)!r}) has {', '.join(unsupported)} layers (linear attention, KV sharing "
-            "or MoE-only layers are not supported)"
+            f"{cache_name} supports models whose layers are {', '.join(ATTENTION_LAYER_TYPES)} (beside "
+            f"{', '.join(STATE_LAYER_TYPES)} layers, kept as transformers keeps them); this config (model_type "
+            f"{model_type(config)!r}) has {', '.join(unsupported)} layers"
+        )
+    if not any(t in ATTENTION_LAYER_TYPES for t in layer_types):
+        raise ValueError(
+            f"{cache_name} cannot serve model_type {model_type(config)!r}: none of its layers caches keys and values "
+            f"(its layers are {', '.join(sorted(set(layer_types)))})"
         )
     if _global(config, "cross_attention_layers"):
         raise ValueError(
@@ -156,6 +177,9 @@ def layer_specs(config: PretrainedConfig, cache_name: str, tp_size: int = 1, mod
     rope = _rope_flags(config, len(layer_types))
     specs = []
     for i, (kind, kwargs, layer_config) in enumerate(zip(layer_types, layer_kwargs, config.per_layer_config)):
+        if kind in STATE_LAYER_TYPES:
+            specs.append(LayerSpec(kind, None, 0, 0, 0, False, kwargs.get("number_of_states", 0)))
+            continue
         if is_latent_attention(config):
             heads, key_dim, value_dim = 1, config.kv_lora_rank, config.qk_rope_head_dim
         else:

@@ -15,11 +15,21 @@ can compare caches on long prompts without paying for the prompt once per cache.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import (
+    Cache,
+    DummyLayer,
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+    get_layer_types_and_kwargs,
+)
 
+from ._config import STATE_LAYER_TYPES, resolve_config
 from .layers._common import KVLayer
 
 __all__ = ["SharedPrefill", "store_prefill", "write_tokens"]
@@ -38,16 +48,36 @@ def write_tokens(cache: Cache, layer_idx: int, key_states: torch.Tensor, value_s
         cache.update(key_states, value_states, layer_idx)
 
 
+def _copy_states(cache: Cache, layer_idx: int, source) -> None:
+    """A hybrid model's recurrent / convolution layer (or a layer with nothing to cache) of the prefill, copied into
+    ``cache``'s layer ``layer_idx``: its states cloned, so each cache's in-place updates stay its own."""
+    layers = getattr(cache, "layers", None)
+    target = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
+    if isinstance(source, DummyLayer) and isinstance(target, DummyLayer):
+        return
+    if not (isinstance(source, LinearAttentionCacheLayerMixin) and isinstance(target, LinearAttentionCacheLayerMixin)):
+        raise ValueError(
+            f"store_prefill: layer {layer_idx} of the prefill is a {type(source).__name__}, the cache's a "
+            f"{type(target).__name__}: a recurrent layer's states go to a recurrent layer"
+        )
+    own = ("spec", "layer_idx", "owner")
+    for name, value in vars(source).items():
+        if name not in own:
+            setattr(target, name, copy.deepcopy(value))
+
+
 def store_prefill(
     cache: Cache,
-    key_value_states: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    key_value_states: Iterable,
     attention_mask: torch.Tensor | None = None,
 ) -> Cache:
     """Store a prefill's keys and values, ``(key_states, value_states)`` of each layer in layer order (shapes as the
     model passes them to ``Cache.update``: ``(B, H, T, D)``, every layer the whole prompt's ``T`` tokens: the
     ``layers`` of a ``DynamicCache()`` built without a config that the prompt's forward filled), in an empty
     ``cache``; ``attention_mask``: the prompt's 2-D mask (1 = real token), for caches that read each row's left
-    padding. Returns ``cache``.
+    padding. Returns ``cache``. A hybrid model's recurrent / convolution layers (and its layers with nothing to cache)
+    are given as the prefill's transformers layer in place of a pair: their states are copied (:class:`SharedPrefill`
+    does both).
 
     >>> from transformers import DynamicCache, LlamaConfig
     >>> from hf_kvcache import QuantizedKVCache
@@ -64,7 +94,12 @@ def store_prefill(
     if attention_mask is not None and hasattr(cache, "before_forward"):
         cache.before_forward({"attention_mask": attention_mask})  # what the model's forward hook would tell it
     count, tokens = 0, None
-    for layer_idx, (key_states, value_states) in enumerate(key_value_states):
+    for layer_idx, entry in enumerate(key_value_states):
+        if isinstance(entry, (LinearAttentionCacheLayerMixin, DummyLayer)):
+            _copy_states(cache, layer_idx, entry)
+            count += 1
+            continue
+        key_states, value_states = entry
         tokens = key_states.shape[-2] if tokens is None else tokens
         if key_states.shape[-2] != tokens:
             raise ValueError(
@@ -78,6 +113,18 @@ def store_prefill(
     if layers is not None and count != len(layers):
         raise ValueError(f"store_prefill got the K/V of {count} layers for a cache of {len(layers)} layers")
     return cache
+
+
+def _keep_every_token(model) -> DynamicCache:
+    """A ``DynamicCache`` whose attention layers keep every token (sliding ones too, as :func:`store_prefill` needs).
+    Built without a config, so that every layer is a ``DynamicLayer``, except for hybrid models, whose recurrent /
+    convolution layers need transformers' own layers (built from the config, with its sliding layers replaced)."""
+    config = resolve_config(model)
+    if not any(t in STATE_LAYER_TYPES for t in get_layer_types_and_kwargs(config)[0]):
+        return DynamicCache()
+    once = DynamicCache(config=config)
+    once.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer for layer in once.layers]
+    return once
 
 
 class SharedPrefill:
@@ -106,16 +153,20 @@ class SharedPrefill:
     ):
         if input_ids.ndim != 2 or input_ids.shape[1] < 1:
             raise ValueError(f"input_ids must be (batch, tokens) with at least one token, got {tuple(input_ids.shape)}")
-        once = DynamicCache()  # no config: sliding layers keep every token too, as store_prefill needs
+        once = _keep_every_token(model)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "past_key_values": once}
         with torch.no_grad():
             try:  # the last positions' logits only: a long prompt's full logits can take more memory than its K/V
                 logits = model(**inputs, logits_to_keep=logits_to_keep).logits
             except TypeError:  # a model whose forward has no logits_to_keep
-                once = inputs["past_key_values"] = DynamicCache()
+                once = inputs["past_key_values"] = _keep_every_token(model)
                 logits = model(**inputs).logits[:, -logits_to_keep:]
         self.logits = logits
-        self.key_values = [(layer.keys, layer.values) for layer in once.layers]
+        # per layer its K/V, or (a hybrid model's recurrent layers) the layer, whose states store_prefill copies
+        self.key_values = [
+            layer if isinstance(layer, (LinearAttentionCacheLayerMixin, DummyLayer)) else (layer.keys, layer.values)
+            for layer in once.layers
+        ]
         self.attention_mask = attention_mask
         self.tokens = input_ids.shape[1]
 

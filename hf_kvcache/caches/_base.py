@@ -30,8 +30,15 @@ class KVCacheReportMixin:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of K/V storage holding live tokens now: data, scales, zero points, residual, block tables."""
+        """Bytes of K/V storage holding live tokens now: data, scales, zero points, residual, block tables; and a
+        hybrid model's recurrent / convolution states (:attr:`state_nbytes`), as ``DynamicCache`` holds them."""
         return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of a hybrid model's recurrent / convolution states (0 for attention-only models): a fixed size per
+        row, the same in every cache, counted in :attr:`nbytes` and not in ``hf-kvcache plan``'s per-token K/V."""
+        return sum(getattr(layer, "state_nbytes", 0) for layer in self.layers)
 
     @property
     def reserved_nbytes(self) -> int:
@@ -59,6 +66,7 @@ class KVCacheReportMixin:
         ]
         return {
             "nbytes": self.nbytes,
+            "state_nbytes": self.state_nbytes,
             "reserved_nbytes": self.reserved_nbytes,
             "workspace_nbytes": self.workspace_nbytes,
             "layers": rows,

@@ -8,6 +8,7 @@ from transformers.cache_utils import Cache
 
 from .._validate import check_int
 from ..layers.paged import PagedLayer, PagedState, page_bytes_per_token
+from ..layers.state import state_layer
 from ..layers.window import ModelSlidingWindowLayer
 from ..registry import register_cache
 from ._base import KVCacheReportMixin, PaddingObserverMixin, split_model
@@ -79,7 +80,9 @@ class PagedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         self.state = PagedState(block_size, num_blocks, grow_blocks, self.padding, bits)
         owner, layers, rank = type(self).__name__, [], 0
         for i, spec in enumerate(specs):
-            if spec.layer_type == "full_attention":
+            if not spec.holds_kv:  # a hybrid model's recurrent / convolution layer
+                layers.append(state_layer(spec, i, owner))
+            elif spec.layer_type == "full_attention":
                 layers.append(PagedLayer(spec, i, owner, self.state, rank, self.attention_mode))
                 rank += 1
             else:

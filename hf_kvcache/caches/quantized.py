@@ -17,6 +17,7 @@ from ..formats import KEY_AXES, ROTATIONS, codec_for
 from ..layer_widths import LayerKeyWidths, resolve_key_bits
 from ..layers._storage import Workspace
 from ..layers.quantized import QuantizedLayer, QuantizedSlidingWindowLayer
+from ..layers.state import EmptyLayer, StateLayer, state_layer
 from ..registry import register_cache
 from ..rope import RotarySpec, rotary_spec
 from ._base import KVCacheReportMixin, PaddingObserverMixin, split_model
@@ -284,8 +285,10 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         """Whether layer ``layer_idx`` is one of the first or last ``boundary_layers``, stored in int8."""
         return layer_idx < self.boundary_layers or layer_idx >= len(self.layer_specs) - self.boundary_layers
 
-    def _make_layer(self, layer_idx: int, spec: LayerSpec) -> QuantizedLayer:
+    def _make_layer(self, layer_idx: int, spec: LayerSpec) -> QuantizedLayer | StateLayer | EmptyLayer:
         owner = type(self).__name__
+        if not spec.holds_kv:  # a hybrid model's recurrent / convolution layer: its states as transformers keeps them
+            return state_layer(spec, layer_idx, owner)
         key_rope = self.key_ropes.get(spec.layer_type) if spec.uses_rope else None
         residual, sinks = self.residual_length, self.sinks
         residual_codec = codec_for(self.residual_bits)  # int8 as bits=8 stores it, or None: exact
@@ -315,6 +318,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         return sum(
             layer.codec.bytes_per_token(spec.num_kv_heads, spec.key_dim, spec.value_dim, dtype)
             for spec, layer in zip(self.layer_specs, self.layers)
+            if spec.holds_kv
         )
 
     def __repr__(self) -> str:

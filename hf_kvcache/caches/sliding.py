@@ -18,6 +18,7 @@ from ..formats import codec_for
 from ..layers._storage import Workspace
 from ..layers.quantized import QuantizedSlidingWindowLayer
 from ..layers.sliding import SinkWindowLayer
+from ..layers.state import state_layer
 from ..layers.window import ModelSlidingWindowLayer
 from ..registry import register_cache
 from ..rope import rotary_spec
@@ -140,6 +141,8 @@ class SlidingWindowKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
 
     def _make_layer(self, layer_idx: int, spec: LayerSpec):
         owner = type(self).__name__
+        if not spec.holds_kv:  # a hybrid model's recurrent / convolution layer: its states summarize every token
+            return state_layer(spec, layer_idx, owner)
         int8 = codec_for(self.bits)
         if spec.layer_type == "full_attention":
             rotary = self.rotary if spec.uses_rope else None

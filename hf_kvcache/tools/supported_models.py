@@ -370,7 +370,7 @@ def _ragged_cell(model, model_type: str) -> dict:
         cache = make_cache(RAGGED_SPEC, model)
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask, past_key_values=cache)
-        held = cache.nbytes
+        held = cache.nbytes - cache.state_nbytes  # a hybrid's recurrent states: not per-token K/V, not planned
         planned = kv_bytes(RAGGED_SPEC, model, tokens=max(long, cache.get_seq_length()), batch=2, dtype=model.dtype)
     except Exception as error:  # noqa: BLE001
         return _failure(error, model, model_type)
@@ -528,7 +528,13 @@ def render(saved: dict) -> str:
         "`DynamicCache` holds after the prompt's prefill, or refused where the caches refuse the model. Column "
         f"`ragged`: a batch of a {RAGGED[0]}-token and a {RAGGED[1]}-token row, left-padded, through `{RAGGED_SPEC}` "
         "(int2's defaults: sinks, rotation, pre-RoPE keys), holding exactly what `kv_bytes` plans for two "
-        f"{RAGGED[1]}-token rows (**equal**).",
+        f"{RAGGED[1]}-token rows (**equal**; a hybrid model's recurrent states, a fixed size per row, apart).",
+        "",
+        "Models whose attention layers sit beside recurrent ones (Mamba, gated DeltaNet, convolutions: transformers' "
+        "`linear_attention` and `conv` layer types) or MLP-only blocks (`dummy`) are served: every cache keeps those "
+        "layers as `DynamicCache` does (transformers' own layer classes, full precision) and its own storage for the "
+        "attention layers. Refused by name: layers with both a recurrent state and attention (`hybrid`), indexed "
+        "and compressed attention, and layers that read another layer's cache (KV sharing).",
         "",
         "Caches: " + ", ".join(f"`{c}` = `{spec}`" for c, spec, *_ in CACHES) + ". Reproduce with "
         "`python scripts/supported_models.py --run` (the whole matrix, a few minutes on one core); the test suite "

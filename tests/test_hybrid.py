@@ -1,0 +1,244 @@
+"""Hybrid models (attention layers beside Mamba, gated DeltaNet or convolution layers, and MLP-only blocks): every
+cache keeps the recurrent layers as transformers does and its own kind of storage for the attention layers, so
+lossless caches reproduce DynamicCache exactly and lossy ones stay within their stated bounds, under every attention
+implementation, batch shape and generate() mode; the lifecycle contract holds on the recurrent layers too; one
+prefill hands its recurrent states to every cache; memory reports and plans count what the caches hold."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+from hf_kvcache import make_cache
+from hf_kvcache.compare import LOGIT_BOUNDS
+from hf_kvcache.layers.state import EmptyLayer, StateLayer
+from hf_kvcache.plan import kv_bytes
+from hf_kvcache.prefill import SharedPrefill
+from hf_kvcache.tools.supported_models import tiny_config
+
+# Gated DeltaNet + attention with partial RoPE (Qwen3-Next), Mamba + MoE + attention without RoPE (Jamba),
+# convolutions + attention (LFM2), Mamba + MLP-only blocks + attention (Nemotron-H).
+FAMILIES = ("qwen3_next", "jamba", "lfm2_moe", "nemotron_h")
+ATTENTION = ("eager", "sdpa", "hf_kvcache")
+VOCAB, PAD, NEW = 128, 0, 8
+# spec, lossless, logit bound (lossy): small residuals and groups so that tokens really are quantized.
+CASES = {
+    "paged": ("paged:block_size=4", True, 0.0),
+    "sink": ("sink:window=256:sinks=4", True, 0.0),  # nothing evicted: DynamicCache exactly
+    "int8": ("int8", False, LOGIT_BOUNDS["int8"]),
+    "int4": ("int4:residual_length=2:group_size=8", False, LOGIT_BOUNDS["int4"]),
+    "int2": ("int2:residual_length=2:group_size=8", False, LOGIT_BOUNDS["int2"]),
+    "paged-int8": ("paged:block_size=4:bits=8", False, LOGIT_BOUNDS["int8"]),
+}
+
+
+@cache
+def _model(family: str, attn: str):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation=attn).eval()
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _prompt(batch: str, length: int = 12) -> dict:
+    ids = torch.randint(3, VOCAB, (2 if batch == "padded" else 1, length), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    if batch == "padded":
+        ids[1, :5], mask[1, :5] = PAD, 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _generate(model, cache, inputs, **kwargs):
+    torch.manual_seed(1234)
+    with torch.no_grad():
+        return model.generate(
+            **inputs, past_key_values=cache, max_new_tokens=NEW, min_new_tokens=NEW, output_logits=True,
+            return_dict_in_generate=True, **({"do_sample": False} | kwargs),
+        )  # fmt: skip
+
+
+@torch.no_grad()
+def _teacher_forced(model, cache, ids: torch.Tensor, prefill: int = 8) -> torch.Tensor:
+    logits = [model(ids[:, :prefill], past_key_values=cache).logits[:, -1]]
+    for t in range(prefill, ids.shape[1]):
+        logits.append(model(ids[:, t : t + 1], past_key_values=cache).logits[:, -1])
+    return torch.stack(logits, 1)
+
+
+def _params():
+    for family in FAMILIES:
+        for name in CASES:
+            for attn in ATTENTION:
+                for batch in ("single", "padded"):
+                    fast = attn == "sdpa" and batch == "padded" and (family == FAMILIES[0] or name in ("paged", "int8"))
+                    marks = () if fast else (pytest.mark.slow,)
+                    yield pytest.param(family, name, attn, batch, id=f"{family}-{name}-{attn}-{batch}", marks=marks)
+
+
+@pytest.mark.parametrize("family, name, attn, batch", list(_params()))
+def test_greedy_matches_dynamic_cache(family, name, attn, batch):
+    """Lossless caches: DynamicCache's tokens and logits. Lossy: every step's logits within the kind's bound until
+    the first token that differs (the matrix's rule)."""
+    spec, lossless, bound = CASES[name]
+    model = _model(family, attn)
+    inputs = _prompt(batch)
+    ref = _generate(_model(family, "sdpa"), DynamicCache(config=model.config), inputs)
+    if attn == "hf_kvcache" and not type(model)._supports_attention_backend:
+        # transformers marks most hybrid classes as not passing attention kwargs through (its flag for attention
+        # backends); the caches refuse to hand those models a storage handle, by name
+        with pytest.raises(ValueError, match=r"does not route attention .* 'sdpa' or 'eager'"):
+            make_cache(spec, model)
+        return
+    cache = make_cache(spec, model)
+    out = _generate(model, cache, inputs)
+    assert any(isinstance(layer, StateLayer) for layer in cache.layers)
+    if lossless:
+        torch.testing.assert_close(out.sequences, ref.sequences, rtol=0, atol=0)
+        for got, want in zip(out.logits, ref.logits):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        return
+    differ = (out.sequences != ref.sequences).any(0).nonzero()
+    steps = len(ref.logits) if not len(differ) else int(differ[0]) - (ref.sequences.shape[1] - len(ref.logits)) + 1
+    for step in range(steps):
+        error = (out.logits[step] - ref.logits[step]).abs().amax(-1)
+        assert (error <= bound * ref.logits[step].std(-1)).all(), f"step {step}: logit error {error.tolist()}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", [n for n, (_, lossless, _) in CASES.items() if not lossless])
+def test_teacher_forced_error_within_bound(family, name):
+    """40 tokens, one decode step at a time after an 8-token prefill, against DynamicCache."""
+    spec, _, bound = CASES[name]
+    model = _model(family, "sdpa")
+    ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(3))
+    ref = _teacher_forced(model, DynamicCache(config=model.config), ids)
+    got = _teacher_forced(model, make_cache(spec, model), ids)
+    assert float((got - ref).abs().max() / ref.std()) <= bound
+
+
+# Speculative modes (assisted, prompt lookup) are refused by transformers itself for stateful models.
+MODES = {
+    "beam": dict(num_beams=3),
+    "beam-nrs": dict(num_beams=3, num_return_sequences=2),
+    "sample-nrs": dict(do_sample=True, num_return_sequences=2),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["paged", "sink"])
+def test_generate_modes_match_dynamic_cache(name, mode):
+    """Beam search reorders the recurrent states with the attention layers' storage, sampling repeats them per
+    sequence: tokens as DynamicCache's."""
+    model = _model(FAMILIES[0], "sdpa")
+    ref = _generate(model, DynamicCache(config=model.config), _prompt("padded"), **MODES[mode])
+    out = _generate(model, make_cache(CASES[name][0], model), _prompt("padded"), **MODES[mode])
+    torch.testing.assert_close(out.sequences, ref.sequences, rtol=0, atol=0)
+
+
+def test_evicting_window_bounds_attention_and_keeps_recurrent_states():
+    """A window that evicts keeps its attention layers to ``sinks + window`` tokens while the recurrent layers keep
+    summarizing every token (their states do not grow)."""
+    model = _model("qwen3_next", "sdpa")
+    cache = make_cache("sink:window=6:sinks=2", model)
+    out = _generate(model, cache, _prompt("padded"))
+    assert out.sequences.shape[1] == 12 + NEW
+    assert cache.stored_tokens == 8
+    assert cache.get_seq_length() == 12 + NEW - 1
+    states = [layer for layer in cache.layers if isinstance(layer, StateLayer)]
+    assert states and all(layer.nbytes > 0 and layer.stored_tokens == 0 for layer in states)
+
+
+@pytest.mark.parametrize("name", ["int8", "paged"])
+def test_recurrent_layer_refuses_another_batch_until_reset(name):
+    model = _model("qwen3_next", "sdpa")
+    cache = make_cache(CASES[name][0], model)
+    _generate(model, cache, _prompt("single"))
+    with pytest.raises(ValueError, match=r"layer \d+ \(linear_attention\) holds .* batch 1"):
+        _generate(model, cache, _prompt("padded"))
+    cache.reset()
+    assert cache.nbytes == 0
+    again = _generate(model, cache, _prompt("padded"))
+    fresh = _generate(model, make_cache(CASES[name][0], model), _prompt("padded"))
+    torch.testing.assert_close(again.sequences, fresh.sequences, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", ["paged", "int8", "int2", "sink"])
+def test_shared_prefill_hands_over_recurrent_states(family, name):
+    """One prefill stored in a cache (attention K/V written, recurrent states copied) leaves the state a prefill
+    through the cache leaves: the same continuation, token for token and logit for logit."""
+    model = _model(family, "sdpa")
+    inputs = _prompt("padded")
+    shared = SharedPrefill(model, inputs["input_ids"], inputs["attention_mask"])
+    handed = shared.into(make_cache(CASES[name][0], model))
+    own = make_cache(CASES[name][0], model)
+    with torch.no_grad():
+        model(**inputs, past_key_values=own)
+    assert handed.get_seq_length() == own.get_seq_length() == 12
+    assert handed.nbytes == own.nbytes
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
+    mask = torch.cat([inputs["attention_mask"], torch.ones_like(ids)], 1)
+    with torch.no_grad():
+        a = model(input_ids=ids, attention_mask=mask, past_key_values=handed).logits
+        b = model(input_ids=ids, attention_mask=mask, past_key_values=own).logits
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # the states were copied, not shared: the prefill's own layers are untouched by the caches' updates
+    for entry, layer in zip(shared.key_values, handed.layers):
+        if isinstance(entry, LinearAttentionCacheLayerMixin):
+            assert all(entry.conv_states[i] is not layer.conv_states[i] for i in entry.conv_states)
+
+
+def test_memory_report_and_plan_count_what_the_caches_hold():
+    """State layers report their states' bytes (in ``nbytes``, and apart as ``state_nbytes``); ``kv_bytes`` counts
+    the per-token K/V of the attention layers, as DynamicCache stores them, and the paged cache holds that."""
+    model = _model("nemotron_h", "sdpa")
+    inputs = _prompt("single", length=20)
+    dynamic = DynamicCache(config=model.config)
+    cache = make_cache("paged:block_size=4", model)
+    with torch.no_grad():
+        model(**inputs, past_key_values=dynamic)
+        model(**inputs, past_key_values=cache)
+    report = cache.memory_report()
+    states = sum(layer.nbytes for layer in cache.layers if isinstance(layer, StateLayer))
+    assert report["state_nbytes"] == cache.state_nbytes == states > 0
+    assert (
+        report["nbytes"]
+        == cache.nbytes
+        == states + sum(layer.nbytes for layer in cache.layers if not isinstance(layer, (StateLayer, EmptyLayer)))
+    )
+    kinds = {type(layer) for layer in cache.layers}
+    assert StateLayer in kinds and EmptyLayer in kinds  # Mamba layers and MLP-only blocks
+    for row, layer in zip(cache.memory_report()["layers"], cache.layers):
+        if isinstance(layer, StateLayer):
+            held = [*layer.conv_states.values(), *layer.recurrent_states.values()]
+            assert row["nbytes"] == sum(t.numel() * t.element_size() for t in held if t is not None) > 0
+            assert row["stored_tokens"] == 0
+        elif isinstance(layer, EmptyLayer):
+            assert row["nbytes"] == 0
+    attention = sum(
+        layer.keys.numel() * layer.keys.element_size() * 2
+        for layer in dynamic.layers
+        if getattr(layer, "keys", None) is not None and not isinstance(layer, LinearAttentionCacheLayerMixin)
+    )
+    assert attention > 0
+    assert kv_bytes("dynamic", model, tokens=20, dtype=torch.float32) == attention
+    assert kv_bytes("paged:block_size=4", model, tokens=20, dtype=torch.float32) == cache.nbytes - cache.state_nbytes
+
+
+@pytest.mark.parametrize(
+    "family, match",
+    [
+        ("zamba2", r"has hybrid layers"),  # one layer with both a Mamba state and attention: not yet served
+        ("falcon_h1", r"has hybrid layers"),
+    ],
+)
+def test_layers_with_both_states_and_attention_are_refused_by_name(family, match):
+    model = _model(family, "sdpa")
+    for spec in ("int8", "paged", "sink"):
+        with pytest.raises(ValueError, match=match):
+            make_cache(spec, model)
