@@ -17,6 +17,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 __all__ = [
     "ATTENTION_LAYER_TYPES",
     "STATE_LAYER_TYPES",
+    "has_state_layers",
     "LayerSpec",
     "is_latent_attention",
     "layer_specs",
@@ -53,6 +54,11 @@ class LayerSpec:
     def bytes_per_token_factor(self) -> int:
         """Elements stored per token of this layer (keys and values, all heads)."""
         return self.num_kv_heads * (self.key_dim + self.value_dim)
+
+
+def has_state_layers(config: PretrainedConfig) -> bool:
+    """Whether ``config`` has recurrent / convolution layers or MLP-only blocks beside its attention layers."""
+    return any(t in STATE_LAYER_TYPES for t in get_layer_types_and_kwargs(config)[0])
 
 
 def resolve_config(config) -> PretrainedConfig:

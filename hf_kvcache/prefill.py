@@ -26,10 +26,9 @@ from transformers.cache_utils import (
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionCacheLayerMixin,
-    get_layer_types_and_kwargs,
 )
 
-from ._config import STATE_LAYER_TYPES, resolve_config
+from ._config import has_state_layers, resolve_config
 from .layers._common import KVLayer
 
 __all__ = ["SharedPrefill", "store_prefill", "write_tokens"]
@@ -120,7 +119,7 @@ def _keep_every_token(model) -> DynamicCache:
     Built without a config, so that every layer is a ``DynamicLayer``, except for hybrid models, whose recurrent /
     convolution layers need transformers' own layers (built from the config, with its sliding layers replaced)."""
     config = resolve_config(model)
-    if not any(t in STATE_LAYER_TYPES for t in get_layer_types_and_kwargs(config)[0]):
+    if not has_state_layers(config):
         return DynamicCache()
     once = DynamicCache(config=config)
     once.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer for layer in once.layers]

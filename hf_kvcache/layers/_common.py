@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 from collections.abc import Callable
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .._config import LayerSpec
+from .._config import LayerSpec, has_state_layers
 from ..attention import MAX_DECODE_QUERY, is_hf_kvcache_attention
 
 __all__ = [
@@ -90,6 +91,15 @@ def _takes_a_cache(model) -> bool:
     return "past_key_values" in parameters  # every causal LM of transformers that takes a cache names it
 
 
+def _hybrid_routing_attention(model, config) -> bool:
+    """A model with recurrent layers beside its attention (Qwen3-Next, Jamba, Nemotron-H, ...) whose modeling module
+    calls transformers' AttentionInterface: transformers leaves ``_supports_attention_backend`` False on most such
+    classes (its flag also promises attention backends that run every layer, which recurrent layers do not allow),
+    while their attention layers call the registered attention function as any other model's do."""
+    module = sys.modules.get(type(model).__module__)
+    return has_state_layers(config) and module is not None and hasattr(module, "ALL_ATTENTION_FUNCTIONS")
+
+
 class AttentionMode:
     """Whether a cache's layers answer a forward with a storage handle (:mod:`hf_kvcache.attention`) instead of
     materialized K/V: when the model's config names the ``hf_kvcache`` attention, the forward brings at most
@@ -105,7 +115,8 @@ class AttentionMode:
                 f"{type(model).__name__} (model_type {self.model_type!r}) takes no "
                 "past_key_values (it keeps its own state or no cache), so no KV cache can serve it"
             )
-        if model is not None and getattr(type(model), "_supports_attention_backend", True) is False:
+        routes = getattr(type(model), "_supports_attention_backend", True) is not False
+        if model is not None and not routes and not _hybrid_routing_attention(model, config):
             self.refusal = (
                 f"{type(model).__name__} (model_type {self.model_type!r}) does not route attention "
                 "through transformers' AttentionInterface (_supports_attention_backend is False), so "

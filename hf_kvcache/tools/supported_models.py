@@ -533,7 +533,7 @@ def render(saved: dict) -> str:
         "Models whose attention layers sit beside recurrent ones (Mamba, gated DeltaNet, convolutions: transformers' "
         "`linear_attention` and `conv` layer types) or MLP-only blocks (`dummy`) are served: every cache keeps those "
         "layers as `DynamicCache` does (transformers' own layer classes, full precision) and its own storage for the "
-        "attention layers. Refused by name: layers with both a recurrent state and attention (`hybrid`), indexed "
+        "attention layers, which the `hf_kvcache` attention reads in place as any other model's. Refused by name: layers with both a recurrent state and attention (`hybrid`), indexed "
         "and compressed attention, and layers that read another layer's cache (KV sharing).",
         "",
         "Caches: " + ", ".join(f"`{c}` = `{spec}`" for c, spec, *_ in CACHES) + ". Reproduce with "
