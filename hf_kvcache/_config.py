@@ -33,6 +33,9 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attenti
 # DeltaNet, LFM2's convolutions; "linear_attention", "conv") and layers with nothing to cache (MoE- or MLP-only
 # blocks, which transformers calls "dummy"). Every cache keeps them as transformers does (``hf_kvcache.layers.state``).
 STATE_LAYER_TYPES = ("linear_attention", "conv", "dummy")
+# Layers with recurrent states *and* full attention (Falcon-H1, Zamba): the attention's kind of cache beside the
+# states. (hybrid_sliding, Inkling's, is not served yet: its masks do not line up with a sliding layer's keys.)
+WITH_STATES_LAYER_TYPES = {"hybrid": "full_attention"}
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,9 @@ class LayerSpec:
     key_dim: int  # channels per head of key_states
     value_dim: int  # channels per head of value_states (differs from key_dim under latent attention)
     uses_rope: bool = True  # False on the NoPE layers of SmolLM3 and Llama 4 (``no_rope_layers``)
-    states: int = 0  # convolution / recurrent states of a STATE_LAYER_TYPES layer (transformers' number_of_states)
+    # recurrent / convolution states of a STATE_LAYER_TYPES layer, or of an attention layer that has both
+    # (WITH_STATES_LAYER_TYPES; its layer_type is then its attention's): transformers' number_of_states
+    states: int = 0
 
     @property
     def holds_kv(self) -> bool:
@@ -57,8 +62,8 @@ class LayerSpec:
 
 
 def has_state_layers(config: PretrainedConfig) -> bool:
-    """Whether ``config`` has recurrent / convolution layers or MLP-only blocks beside its attention layers."""
-    return any(t in STATE_LAYER_TYPES for t in get_layer_types_and_kwargs(config)[0])
+    """Whether ``config`` has recurrent / convolution states or MLP-only blocks beside (or with) its attention."""
+    return any(t in STATE_LAYER_TYPES or t in WITH_STATES_LAYER_TYPES for t in get_layer_types_and_kwargs(config)[0])
 
 
 def resolve_config(config) -> PretrainedConfig:
@@ -163,14 +168,16 @@ def layer_specs(config: PretrainedConfig, cache_name: str, tp_size: int = 1, mod
             f"{cache_name} cannot serve model_type {model_type(config)!r}: some of its layers read another layer's "
             "cached keys and values (KV sharing), which hf_kvcache caches do not hand between layers"
         )
-    unsupported = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES + STATE_LAYER_TYPES})
+    served = (*ATTENTION_LAYER_TYPES, *STATE_LAYER_TYPES, *WITH_STATES_LAYER_TYPES)
+    unsupported = sorted({t for t in layer_types if t not in served})
     if unsupported:
         raise ValueError(
             f"{cache_name} supports models whose layers are {', '.join(ATTENTION_LAYER_TYPES)} (beside "
-            f"{', '.join(STATE_LAYER_TYPES)} layers, kept as transformers keeps them); this config (model_type "
+            f"{', '.join(STATE_LAYER_TYPES + tuple(WITH_STATES_LAYER_TYPES))} layers, whose states are kept as "
+            f"transformers keeps them); this config (model_type "
             f"{model_type(config)!r}) has {', '.join(unsupported)} layers"
         )
-    if not any(t in ATTENTION_LAYER_TYPES for t in layer_types):
+    if not any(t in ATTENTION_LAYER_TYPES or t in WITH_STATES_LAYER_TYPES for t in layer_types):
         raise ValueError(
             f"{cache_name} cannot serve model_type {model_type(config)!r}: none of its layers caches keys and values "
             f"(its layers are {', '.join(sorted(set(layer_types)))})"
@@ -186,6 +193,8 @@ def layer_specs(config: PretrainedConfig, cache_name: str, tp_size: int = 1, mod
         if kind in STATE_LAYER_TYPES:
             specs.append(LayerSpec(kind, None, 0, 0, 0, False, kwargs.get("number_of_states", 0)))
             continue
+        states = kwargs.get("number_of_states", 1) if kind in WITH_STATES_LAYER_TYPES else 0
+        kind = WITH_STATES_LAYER_TYPES.get(kind, kind)
         if is_latent_attention(config):
             heads, key_dim, value_dim = 1, config.kv_lora_rank, config.qk_rope_head_dim
         else:
@@ -208,5 +217,5 @@ def layer_specs(config: PretrainedConfig, cache_name: str, tp_size: int = 1, mod
                 heads //= tp_size
             heads, key_dim, value_dim = layouts.get(i, (heads, key_dim, value_dim))
         window = kwargs.get("sliding_window") if kind != "full_attention" else None
-        specs.append(LayerSpec(kind, window, heads, key_dim, value_dim, rope[i]))
+        specs.append(LayerSpec(kind, window, heads, key_dim, value_dim, rope[i], states))
     return specs

@@ -25,7 +25,10 @@ from transformers.cache_utils import (
     DynamicCache,
     DynamicLayer,
     DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
     LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
 )
 
 from ._config import has_state_layers, resolve_config
@@ -41,7 +44,7 @@ def write_tokens(cache: Cache, layer_idx: int, key_states: torch.Tensor, value_s
     prefill written this way chunk by chunk stores what one through the cache stores, with no scratch."""
     layers = getattr(cache, "layers", None)
     layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
-    if isinstance(layer, KVLayer):
+    if isinstance(layer, KVLayer) or hasattr(layer, "write"):  # ours, and our attention-with-states layers
         layer.write(key_states, value_states)
     else:
         cache.update(key_states, value_states, layer_idx)
@@ -59,10 +62,9 @@ def _copy_states(cache: Cache, layer_idx: int, source) -> None:
             f"store_prefill: layer {layer_idx} of the prefill is a {type(source).__name__}, the cache's a "
             f"{type(target).__name__}: a recurrent layer's states go to a recurrent layer"
         )
-    own = ("spec", "layer_idx", "owner")
-    for name, value in vars(source).items():
-        if name not in own:
-            setattr(target, name, copy.deepcopy(value))
+    fresh = LinearAttentionLayer(number_of_states=source.number_of_states)  # what a linear-attention layer's state is
+    for name in vars(fresh):
+        setattr(target, name, copy.deepcopy(getattr(source, name)))
 
 
 def store_prefill(
@@ -96,8 +98,10 @@ def store_prefill(
     for layer_idx, entry in enumerate(key_value_states):
         if isinstance(entry, (LinearAttentionCacheLayerMixin, DummyLayer)):
             _copy_states(cache, layer_idx, entry)
-            count += 1
-            continue
+            if getattr(entry, "keys", None) is None:  # a layer of states alone
+                count += 1
+                continue
+            entry = (entry.keys, entry.values)  # a layer with both: its attention's K/V too
         key_states, value_states = entry
         tokens = key_states.shape[-2] if tokens is None else tokens
         if key_states.shape[-2] != tokens:
@@ -122,8 +126,15 @@ def _keep_every_token(model) -> DynamicCache:
     if not has_state_layers(config):
         return DynamicCache()
     once = DynamicCache(config=config)
-    once.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer for layer in once.layers]
+    once.layers = [_unbounded(layer) for layer in once.layers]
     return once
+
+
+def _unbounded(layer):
+    """``layer`` keeping every token: a sliding layer as a full one (with its states, where it has them)."""
+    if isinstance(layer, LinearAttentionAndSlidingWindowAttentionLayer):
+        return LinearAttentionAndFullAttentionLayer(number_of_states=layer.number_of_states)
+    return DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer
 
 
 class SharedPrefill:

@@ -8,7 +8,7 @@ from transformers.cache_utils import Cache
 
 from .._validate import check_int
 from ..layers.paged import PagedLayer, PagedState, page_bytes_per_token
-from ..layers.state import state_layer
+from ..layers.state import state_layer, with_states
 from ..layers.window import ModelSlidingWindowLayer
 from ..registry import register_cache
 from ._base import KVCacheReportMixin, PaddingObserverMixin, split_model
@@ -83,10 +83,12 @@ class PagedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             if not spec.holds_kv:  # a hybrid model's recurrent / convolution layer
                 layers.append(state_layer(spec, i, owner))
             elif spec.layer_type == "full_attention":
-                layers.append(PagedLayer(spec, i, owner, self.state, rank, self.attention_mode))
+                layers.append(
+                    with_states(PagedLayer(spec, i, owner, self.state, rank, self.attention_mode), spec, i, owner)
+                )
                 rank += 1
             else:
-                layers.append(ModelSlidingWindowLayer(spec, i, owner))
+                layers.append(with_states(ModelSlidingWindowLayer(spec, i, owner), spec, i, owner))
         super().__init__(layers=layers)
         self._observe_model(model)
 

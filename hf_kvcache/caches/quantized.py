@@ -17,7 +17,7 @@ from ..formats import KEY_AXES, ROTATIONS, codec_for
 from ..layer_widths import LayerKeyWidths, resolve_key_bits
 from ..layers._storage import Workspace
 from ..layers.quantized import QuantizedLayer, QuantizedSlidingWindowLayer
-from ..layers.state import EmptyLayer, StateLayer, state_layer
+from ..layers.state import EmptyLayer, StateLayer, state_layer, with_states
 from ..registry import register_cache
 from ..rope import RotarySpec, rotary_spec
 from ._base import KVCacheReportMixin, PaddingObserverMixin, split_model
@@ -263,7 +263,10 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
                     raise
                 self.pre_rope = False  # "auto" applies it where the model has a RoPE to undo
         self.workspace = Workspace()
-        super().__init__(layers=[self._make_layer(i, spec) for i, spec in enumerate(specs)])
+        owner = type(self).__name__
+        super().__init__(
+            layers=[with_states(self._make_layer(i, spec), spec, i, owner) for i, spec in enumerate(specs)]
+        )
         if sinks:  # the sinks are each row's first real tokens: read the left padding of the prefill's mask
             self._observe_model(model)
 

@@ -18,7 +18,7 @@ from ..formats import codec_for
 from ..layers._storage import Workspace
 from ..layers.quantized import QuantizedSlidingWindowLayer
 from ..layers.sliding import SinkWindowLayer
-from ..layers.state import state_layer
+from ..layers.state import state_layer, with_states
 from ..layers.window import ModelSlidingWindowLayer
 from ..registry import register_cache
 from ..rope import rotary_spec
@@ -123,7 +123,10 @@ class SlidingWindowKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         self.rotary = None
         if rerotate and sinks and any(s.layer_type == "full_attention" and s.uses_rope for s in specs):
             self.rotary = rotary_spec(model if model is not None else config, config, "full_attention")
-        super().__init__(layers=[self._make_layer(i, spec) for i, spec in enumerate(specs)])
+        owner = type(self).__name__
+        super().__init__(
+            layers=[with_states(self._make_layer(i, spec), spec, i, owner) for i, spec in enumerate(specs)]
+        )
         self._observe_model(model)
 
     @property

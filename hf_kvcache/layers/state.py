@@ -9,12 +9,13 @@ the states hold raises ``ValueError`` instead of broadcasting or failing inside 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DummyLayer, LinearAttentionLayer
+from transformers.cache_utils import CacheLayerMixin, DummyLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from .._config import LayerSpec
+from ._common import as_index
 from ._storage import _nbytes
 
-__all__ = ["EmptyLayer", "StateLayer", "state_layer"]
+__all__ = ["AttentionWithStates", "EmptyLayer", "StateLayer", "state_layer", "with_states"]
 
 
 class StateLayer(LinearAttentionLayer):
@@ -51,7 +52,21 @@ class StateLayer(LinearAttentionLayer):
     def reset(self) -> None:
         """Back to the freshly constructed state (transformers' ``reset`` zeroes the states in place and keeps their
         batch size; the lifecycle contract lets the next forward bring any)."""
-        self.__init__(self.spec, self.layer_idx, self.owner)
+        LinearAttentionCacheLayerMixin.__init__(self, number_of_states=max(self.spec.states, 1))
+
+    def _map_states(self, fn) -> None:
+        for states in (self.conv_states, self.recurrent_states):
+            for i, t in states.items():
+                if isinstance(t, torch.Tensor):
+                    states[i] = fn(t)
+
+    # transformers' linear-attention layers have reorder_cache only; the other batch-axis operations of every layer
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_states(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices) -> None:
+        index = as_index(indices)
+        self._map_states(lambda t: t.index_select(0, index.to(t.device)))
 
     def get_seq_length(self) -> int:
         return 0  # no token axis: the states summarize every token seen
@@ -76,6 +91,96 @@ class StateLayer(LinearAttentionLayer):
         return 0
 
 
+class AttentionWithStates(StateLayer, CacheLayerMixin):
+    """A layer with recurrent states *and* attention (transformers' ``hybrid`` layer type: Falcon-H1, Zamba): the
+    states as :class:`StateLayer` keeps them, and the cache's own layer for the attention's K/V (``attention``:
+    quantized, paged, windowed), to which every K/V operation goes."""
+
+    is_compileable = False
+
+    def __init__(self, attention, spec: LayerSpec, layer_idx: int, owner: str):
+        StateLayer.__init__(self, spec, layer_idx, owner)
+        self.attention = attention
+
+    # what the model and the cache ask of an attention layer: the inner layer's answer
+    keys = property(lambda self: getattr(self.attention, "keys", None))
+    values = property(lambda self: getattr(self.attention, "values", None))
+    is_initialized = property(lambda self: getattr(self.attention, "is_initialized", False))
+    is_sliding = property(lambda self: getattr(self.attention, "is_sliding", False))
+    stored_tokens = property(lambda self: self.attention.stored_tokens)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if (
+            args
+        ):  # (key_states, value_states): the attention's; keywords: a state's (update_conv_state / ..._recurrent_)
+            self.attention.lazy_initialization(*args, **kwargs)
+        else:
+            StateLayer.lazy_initialization(self, **kwargs)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.attention.update(key_states, value_states, *args, **kwargs)
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Store a forward's K/V without the read (:func:`hf_kvcache.prefill.write_tokens`)."""
+        write = getattr(self.attention, "write", None)
+        if write is not None:
+            write(key_states, value_states)
+        else:
+            self.attention.update(key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.attention.get_seq_length()
+
+    def get_mask_sizes(self, *args, **kwargs):
+        return self.attention.get_mask_sizes(*args, **kwargs)
+
+    def get_max_length(self) -> int:
+        return self.attention.get_max_length()
+
+    def planned_nbytes(self, tokens: int, dtype: torch.dtype, prompt: int | None = None) -> int:
+        return self.attention.planned_nbytes(tokens, dtype, prompt)
+
+    @property
+    def nbytes(self) -> int:
+        return StateLayer.nbytes.fget(self) + self.attention.nbytes
+
+    @property
+    def state_nbytes(self) -> int:
+        return StateLayer.nbytes.fget(self)
+
+    @property
+    def reserved_nbytes(self) -> int:
+        return StateLayer.reserved_nbytes.fget(self) + self.attention.reserved_nbytes
+
+    def reset(self) -> None:
+        StateLayer.reset(self)
+        self.attention.reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        StateLayer.crop(self, tokens_to_remove)
+        self.attention.crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        StateLayer.reorder_cache(self, beam_idx)
+        self.attention.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        StateLayer.batch_repeat_interleave(self, repeats)
+        self.attention.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices) -> None:
+        StateLayer.batch_select_indices(self, indices)
+        self.attention.batch_select_indices(indices)
+
+    def offload(self) -> None:
+        StateLayer.offload(self)
+        self.attention.offload()
+
+    def prefetch(self) -> None:
+        StateLayer.prefetch(self)
+        self.attention.prefetch()
+
+
 class EmptyLayer(DummyLayer):
     """A layer with nothing to cache (MoE- or MLP-only blocks): transformers' ``DummyLayer``, with our reporting."""
 
@@ -90,6 +195,12 @@ class EmptyLayer(DummyLayer):
 
     def planned_nbytes(self, tokens: int, dtype: torch.dtype, prompt: int | None = None) -> int:
         return 0
+
+
+def with_states(layer, spec: LayerSpec, layer_idx: int, owner: str):
+    """A cache's attention ``layer`` for ``spec``, beside its recurrent states where the layer has both
+    (:class:`AttentionWithStates`); as it is otherwise."""
+    return AttentionWithStates(layer, spec, layer_idx, owner) if spec.holds_kv and spec.states else layer
 
 
 def state_layer(spec: LayerSpec, layer_idx: int, owner: str) -> StateLayer | EmptyLayer:

@@ -531,10 +531,11 @@ def render(saved: dict) -> str:
         f"{RAGGED[1]}-token rows (**equal**; a hybrid model's recurrent states, a fixed size per row, apart).",
         "",
         "Models whose attention layers sit beside recurrent ones (Mamba, gated DeltaNet, convolutions: transformers' "
-        "`linear_attention` and `conv` layer types) or MLP-only blocks (`dummy`) are served: every cache keeps those "
-        "layers as `DynamicCache` does (transformers' own layer classes, full precision) and its own storage for the "
-        "attention layers, which the `hf_kvcache` attention reads in place as any other model's. Refused by name: layers with both a recurrent state and attention (`hybrid`), indexed "
-        "and compressed attention, and layers that read another layer's cache (KV sharing).",
+        "`linear_attention` and `conv` layer types), MLP-only blocks (`dummy`), or layers with both (`hybrid`: "
+        "Falcon-H1, Zamba) are served: every cache keeps the recurrent states as `DynamicCache` "
+        "does (transformers' own layer classes, full precision) and its own storage for the attention's K/V, which "
+        "the `hf_kvcache` attention reads in place as any other model's. Refused by name: `hybrid_sliding` layers, "
+        "indexed and compressed attention, and layers that read another layer's cache (KV sharing).",
         "",
         "Caches: " + ", ".join(f"`{c}` = `{spec}`" for c, spec, *_ in CACHES) + ". Reproduce with "
         "`python scripts/supported_models.py --run` (the whole matrix, a few minutes on one core); the test suite "
