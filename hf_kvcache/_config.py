@@ -17,8 +17,9 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 __all__ = [
     "ATTENTION_LAYER_TYPES",
     "STATE_LAYER_TYPES",
-    "has_state_layers",
+    "WITH_STATES_LAYER_TYPES",
     "LayerSpec",
+    "has_state_layers",
     "is_latent_attention",
     "layer_specs",
     "model_type",

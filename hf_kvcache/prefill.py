@@ -33,6 +33,7 @@ from transformers.cache_utils import (
 
 from ._config import has_state_layers, resolve_config
 from .layers._common import KVLayer
+from .layers.state import AttentionWithStates
 
 __all__ = ["SharedPrefill", "store_prefill", "write_tokens"]
 
@@ -44,7 +45,7 @@ def write_tokens(cache: Cache, layer_idx: int, key_states: torch.Tensor, value_s
     prefill written this way chunk by chunk stores what one through the cache stores, with no scratch."""
     layers = getattr(cache, "layers", None)
     layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
-    if isinstance(layer, KVLayer) or hasattr(layer, "write"):  # ours, and our attention-with-states layers
+    if isinstance(layer, (KVLayer, AttentionWithStates)):
         layer.write(key_states, value_states)
     else:
         cache.update(key_states, value_states, layer_idx)

@@ -1,8 +1,9 @@
-"""Hybrid models (attention layers beside Mamba, gated DeltaNet or convolution layers, and MLP-only blocks): every
-cache keeps the recurrent layers as transformers does and its own kind of storage for the attention layers, so
-lossless caches reproduce DynamicCache exactly and lossy ones stay within their stated bounds, under every attention
-implementation, batch shape and generate() mode; the lifecycle contract holds on the recurrent layers too; one
-prefill hands its recurrent states to every cache; memory reports and plans count what the caches hold."""
+"""Hybrid models (attention layers beside Mamba, gated DeltaNet or convolution layers, MLP-only blocks, and layers
+holding both a Mamba state and attention): every cache keeps the recurrent states as transformers does and its own
+kind of storage for the attention, so lossless caches reproduce DynamicCache exactly and lossy ones stay within
+their stated bounds, under every attention implementation, batch shape and the generate() modes transformers allows
+such models; the lifecycle contract holds on the recurrent layers too; one prefill hands its recurrent states to
+every cache; memory reports and plans count what the caches hold."""
 
 from __future__ import annotations
 
