@@ -36,6 +36,15 @@ _SINUSOIDAL_TABLE_MODELS = ("gptj", "codegen")
 _ROPE_HINTS = ("rotary_dim", "rope_theta", "rope_parameters", "rotary_pct", "partial_rotary_factor", "rotary_emb_base")
 
 
+def declines_rope(config) -> bool:
+    """Whether a config that carries RoPE parameters turns RoPE off with a flag its modeling code reads: Granite 4's
+    hybrids build no rotary embedding unless ``position_embedding_type == "rope"`` (None and "nope" are NoPE),
+    Zamba2 none unless ``use_mem_rope``."""
+    if "position_embedding_type" in vars(config) and config.position_embedding_type in (None, "nope"):
+        return True
+    return getattr(config, "use_mem_rope", None) is False
+
+
 @dataclass(frozen=True)
 class RotarySpec:
     """The rotation a model applies to its keys on one layer type."""
@@ -228,6 +237,8 @@ def rotary_spec(
     if isinstance(rope_parameters, dict) and "mrope_section" in rope_parameters:
         raise ValueError(f"multimodal RoPE (mrope_section) cannot be re-rotated; use {way_out}")
     module = _rotary_module(model_or_config, config, way_out)
+    if module is None and declines_rope(config):
+        return None
     if module is None:
         spec = _table_spec(model_or_config, config, way_out)
         if spec is None and any(getattr(config, hint, None) for hint in _ROPE_HINTS):

@@ -250,3 +250,23 @@ def test_sliding_layers_with_states_are_refused_by_name():
     for spec in ("int8", "paged", "sink"):
         with pytest.raises(ValueError, match=r"'inkling_text'\) has hybrid_sliding layers"):
             make_cache(spec, model)
+
+
+@pytest.mark.parametrize(
+    "family, rope", [("zamba2", {"use_mem_rope": True}), ("granitemoehybrid", {"position_embedding_type": "rope"})]
+)
+def test_sink_window_on_hybrids_that_switch_rope_off_or_on(family, rope):
+    """Zamba2 and Granite 4's hybrids carry RoPE parameters that a flag switches off (their default) or on: off, no
+    rotary embedding exists and none is needed; on, the window re-rotates with the model's own. A window that keeps
+    every token equals DynamicCache either way, and one that evicts keeps sinks + window tokens."""
+    for variant in ({}, rope):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(family, variant), attn_implementation="sdpa").eval()
+        model.generation_config.pad_token_id, model.generation_config.eos_token_id = PAD, None
+        ref = _generate(model, DynamicCache(config=model.config), _prompt("padded"))
+        out = _generate(model, make_cache("sink:window=256:sinks=4", model), _prompt("padded"))
+        torch.testing.assert_close(out.sequences, ref.sequences, rtol=0, atol=0)
+        evicting = make_cache("sink:window=6:sinks=2", model)
+        _generate(model, evicting, _prompt("padded"))
+        assert evicting.stored_tokens == 8
+        assert (evicting.rotary is not None) == bool(variant)
