@@ -81,12 +81,22 @@ def check_device_map_split(out: str, cwd: Path) -> None:
     assert "all tokens equal: True" in out
 
 
+def check_hybrid_model(out: str, cwd: Path) -> None:
+    assert "paged tokens equal DynamicCache's: True" in out
+    states = re.findall(r"StateLayer: +0 tokens, +([\d,]+) bytes", out)
+    assert len(states) == 6 and all(int(n.replace(",", "")) > 0 for n in states)  # Qwen3-Next's linear layers
+    assert len(re.findall(r"QuantizedLayer: +\d+ tokens", out)) == 2
+    # the attention layers' history in int4 (the 128-token residual in float32 aside) against float32
+    assert _number(r"attention ratio: ([\d.]+)", out) < 0.7
+
+
 CHECKS = {
     "int8_generation": check_int8_generation,
     "streaming_sinks": check_streaming_sinks,
     "parallel_sampling_paged": check_parallel_sampling_paged,
     "compare_caches": check_compare_caches,
     "device_map_split": check_device_map_split,
+    "hybrid_model": check_hybrid_model,
 }
 
 
