@@ -510,8 +510,9 @@ def render(saved: dict) -> str:
         "<!-- Written by scripts/supported_models.py from docs/data/supported-models.json: do not edit by hand. -->",
         "",
         f"Every causal-LM model type of transformers {saved['transformers']} (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, "
-        f"{len(families)} types; torch {saved['torch']}), built tiny from its own config class (2 layers, hidden 64, "
-        "4 heads; per-family overrides where needed), loaded with each attention implementation and run under "
+        f"{len(set(families) - set(VARIANTS))} types; torch {saved['torch']}), built tiny from its own config class "
+        "(2 layers, hidden 64, 4 heads; per-family overrides where needed), loaded with each attention implementation "
+        "and run under "
         f"`generate()` on a left-padded batch of 2 for {NEW_TOKENS} new tokens, against transformers' `DynamicCache`; "
         f"then {len(VARIANTS)} configurations popular checkpoints load that the tiny build does not reach (rows "
         "named with their flags, e.g. multi-query Falcon, ALiBi, a flag set after construction). Each cell is one "
@@ -562,8 +563,9 @@ def render(saved: dict) -> str:
     runnable = [t for t, row in families.items() if any(c["model"]["status"] == "ok" for c in row.values())]
     lines += [
         "",
-        f"{len(runnable)} of {len(families)} model types build tiny and generate with `DynamicCache` under at least "
-        f"one attention implementation; the other {len(families) - len(runnable)} are listed at the end with the "
+        f"{len(runnable)} of {len(families)} rows (model types and configurations) build tiny and generate with "
+        f"`DynamicCache` under at least one attention implementation; the other {len(families) - len(runnable)} are "
+        "listed at the end with the "
         "reason.",
         "",
         "## Per model type",
