@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers.cache_utils import DynamicCache
 
+from ._config import has_state_layers, resolve_config
 from ._validate import check_choice, check_int
 from .caches.quantized import QuantizedKVCache
 from .layer_widths import KEY_WIDTHS, LayerKeyWidths, check_budget
@@ -109,7 +110,8 @@ def search_key_bits(
         logits = model(input_ids=tail, past_key_values=prefill.into(cache)).logits
         return torch.log_softmax(logits.float(), dim=-1)
 
-    exact = log_probs(DynamicCache())
+    # a hybrid model's recurrent states need transformers' own layers, which only a config-built DynamicCache has
+    exact = log_probs(DynamicCache(config=model.config) if has_state_layers(resolve_config(model)) else DynamicCache())
 
     def loss(key_bits: list[int]) -> float:
         measured = log_probs(QuantizedKVCache(model, bits=bits, key_bits=key_bits, **cache_options))
@@ -124,7 +126,10 @@ def search_key_bits(
     for layer in range(layers):
         row = {str(top): baseline}
         for width in widths[:-1]:
-            row[str(width)] = loss([top if i != layer else width for i in range(layers)])
+            if probe.layer_specs[layer].holds_kv:
+                row[str(width)] = loss([top if i != layer else width for i in range(layers)])
+            else:  # a recurrent layer of a hybrid model stores no keys: every width is the same cache
+                row[str(width)] = baseline
         sensitivity.append(row)
     measured = LayerKeyWidths(
         key_bits=(top,) * layers,

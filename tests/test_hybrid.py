@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from hf_kvcache import make_cache
+from hf_kvcache import QuantizedKVCache, make_cache
 from hf_kvcache.compare import LOGIT_BOUNDS
 from hf_kvcache.layers.state import AttentionWithStates, EmptyLayer, StateLayer
 from hf_kvcache.plan import kv_bytes
@@ -270,3 +270,24 @@ def test_sink_window_on_hybrids_that_switch_rope_off_or_on(family, rope):
         _generate(model, evicting, _prompt("padded"))
         assert evicting.stored_tokens == 8
         assert (evicting.rotary is not None) == bool(variant)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "falcon_h1"])
+def test_key_width_search_measures_the_attention_layers(family):
+    """``search_key_bits`` on a hybrid: the exact baseline keeps the recurrent states, the layers without keys are
+    not measured (every width is the same cache there), and the widths it returns build a cache that generates."""
+    from hf_kvcache.calibrate import search_key_bits
+
+    model = _model(family, "sdpa")
+    ids = torch.randint(3, VOCAB, (2, 48), generator=torch.Generator().manual_seed(0))
+    options = dict(residual_length=4, group_size=8)
+    with torch.no_grad():
+        widths = search_key_bits(model, ids, bits=2, budget=2.5, scored_tokens=16, **options)
+    specs = make_cache("int2", model).layer_specs
+    assert len(widths.key_bits) == len(specs)
+    for spec, row in zip(specs, widths.sensitivity):
+        if not spec.holds_kv:
+            assert set(row.values()) == {widths.baseline}
+    cache = QuantizedKVCache(model, bits=2, key_bits=list(widths.key_bits), **options)
+    out = _generate(model, cache, _prompt("padded"))
+    assert out.sequences.shape[1] == 12 + NEW
