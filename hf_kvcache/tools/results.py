@@ -143,6 +143,14 @@ RUNS: dict[str, list[str]] = {
         *"--task ruler --chat-template --ruler-lengths 4096 --ruler-samples 5".split(),
         *["--caches", "dynamic,int2:key_bits=3"],
     ],
+    # RULER at the longest length SmolLM2's 8,192-token context holds with its answer (8,000 tokens), every default
+    # width and 3-bit keys beside int2; 5 documents a cell (35 a cache).
+    "eval-ruler-8k": [
+        "eval",
+        *REAL,
+        *"--task ruler --chat-template --ruler-lengths 8000 --ruler-samples 5".split(),
+        *["--caches", "dynamic,int8,int4,int3,int2,int2:key_bits=3"],
+    ],
     # Frequent-words extraction (fwe, the task added after the RULER runs above) at their lengths and sample count,
     # every default width and 3-bit keys beside int2.
     "eval-ruler-fwe": [
