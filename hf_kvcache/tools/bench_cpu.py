@@ -12,7 +12,7 @@ to ``DynamicCache`` in the same run.
 * **chunks**: ``--windows`` windows of 1,024 tokens of the held-out text; per window the first 512 prefilled, the other
   512 scored 16 tokens per forward through the cache; the scoring time summed over windows (median over rounds).
 
-    python benchmarks/bench_cpu.py --output results/bench-cpu-paths             # ~25 minutes on 2 cores, 1 thread
+    python benchmarks/bench_cpu.py --output results/bench-cpu-paths --rounds 3  # ~30 minutes, 1 thread, a quiet machine
     python benchmarks/bench_cpu.py --output /tmp/b --decode 512x1 --windows 1 --rounds 1 --model reference   # smoke
 """
 

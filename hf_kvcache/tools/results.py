@@ -218,7 +218,7 @@ RUNS: dict[str, list[str]] = {
         STREAM_CACHES,
     ],
     # Not the CLI: benchmarks/bench_cpu.py (hf_kvcache.tools.bench_cpu), decode paths and 16-token chunks on CPU.
-    "bench-cpu-paths": ["bench-cpu", "--model", "smollm2", "--threads", "1"],
+    "bench-cpu-paths": ["bench-cpu", "--model", "smollm2", "--threads", "1", "--rounds", "3"],
 }
 TOOLS = {"bench-cpu": "python benchmarks/bench_cpu.py"}  # RUNS whose first word names a tool, not a CLI command
 
