@@ -24,13 +24,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from transformers.cache_utils import DynamicCache
 
-from ._config import has_state_layers, resolve_config
 from ._validate import check_choice, check_int
 from .caches.quantized import QuantizedKVCache
 from .layer_widths import KEY_WIDTHS, LayerKeyWidths, check_budget
-from .prefill import SharedPrefill
+from .prefill import SharedPrefill, every_token_cache
 
 __all__ = ["copy_rows", "search_key_bits"]
 
@@ -110,8 +108,7 @@ def search_key_bits(
         logits = model(input_ids=tail, past_key_values=prefill.into(cache)).logits
         return torch.log_softmax(logits.float(), dim=-1)
 
-    # a hybrid model's recurrent states need transformers' own layers, which only a config-built DynamicCache has
-    exact = log_probs(DynamicCache(config=model.config) if has_state_layers(resolve_config(model)) else DynamicCache())
+    exact = log_probs(every_token_cache(model))
 
     def loss(key_bits: list[int]) -> float:
         measured = log_probs(QuantizedKVCache(model, bits=bits, key_bits=key_bits, **cache_options))

@@ -35,7 +35,7 @@ from ._config import has_state_layers, resolve_config
 from .layers._common import KVLayer
 from .layers.state import AttentionWithStates
 
-__all__ = ["SharedPrefill", "store_prefill", "write_tokens"]
+__all__ = ["SharedPrefill", "every_token_cache", "store_prefill", "write_tokens"]
 
 
 def write_tokens(cache: Cache, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -119,7 +119,7 @@ def store_prefill(
     return cache
 
 
-def _keep_every_token(model) -> DynamicCache:
+def every_token_cache(model) -> DynamicCache:
     """A ``DynamicCache`` whose attention layers keep every token (sliding ones too, as :func:`store_prefill` needs).
     Built without a config, so that every layer is a ``DynamicLayer``, except for hybrid models, whose recurrent /
     convolution layers need transformers' own layers (built from the config, with its sliding layers replaced)."""
@@ -164,13 +164,13 @@ class SharedPrefill:
     ):
         if input_ids.ndim != 2 or input_ids.shape[1] < 1:
             raise ValueError(f"input_ids must be (batch, tokens) with at least one token, got {tuple(input_ids.shape)}")
-        once = _keep_every_token(model)
+        once = every_token_cache(model)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "past_key_values": once}
         with torch.no_grad():
             try:  # the last positions' logits only: a long prompt's full logits can take more memory than its K/V
                 logits = model(**inputs, logits_to_keep=logits_to_keep).logits
             except TypeError:  # a model whose forward has no logits_to_keep
-                once = inputs["past_key_values"] = _keep_every_token(model)
+                once = inputs["past_key_values"] = every_token_cache(model)
                 logits = model(**inputs).logits[:, -logits_to_keep:]
         self.logits = logits
         # per layer its K/V, or (a hybrid model's recurrent layers) the layer, whose states store_prefill copies

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
 from .._validate import check_int
 from ..layers.paged import PagedLayer, PagedState, page_bytes_per_token
-from ..layers.state import state_layer, with_states
+from ..layers.state import cache_layer
 from ..layers.window import ModelSlidingWindowLayer
 from ..registry import register_cache
 from ._base import KVCacheReportMixin, PaddingObserverMixin, split_model
@@ -80,15 +82,12 @@ class PagedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         self.state = PagedState(block_size, num_blocks, grow_blocks, self.padding, bits)
         owner, layers, rank = type(self).__name__, [], 0
         for i, spec in enumerate(specs):
-            if not spec.holds_kv:  # a hybrid model's recurrent / convolution layer
-                layers.append(state_layer(spec, i, owner))
-            elif spec.layer_type == "full_attention":
-                layers.append(
-                    with_states(PagedLayer(spec, i, owner, self.state, rank, self.attention_mode), spec, i, owner)
-                )
+            if spec.layer_type == "full_attention":
+                paged = partial(PagedLayer, spec, i, owner, self.state, rank, self.attention_mode)
+                layers.append(cache_layer(spec, i, owner, paged))
                 rank += 1
-            else:
-                layers.append(with_states(ModelSlidingWindowLayer(spec, i, owner), spec, i, owner))
+            else:  # the model's own sliding layers in full precision; a hybrid's recurrent layers
+                layers.append(cache_layer(spec, i, owner, partial(ModelSlidingWindowLayer, spec, i, owner)))
         super().__init__(layers=layers)
         self._observe_model(model)
 

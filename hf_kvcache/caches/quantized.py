@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 from transformers import PretrainedConfig
@@ -17,7 +18,7 @@ from ..formats import KEY_AXES, ROTATIONS, codec_for
 from ..layer_widths import LayerKeyWidths, resolve_key_bits
 from ..layers._storage import Workspace
 from ..layers.quantized import QuantizedLayer, QuantizedSlidingWindowLayer
-from ..layers.state import EmptyLayer, StateLayer, state_layer, with_states
+from ..layers.state import cache_layer
 from ..registry import register_cache
 from ..rope import RotarySpec, rotary_spec
 from ._base import KVCacheReportMixin, PaddingObserverMixin, split_model
@@ -265,7 +266,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         self.workspace = Workspace()
         owner = type(self).__name__
         super().__init__(
-            layers=[with_states(self._make_layer(i, spec), spec, i, owner) for i, spec in enumerate(specs)]
+            layers=[cache_layer(s, i, owner, partial(self._make_layer, i, s)) for i, s in enumerate(specs)]
         )
         if sinks:  # the sinks are each row's first real tokens: read the left padding of the prefill's mask
             self._observe_model(model)
@@ -288,10 +289,8 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         """Whether layer ``layer_idx`` is one of the first or last ``boundary_layers``, stored in int8."""
         return layer_idx < self.boundary_layers or layer_idx >= len(self.layer_specs) - self.boundary_layers
 
-    def _make_layer(self, layer_idx: int, spec: LayerSpec) -> QuantizedLayer | StateLayer | EmptyLayer:
+    def _make_layer(self, layer_idx: int, spec: LayerSpec) -> QuantizedLayer:
         owner = type(self).__name__
-        if not spec.holds_kv:  # a hybrid model's recurrent / convolution layer: its states as transformers keeps them
-            return state_layer(spec, layer_idx, owner)
         key_rope = self.key_ropes.get(spec.layer_type) if spec.uses_rope else None
         residual, sinks = self.residual_length, self.sinks
         residual_codec = codec_for(self.residual_bits)  # int8 as bits=8 stores it, or None: exact

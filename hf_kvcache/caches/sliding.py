@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
@@ -18,7 +20,7 @@ from ..formats import codec_for
 from ..layers._storage import Workspace
 from ..layers.quantized import QuantizedSlidingWindowLayer
 from ..layers.sliding import SinkWindowLayer
-from ..layers.state import state_layer, with_states
+from ..layers.state import cache_layer
 from ..layers.window import ModelSlidingWindowLayer
 from ..registry import register_cache
 from ..rope import rotary_spec
@@ -125,7 +127,7 @@ class SlidingWindowKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             self.rotary = rotary_spec(model if model is not None else config, config, "full_attention")
         owner = type(self).__name__
         super().__init__(
-            layers=[with_states(self._make_layer(i, spec), spec, i, owner) for i, spec in enumerate(specs)]
+            layers=[cache_layer(s, i, owner, partial(self._make_layer, i, s)) for i, s in enumerate(specs)]
         )
         self._observe_model(model)
 
@@ -144,8 +146,6 @@ class SlidingWindowKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
 
     def _make_layer(self, layer_idx: int, spec: LayerSpec):
         owner = type(self).__name__
-        if not spec.holds_kv:  # a hybrid model's recurrent / convolution layer: its states summarize every token
-            return state_layer(spec, layer_idx, owner)
         int8 = codec_for(self.bits)
         if spec.layer_type == "full_attention":
             rotary = self.rotary if spec.uses_rope else None

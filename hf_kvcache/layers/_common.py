@@ -115,8 +115,11 @@ class AttentionMode:
                 f"{type(model).__name__} (model_type {self.model_type!r}) takes no "
                 "past_key_values (it keeps its own state or no cache), so no KV cache can serve it"
             )
-        routes = getattr(type(model), "_supports_attention_backend", True) is not False
-        if model is not None and not routes and not _hybrid_routing_attention(model, config):
+        if (
+            model is not None
+            and getattr(type(model), "_supports_attention_backend", True) is False
+            and not _hybrid_routing_attention(model, config)
+        ):
             self.refusal = (
                 f"{type(model).__name__} (model_type {self.model_type!r}) does not route attention "
                 "through transformers' AttentionInterface (_supports_attention_backend is False), so "

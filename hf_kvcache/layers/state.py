@@ -8,6 +8,8 @@ the states hold raises ``ValueError`` instead of broadcasting or failing inside 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers.cache_utils import CacheLayerMixin, DummyLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
@@ -15,7 +17,7 @@ from .._config import LayerSpec
 from ._common import as_index
 from ._storage import _nbytes
 
-__all__ = ["AttentionWithStates", "EmptyLayer", "StateLayer", "state_layer", "with_states"]
+__all__ = ["AttentionWithStates", "EmptyLayer", "StateLayer", "cache_layer"]
 
 
 class StateLayer(LinearAttentionLayer):
@@ -110,9 +112,8 @@ class AttentionWithStates(StateLayer, CacheLayerMixin):
     stored_tokens = property(lambda self: self.attention.stored_tokens)
 
     def lazy_initialization(self, *args, **kwargs) -> None:
-        if (
-            args
-        ):  # (key_states, value_states): the attention's; keywords: a state's (update_conv_state / ..._recurrent_)
+        # positional (key_states, value_states): the attention's; keywords only: a state's (update_conv_state, ...)
+        if args:
             self.attention.lazy_initialization(*args, **kwargs)
         else:
             StateLayer.lazy_initialization(self, **kwargs)
@@ -197,12 +198,11 @@ class EmptyLayer(DummyLayer):
         return 0
 
 
-def with_states(layer, spec: LayerSpec, layer_idx: int, owner: str):
-    """A cache's attention ``layer`` for ``spec``, beside its recurrent states where the layer has both
-    (:class:`AttentionWithStates`); as it is otherwise."""
-    return AttentionWithStates(layer, spec, layer_idx, owner) if spec.holds_kv and spec.states else layer
-
-
-def state_layer(spec: LayerSpec, layer_idx: int, owner: str) -> StateLayer | EmptyLayer:
-    """The layer every cache keeps for a :data:`~hf_kvcache._config.STATE_LAYER_TYPES` layer ``spec``."""
-    return EmptyLayer(spec, layer_idx, owner) if spec.layer_type == "dummy" else StateLayer(spec, layer_idx, owner)
+def cache_layer(spec: LayerSpec, layer_idx: int, owner: str, attention: Callable[[], object]):
+    """The layer a cache keeps for ``spec``: for a :data:`~hf_kvcache._config.STATE_LAYER_TYPES` layer, its states
+    (:class:`StateLayer`) or nothing (:class:`EmptyLayer`); for an attention layer, the cache's own (``attention()``,
+    called only then), beside its recurrent states where the layer has both (:class:`AttentionWithStates`)."""
+    if not spec.holds_kv:
+        return EmptyLayer(spec, layer_idx, owner) if spec.layer_type == "dummy" else StateLayer(spec, layer_idx, owner)
+    layer = attention()
+    return AttentionWithStates(layer, spec, layer_idx, owner) if spec.states else layer
