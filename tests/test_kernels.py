@@ -448,6 +448,42 @@ def test_pre_rope_keys_turned_from_the_angle_table(inner, layout, dtype):
     assert torch.equal(table[first : first + seg.length, 1], angles.sin())
 
 
+@pytest.mark.parametrize("kind", ["int8", "paged-int8"])
+@pytest.mark.parametrize("q_len, gqa, head_dim", [(1, 4, 64), (5, 2, 96), (16, 8, 128)])
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32], ids=str)
+def test_int8_keys_read_as_biased_float16(kind, q_len, gqa, head_dim, dtype):
+    """Launches planned with ``half_codes`` read int8 keys as float16 ``1152 + code`` against a float16 query scaled
+    by a power of two, ``1152 x`` its sums taken out of the scores: equal to the reference for one and many query
+    tokens, paged or not; a query far outside float16's range (bfloat16 models can produce one) stays finite and
+    equal, the scaling being exact."""
+    query, seg, _, _, mask = _case(kind, length=200, q_len=q_len, gqa=gqa, head_dim=head_dim, dtype=dtype,
+                                   padded=True)  # fmt: skip
+    storage = seg.kernel_storage()
+    plan = seg.launch_plan(query, mask)
+    assert not plan.half_codes
+    for q in (query, query * 2.0**-10, query * (2.0**20 if dtype == torch.bfloat16 else 2.0**7)):
+        ref = combine([partial(q, seg, mask, 0.125, 0.0, 3)], dtype=torch.float32)
+        tri = combine([triton_decode.triton_partial(q, storage, plan.replace(half_codes=True), mask, 0.125, 0.0, 3)],
+                      dtype=torch.float32)  # fmt: skip
+        assert tri.isfinite().all()
+        _close(tri, ref, dtype)
+
+
+def test_biased_float16_codes_are_exact():
+    """Every int8 code (-128 to 127) as :func:`_biased_half` writes it is float16 ``1152 + code`` exactly."""
+    codes = torch.arange(-128, 128, dtype=torch.int8).view(4, 64)
+
+    @triton_decode.triton.jit
+    def kernel(X, Y):
+        i = triton_decode.tl.arange(0, 64)
+        for r in triton_decode.tl.static_range(4):
+            triton_decode.tl.store(Y + r * 64 + i, triton_decode._biased_half(triton_decode.tl.load(X + r * 64 + i)))
+
+    out = torch.empty(4, 64, dtype=torch.float16, device=DEVICE)
+    kernel[(1,)](codes.to(DEVICE), out)
+    assert torch.equal(out.cpu().float(), codes.float() + 1152)
+
+
 def _partials(b, hkv, g, q, splits, dv, gen):
     """Random split partials, one row fully masked (m = -inf, l = 0, acc = 0) and one split of another empty."""
     m = torch.randn(b, hkv, g, q, splits, generator=gen) * 3

@@ -104,6 +104,7 @@ class LaunchPlan:
     swap: bool = False  # tiles dequantized in registers enter the products as their first operand (acc^T += v^T p^T)
     group_tiles: bool = False  # KIVI: a tile is one key group, its channel scales folded into the query
     angle_table: bool = False  # pre-RoPE keys (every channel rotary) turned from a cos / sin table, not per element
+    half_codes: bool = False  # int8 codes (folded scales) enter the products as float16 1152 + code, not bfloat16
 
     def replace(self, **changes) -> LaunchPlan:
         return dataclasses.replace(self, **changes)
