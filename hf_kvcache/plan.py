@@ -17,6 +17,9 @@ caches' ``nbytes`` after real forwards, for every kind and for hybrid models):
 * ``paged``: whole blocks of ``block_size`` tokens; with ``share=N`` (a plan option, not a cache option), groups of
   ``N`` rows share the full blocks of one prompt (``num_return_sequences=N`` sampling or beams) and store only what
   each generates.
+
+A hybrid model's recurrent states (Mamba, gated DeltaNet, convolutions) are the same in every cache and do not grow
+with the context: :func:`state_bytes` measures one row's, and the plan adds them per row to what must fit.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ._config import LayerSpec, layer_specs, model_type, resolve_config
+from ._config import LayerSpec, has_state_layers, layer_specs, model_type, resolve_config
 from ._validate import check_int, dtype_from_name
 from .attention import ATTENTION
 from .layers.window import dynamic_layer_nbytes
@@ -44,6 +47,7 @@ __all__ = [
     "kv_bytes",
     "parse_memory",
     "plan_memory",
+    "state_bytes",
     "weight_bytes",
 ]
 
@@ -79,6 +83,10 @@ def parse_memory(value: str | int | float, name: str = "memory") -> int:
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
 
 
 # --- stored bytes ----------------------------------------------------------------------------------------------
@@ -161,6 +169,74 @@ def kv_bytes(
     return int(total)
 
 
+# --- recurrent states ------------------------------------------------------------------------------------------
+
+
+def _zero_experts(model: torch.nn.Module) -> None:
+    """Give every mixture-of-experts block of a meta model an expert computation that keeps its input's shape and
+    routes nothing: their routing is data-dependent (``nonzero`` has no meta implementation), and experts hold no
+    cache state. transformers' expert containers (``use_experts_implementation``) are told by the attributes their
+    ``__init__`` sets."""
+
+    def zeros(hidden_states, *args, **kwargs):
+        return torch.zeros_like(hidden_states)
+
+    for module in model.modules():
+        if hasattr(module, "is_concatenated") and hasattr(module, "has_gate"):
+            module.forward = zeros
+
+
+def _measure_states(config, dtype: torch.dtype) -> int:
+    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    _zero_experts(model)
+    cache = DynamicCache(config=model.config)
+    ids = torch.zeros((1, 4), dtype=torch.long, device="meta")
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    total = 0
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            for states in (layer.conv_states, layer.recurrent_states):
+                total += sum(t.numel() * t.element_size() for t in states.values() if t is not None)
+    return total
+
+
+_STATE_BYTES: dict[tuple[str, torch.dtype], int] = {}  # per config (its JSON) and dtype: a plan asks many times
+
+
+def state_bytes(config, dtype: torch.dtype = torch.bfloat16, tp: int = 1) -> int:
+    """Bytes of the recurrent states one row of a hybrid model holds (Mamba, gated DeltaNet, convolution layers),
+    whatever its length: what ``DynamicCache`` and every cache here keep beside the K/V, in the dtypes the model
+    keeps them in when its weights are ``dtype`` (some mixers keep float32 states). 0 for attention-only models.
+
+    Measured, not modelled: one forward of four tokens through the model built from the config on the meta device
+    (no memory is allocated; the experts of a mixture-of-experts block route nothing there, as their routing is
+    data-dependent and they hold no state), then the states ``DynamicCache`` received. ``tp``: one rank's share, the
+    states split with the heads (an approximation: the mixers' tensor-parallel plans decide)."""
+    config = resolve_config(config)
+    check_int("tp", tp, 1)
+    if not has_state_layers(config):
+        return 0
+    key = (config.to_json_string(use_diff=False), dtype)
+    if key not in _STATE_BYTES:
+        try:
+            total = _measure_states(config, dtype)
+        except Exception as err:  # a mixer the meta device cannot run: say so rather than plan without its states
+            first = (str(err).strip().splitlines() or [""])[0][:160]
+            raise ValueError(
+                f"plan cannot measure the recurrent states of model_type {model_type(config)!r} on the meta device "
+                f"({type(err).__name__}: {first})"
+            ) from err
+        if len(_STATE_BYTES) > 32:
+            _STATE_BYTES.clear()
+        _STATE_BYTES[key] = total
+    return -(-_STATE_BYTES[key] // tp)
+
+
 # --- weights ---------------------------------------------------------------------------------------------------
 
 
@@ -212,7 +288,7 @@ class PlanRow:
     bytes_per_token: float  # per row, at the plan's context: stored bytes / context
     kv_bytes: int  # stored for the plan's batch x context
     scratch_bytes: int  # decode scratch for the plan's batch x context (one layer's dequantized history)
-    fits: bool  # kv + scratch fit in the budget at the plan's batch and context
+    fits: bool  # kv + states + scratch fit in the budget at the plan's batch and context
     max_context: int | None  # largest context at the plan's batch; None: any context (bounded cache)
     max_batch: int  # largest batch at the plan's context (0: not even one row)
 
@@ -226,6 +302,7 @@ class MemoryPlan:
     weights_bytes: int
     reserve_bytes: int
     budget_bytes: int  # memory - weights - reserve: what caches and their scratch may use
+    state_bytes_per_row: int  # a hybrid model's recurrent states, per row, in every cache (0: attention only)
     context: int
     batch: int
     dtype: str
@@ -367,10 +444,11 @@ def plan_memory(
             "left for the weights and the KV cache"
         )
     budget = memory_bytes - weights["bytes"] - reserve_bytes
+    states = state_bytes(config, dtype, tp)
 
     def need(spec: str, tokens: int, rows: int) -> int:
         stored = kv_bytes(spec, config, tokens, rows, dtype, tp=tp)
-        return stored + _scratch(spec, config, tokens, rows, dtype, tp, attn)
+        return stored + rows * states + _scratch(spec, config, tokens, rows, dtype, tp, attn)
 
     rows = []
     for spec in caches:
@@ -383,9 +461,8 @@ def plan_memory(
         else:
             longest = max(0, _largest(lambda n, s=spec: need(s, n, batch) <= budget, 1, max_context))
         widest = max(0, _largest(lambda b, s=spec: need(s, context, b) <= budget, 1, 2**20))
-        rows.append(
-            PlanRow(spec, stored / (batch * context), stored, scratch, stored + scratch <= budget, longest, widest)
-        )
+        fits = stored + batch * states + scratch <= budget
+        rows.append(PlanRow(spec, stored / (batch * context), stored, scratch, fits, longest, widest))
     assumptions = [
         f"weights: {weights['parameters']:,} parameters from the config"
         + (
@@ -397,6 +474,14 @@ def plan_memory(
         f"reserve: {_gib(reserve_bytes)} for the CUDA context, prefill activations, logits and fragmentation "
         "(chunk long prompts with prefill_chunk_size; measure yours with `hf-kvcache bench`)",
         "KV bytes: what each cache stores (its nbytes) for every row at the full context; no left padding",
+        *(
+            [
+                f"recurrent states: {_mib(states)} per row (the model's Mamba / DeltaNet / convolution layers, kept "
+                "as DynamicCache keeps them by every cache), counted in fits, max context and max batch"
+            ]
+            if states
+            else []
+        ),
         *(
             [
                 f"tensor parallel: one rank of {tp}: 1/{tp} of every layer's KV heads (exact) and of the weights "
@@ -422,6 +507,7 @@ def plan_memory(
         weights["bytes"],
         reserve_bytes,
         budget,
+        states,
         context,
         batch,
         str(dtype).removeprefix("torch."),

@@ -17,7 +17,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from hf_kvcache import QuantizedKVCache, make_cache
 from hf_kvcache.compare import LOGIT_BOUNDS
 from hf_kvcache.layers.state import AttentionWithStates, EmptyLayer, StateLayer
-from hf_kvcache.plan import kv_bytes
+from hf_kvcache.plan import kv_bytes, plan_memory, state_bytes
 from hf_kvcache.prefill import SharedPrefill
 from hf_kvcache.tools.supported_models import tiny_config
 
@@ -224,6 +224,65 @@ def test_memory_report_and_plan_count_what_the_caches_hold():
     assert attention > 0
     assert kv_bytes("dynamic", model, tokens=20, dtype=torch.float32) == attention
     assert kv_bytes("paged:block_size=4", model, tokens=20, dtype=torch.float32) == cache.nbytes - cache.state_nbytes
+
+
+def _dynamic_state_bytes(cache: DynamicCache) -> int:
+    held = [
+        t
+        for layer in cache.layers
+        if isinstance(layer, LinearAttentionCacheLayerMixin)
+        for states in (layer.conv_states, layer.recurrent_states)
+        for t in states.values()
+        if t is not None
+    ]
+    return sum(t.numel() * t.element_size() for t in held)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plan_measures_the_recurrent_states_a_row_holds(family):
+    """``state_bytes`` (a forward on the meta device, experts routing nothing) equals the states DynamicCache holds
+    after a real forward, and what our caches hold beside their K/V, for every family: gated DeltaNet, Mamba with
+    mixture-of-experts blocks, convolutions, Mamba in the same layers as attention; in float32 and bfloat16 (some
+    mixers keep float32 states under bfloat16 weights)."""
+    model = _model(family, "sdpa")
+    inputs = _prompt("single", length=20)
+    dynamic = DynamicCache(config=model.config)
+    cache = make_cache("paged:block_size=4", model)
+    with torch.no_grad():
+        model(**inputs, past_key_values=dynamic)
+        model(**inputs, past_key_values=cache)
+    assert state_bytes(model.config, torch.float32) == _dynamic_state_bytes(dynamic) == cache.state_nbytes > 0
+    half = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.bfloat16).eval()
+    dynamic = DynamicCache(config=half.config)
+    with torch.no_grad():
+        half(**inputs, past_key_values=dynamic)
+    assert state_bytes(half.config, torch.bfloat16) == _dynamic_state_bytes(dynamic) > 0
+
+
+def test_plan_counts_every_rows_states_in_what_fits():
+    """The largest batch a plan finds is the budget over one row's K/V plus its recurrent states, and the plan says
+    how much a row's states take; an attention-only model has none."""
+    config = _model("nemotron_h", "sdpa").config
+    per_row = kv_bytes("dynamic", config, tokens=64, dtype=torch.float32) + state_bytes(config, torch.float32)
+    plan = plan_memory(config, "96MiB", context=64, dtype="float32", caches=("dynamic",), reserve="1MiB")
+    assert plan.state_bytes_per_row == state_bytes(config, torch.float32)
+    assert plan.row("dynamic").max_batch == plan.budget_bytes // per_row
+    assert any("recurrent states" in line for line in plan.assumptions)
+    llama = plan_memory(tiny_config("llama"), "96MiB", context=64, caches=("dynamic",), reserve="1MiB")
+    assert llama.state_bytes_per_row == 0 and not any("recurrent states" in a for a in llama.assumptions)
+
+
+def test_plan_says_when_it_cannot_measure_the_states(monkeypatch):
+    """A mixer the meta device cannot run is a ValueError naming the model type, not a plan without its states."""
+    import hf_kvcache.plan as plan_module
+
+    def fails(config, dtype):
+        raise NotImplementedError("no meta kernel for this op")
+
+    monkeypatch.setattr(plan_module, "_measure_states", fails)
+    monkeypatch.setattr(plan_module, "_STATE_BYTES", {})
+    with pytest.raises(ValueError, match=r"recurrent states of model_type 'jamba' on the meta device"):
+        state_bytes(tiny_config("jamba"))
 
 
 @pytest.mark.parametrize("name", ["int8", "paged", "sink"])

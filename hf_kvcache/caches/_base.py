@@ -37,7 +37,8 @@ class KVCacheReportMixin:
     @property
     def state_nbytes(self) -> int:
         """Bytes of a hybrid model's recurrent / convolution states (0 for attention-only models): a fixed size per
-        row, the same in every cache, counted in :attr:`nbytes` and not in ``hf-kvcache plan``'s per-token K/V."""
+        row, the same in every cache, counted in :attr:`nbytes`; ``hf-kvcache plan`` adds them per row apart from its
+        per-token K/V (:func:`hf_kvcache.plan.state_bytes`)."""
         return sum(getattr(layer, "state_nbytes", 0) for layer in self.layers)
 
     @property
