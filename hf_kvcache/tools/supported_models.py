@@ -380,10 +380,12 @@ def _ragged_cell(model, model_type: str) -> dict:
 
 
 def _plan_cell(model, model_type: str) -> dict:
-    """``kv_bytes('dynamic', model, ...)`` against the bytes a DynamicCache holds after a prefill of the prompt."""
+    """``kv_bytes('dynamic', model, ...)`` against the K/V bytes a DynamicCache holds after a prefill of the prompt,
+    and ``state_bytes`` against the recurrent states it holds (a hybrid model's; none for the others)."""
     from transformers import DynamicCache
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-    from hf_kvcache.plan import kv_bytes
+    from hf_kvcache.plan import kv_bytes, state_bytes
 
     inputs = _prompt(VOCAB)
     cache = DynamicCache(config=model.config)
@@ -396,12 +398,25 @@ def _plan_cell(model, model_type: str) -> dict:
     held = sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
     # The tokens the cache holds: a model may add its own before the prompt (CPM-Ant's 32 prompt-tuning tokens).
     batch, tokens = inputs["input_ids"].shape[0], max(inputs["input_ids"].shape[1], cache.get_seq_length())
+    states = [
+        t
+        for layer in cache.layers
+        if isinstance(layer, LinearAttentionCacheLayerMixin)
+        for kind in (layer.conv_states, layer.recurrent_states)
+        for t in kind.values()
+        if t is not None
+    ]
+    held_states = sum(t.nbytes for t in states)
     try:
         planned = kv_bytes("dynamic", model, tokens=tokens, batch=batch, dtype=model.dtype)
+        planned_states = batch * state_bytes(model, model.dtype)
     except Exception as error:  # noqa: BLE001
         return _failure(error, model, model_type)
     if planned != held:
         return {"status": "FAIL", "detail": f"planned {planned} bytes, DynamicCache holds {held}"}
+    if planned_states != held_states:
+        detail = f"planned {planned_states} bytes of states, DynamicCache holds {held_states}"
+        return {"status": "FAIL", "detail": detail}
     return {"status": "equal", "detail": ""}
 
 
@@ -525,8 +540,9 @@ def render(saved: dict) -> str:
         "- **runs**: an evicting window (no baseline to equal) generates without error;",
         "- **refused (Rn)**: a one-line `ValueError` naming the model type and the reason (listed below).",
         "",
-        "Column `plan`: `kv_bytes('dynamic', model, ...)` (what `hf-kvcache plan` counts) **equal** to the bytes a "
-        "`DynamicCache` holds after the prompt's prefill, or refused where the caches refuse the model. Column "
+        "Column `plan`: `kv_bytes('dynamic', model, ...)` (what `hf-kvcache plan` counts) **equal** to the K/V bytes "
+        "a `DynamicCache` holds after the prompt's prefill, and `state_bytes(model)` times the rows to the recurrent "
+        "states it holds (a hybrid model's), or refused where the caches refuse the model. Column "
         f"`ragged`: a batch of a {RAGGED[0]}-token and a {RAGGED[1]}-token row, left-padded, through `{RAGGED_SPEC}` "
         "(int2's defaults: sinks, rotation, pre-RoPE keys), holding exactly what `kv_bytes` plans for two "
         f"{RAGGED[1]}-token rows (**equal**; a hybrid model's recurrent states, a fixed size per row, apart).",
