@@ -801,10 +801,28 @@ def test_decode_attention_hands_segments_to_their_launch_directly(spec, monkeypa
     launched, kernels = [], []
     launch, kernel = handle_module.launch, triton_decode.triton_partial
     monkeypatch.setattr(handle_module, "launches_directly", lambda q: True)
-    monkeypatch.setattr(handle_module, "launch", lambda *args: launched.append(1) or launch(*args))
-    monkeypatch.setattr(triton_decode, "triton_partial", lambda *args: kernels.append(1) or kernel(*args))
+    monkeypatch.setattr(handle_module, "launch", lambda *args, **kw: launched.append(1) or launch(*args, **kw))
+    monkeypatch.setattr(triton_decode, "triton_partial", lambda *args, **kw: kernels.append(1) or kernel(*args, **kw))
     got = decode_attention(query, handle, mask, dim**-0.5)
     _close(got, want, torch.float32)
     absorbed = [not isinstance(s.in_launch()[0], handle_module.OverSegment) for s in handle.segments]
     assert len(launched) == sum(absorbed) and len(kernels) >= len(launched)
     assert spec != "fp8:rotate=hadamard" or not all(absorbed)  # the branch that keeps the op's path
+
+
+def test_a_launch_free_to_choose_fills_whole_waves(monkeypatch):
+    """A launch whose caller combines any split count (``exact=False``) keeps the requested count until its compiled
+    kernel's residency is known, then takes the count that fills whole waves (8 splits for 8 rows x 8 KV heads of 16k
+    tokens on 132 SMs of 4 programs each, not 9); a plan with ``fill_waves=False`` keeps the request."""
+    query, seg, _, _, _ = _case("int8", length=64)
+    storage, plan = seg.kernel_storage(), seg.launch_plan(query, None)
+    big = storage.replace(length=16384)
+    monkeypatch.setattr(triton_decode, "sm_count", lambda device: 132)
+    monkeypatch.setattr(triton_decode, "_RESIDENT", {})
+    assert triton_decode._filled(("k",), big, plan, 64, 9, None) == 9
+    triton_decode._RESIDENT[("k",)] = 4
+    assert triton_decode._filled(("k",), big, plan, 64, 9, None) == 8
+    assert plan.fill_waves and not plan.replace(fill_waves=False).fill_waves
+    # off CUDA the count is the caller's whatever exact says
+    m, _, acc = triton_decode.triton_partial(query, storage, plan, None, 0.125, 0.0, 3, exact=False)
+    assert m.shape[-1] == 3 and acc.shape[-2] == 3

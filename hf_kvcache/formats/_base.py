@@ -173,10 +173,12 @@ def _fake(query: torch.Tensor, heads: int, value_dim: int, splits: int) -> Parti
     return m, torch.empty_like(m), query.new_empty((*shape, value_dim), dtype=torch.float32)
 
 
-def launch(query, segment, mask, scaling, softcap, splits) -> Partials:
+def launch(query, segment, mask, scaling, softcap, splits, exact: bool = True) -> Partials:
     """The segment through the Triton kernel when triton imports and the kernel builds here: what its format says the
     kernel reads (:meth:`~SegmentFormat.kernel_storage`) and how (:meth:`~SegmentFormat.launch_plan`); the reference
-    where either is None, or the kernel cannot run here (warned once, :func:`~hf_kvcache.kernels.kernel_fallbacks`)."""
+    where either is None, or the kernel cannot run here (warned once, :func:`~hf_kvcache.kernels.kernel_fallbacks`).
+    ``exact=False``: the caller combines any number of splits, so the kernel may choose its own count (a custom op's
+    fake has fixed the shapes: ``exact``)."""
     name = f"partial:{type(segment).__name__}"
     storage = None if fell_back(name) else segment.kernel_storage()
     plan = None if storage is None else segment.launch_plan(query, mask)
@@ -184,7 +186,7 @@ def launch(query, segment, mask, scaling, softcap, splits) -> Partials:
         from ..kernels.triton_decode import triton_partial
 
         try:
-            return triton_partial(query, storage, plan, mask, scaling, softcap, splits)
+            return triton_partial(query, storage, plan, mask, scaling, softcap, splits, exact)
         except Exception as err:  # noqa: BLE001 (fall_back re-raises what is not a build failure)
             fall_back(name, err)
     return torch_decode.partial(query, segment, mask, scaling, softcap, splits)

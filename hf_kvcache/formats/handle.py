@@ -120,8 +120,9 @@ def decode_attention(
     direct = launches_directly(query)
     for segment, part_mask, splits in segment_inputs(query, handle, mask):
         stored, extras = segment.in_launch()  # a rotation or pre-RoPE keys read in the stored format's own launch
-        if direct and not isinstance(stored, OverSegment):  # the launch its op would make, from the segment itself
-            partials.append(launch(query, segment, part_mask, scaling, softcap, splits))
+        if direct and not isinstance(stored, OverSegment):  # the launch its op would make, from the segment itself,
+            # free to choose its split count (the combine below reads any)
+            partials.append(launch(query, segment, part_mask, scaling, softcap, splits, exact=False))
         else:
             partials.append(stored.partial(query, part_mask, scaling, softcap, splits, **extras))
     m, l_, acc = (list(x) for x in zip(*partials))

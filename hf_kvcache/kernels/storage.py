@@ -105,6 +105,7 @@ class LaunchPlan:
     group_tiles: bool = False  # KIVI: a tile is one key group, its channel scales folded into the query
     angle_table: bool = False  # pre-RoPE keys (every channel rotary) turned from a cos / sin table, not per element
     half_codes: bool = False  # int8 codes (folded scales) enter the products as float16 1152 + code, not bfloat16
+    fill_waves: bool = True  # where the caller allows, a split count that fills whole waves of the SMs (waves.py)
 
     def replace(self, **changes) -> LaunchPlan:
         return dataclasses.replace(self, **changes)

@@ -26,6 +26,8 @@ import triton.language as tl
 
 from ..rope import angle_table
 from .storage import DENSE, FP8, INT8, KIVI, MIN_ROWS, PAGED, PAGED_INT8, KernelStorage, LaunchPlan, block, strides
+from .torch_decode import MAX_SPLITS, MIN_SPLIT_TOKENS
+from .waves import resident_programs, sm_count, wave_splits
 
 __all__ = ["MAX_COMBINED_SEGMENTS", "triton_combine", "triton_partial"]
 
@@ -678,6 +680,21 @@ def _signs(rotation: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, fl
     return hit[1], hit[2]
 
 
+# Programs per SM of each compiled specialization (its constexprs and dtypes), read from the kernel Triton returns on
+# the first launch of it that may choose its split count (None: unknown, the requested count is kept).
+_RESIDENT: dict[tuple, int | None] = {}
+
+
+def _filled(key: tuple, s: KernelStorage, plan: LaunchPlan, programs: int, splits: int, device) -> int:
+    """The split count that fills whole waves (:func:`~hf_kvcache.kernels.waves.wave_splits`) once the
+    specialization's residency is known; ``splits`` until then."""
+    resident = _RESIDENT.get(key)
+    if not resident:
+        return splits
+    most = min(MAX_SPLITS, -(-max(s.length, 1) // MIN_SPLIT_TOKENS))
+    return wave_splits(s.length, programs, resident * sm_count(device), plan.block_n, most)
+
+
 def triton_partial(
     query: torch.Tensor,
     s: KernelStorage,
@@ -686,24 +703,25 @@ def triton_partial(
     scaling: float,
     softcap: float,
     splits: int,
+    exact: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The contract of :func:`hf_kvcache.kernels.torch_decode.partial`, as one Triton launch over storage ``s`` shaped
     by ``plan`` (both from the segment's format; Hadamard rotations: the query rotated before the loop and the
     accumulator rotated back after it; keys stored before RoPE: turned to their positions per tile): KIVI codes a key
     group per tile where the plan says so (:func:`_partial_group_kernel`), every other storage a token range per tile
-    (:func:`_partial_kernel`)."""
+    (:func:`_partial_kernel`).
+
+    ``exact=False`` (a caller that combines any number of splits, not a custom op whose fake fixed the shapes) lets a
+    plan with ``fill_waves`` replace ``splits`` on CUDA by the count that fills whole waves of the SMs, from the
+    programs per SM the compiled kernel holds (:mod:`hf_kvcache.kernels.waves`): the returned partials then have that
+    many splits."""
     b, hq, q_len, dk = query.shape
     hkv = s.k.shape[1]
     g = hq // hkv
     dv = s.value_dim
     rows = g * q_len
-    m = torch.empty((b, hkv, rows, splits), dtype=torch.float32, device=query.device)
-    l_ = torch.empty_like(m)
-    acc = torch.empty((b, hkv, rows, splits, dv), dtype=torch.float32, device=query.device)
     dummy = query.new_empty(0)
     mask_u8 = mask.view(torch.uint8) if mask is not None else None
-    per_split = -(-max(s.length, 1) // splits)
-    per_split = -(-per_split // plan.block_n) * plan.block_n
     hk = hv = None
     hk_scale = hv_scale = 1.0
     if s.key_rotation is not None:  # Hadamard rotations as their signs in the products' dtype and one scale each
@@ -711,15 +729,10 @@ def triton_partial(
         hv, hv_scale = _signs(s.value_rotation, query.dtype)
     # Pre-RoPE keys are turned per tile from a table of cos / sin, or from inv_freq by per-element polynomials.
     from_table = bool(s.rope and plan.angle_table and s.rotary_dim == block(dk))
-    angles = angle_table(s.inv_freq, s.first + s.length) if from_table else s.inv_freq
     if (s.key_levels is None) != (s.value_levels is None):
         raise ValueError("a KIVI segment's keys and values have codebooks together or not at all")
     if plan.group_tiles and s.kind != KIVI:
         raise ValueError("a tile per key group reads KIVI storage only")
-    codes = [s.ks, s.kz, s.vs, s.vz, s.key_levels, s.value_levels]
-    outs = [m, l_, acc, *(x if x is not None else dummy for x in (angles, hk, hv))]
-    table = [] if plan.group_tiles else [s.table if s.table is not None else dummy]
-    mask_arg = mask_u8 if mask_u8 is not None else dummy
     common = dict(
         DK=s.key_dim, DV=dv, KBITS=s.key_bits, VBITS=s.value_bits, GK=s.key_group, GV=s.value_group,
         HAS_MASK=mask is not None, SOFTCAP=bool(softcap), DOT_FP32=query.dtype == torch.float32, ROPE=s.rope,
@@ -728,21 +741,36 @@ def triton_partial(
         ONE_QUERY=q_len == 1, SWAP=plan.swap, LEVELS=s.key_levels is not None, BLOCK_R=block(rows, MIN_ROWS),
         BLOCK_N=plan.block_n, BLOCK_DK=block(dk), BLOCK_DV=block(dv), num_stages=plan.stages, num_warps=plan.warps,
     )  # fmt: skip
+    if not plan.group_tiles:
+        # int8 codes as float16 (1152 + code) where the plan asks and the codes are read as stored (folded scales)
+        half = plan.half_codes and s.kind in (INT8, PAGED_INT8) and s.fold and not s.rope and hk is None
+        common |= dict(KIND=s.kind, BS=s.block_size, FOLD=s.fold, ROT_DIM=s.rotary_dim,
+                       HALF=half and query.dtype != torch.float32)  # fmt: skip
+    key = None
+    if not exact and plan.fill_waves and query.is_cuda:
+        key = (query.device, plan.group_tiles, query.dtype, s.k.dtype, *sorted(common.items()))
+        splits = _filled(key, s, plan, b * hkv, splits, query.device)
+    m = torch.empty((b, hkv, rows, splits), dtype=torch.float32, device=query.device)
+    l_ = torch.empty_like(m)
+    acc = torch.empty((b, hkv, rows, splits, dv), dtype=torch.float32, device=query.device)
+    per_split = -(-max(s.length, 1) // splits)
+    per_split = -(-per_split // plan.block_n) * plan.block_n
+    angles = angle_table(s.inv_freq, s.first + s.length) if from_table else s.inv_freq
+    codes = [s.ks, s.kz, s.vs, s.vz, s.key_levels, s.value_levels]
+    outs = [m, l_, acc, *(x if x is not None else dummy for x in (angles, hk, hv))]
+    table = [] if plan.group_tiles else [s.table if s.table is not None else dummy]
+    mask_arg = mask_u8 if mask_u8 is not None else dummy
     args = [
         query, s.k, s.v, *(x if x is not None else dummy for x in codes), *table, mask_arg, *outs,
         *query.stride(), *s.k_strides, *s.v_strides, *s.ks_strides, *s.vs_strides,
         *([] if plan.group_tiles else strides(s.table, 2)), *strides(mask_u8, 3),
         hkv, s.length, s.start, q_len, g, per_split, float(scaling), float(softcap or 0.0), s.first, hk_scale, hv_scale,
     ]  # fmt: skip
-    if plan.group_tiles:
-        _partial_group_kernel[(b * hkv, splits)](*args, **common)
-    else:
-        # int8 codes as float16 (1152 + code) where the plan asks and the codes are read as stored (folded scales)
-        half = plan.half_codes and s.kind in (INT8, PAGED_INT8) and s.fold and not s.rope and hk is None
-        _partial_kernel[(b * hkv, splits)](
-            *args, KIND=s.kind, BS=s.block_size, FOLD=s.fold, ROT_DIM=s.rotary_dim,
-            HALF=half and query.dtype != torch.float32, **common,
-        )  # fmt: skip
+    kernel = (_partial_group_kernel if plan.group_tiles else _partial_kernel)[(b * hkv, splits)](*args, **common)
+    if key is not None and key not in _RESIDENT:
+        if len(_RESIDENT) > 256:
+            _RESIDENT.clear()
+        _RESIDENT[key] = resident_programs(kernel, query.device)
     return m.view(b, hkv, g, q_len, splits), l_.view(b, hkv, g, q_len, splits), acc.view(b, hkv, g, q_len, splits, dv)
 
 

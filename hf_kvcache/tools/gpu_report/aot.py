@@ -34,45 +34,10 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from hf_kvcache.kernels.waves import SM_LIMITS, SMLimits, occupancy  # noqa: F401 (the report reads them here)
+
 # (arch, SMs of the reference GPU, its name): the two targets of the report.
 TARGETS = {80: "A100 (sm_80)", 90: "H100 (sm_90)"}
-
-
-@dataclasses.dataclass(frozen=True)
-class SMLimits:
-    """Per-SM limits of a compute capability (CUDA C Programming Guide, "Compute capabilities" table)."""
-
-    regs: int = 65536  # 32-bit registers per SM
-    reg_unit: int = 256  # registers are allocated per warp in units of 256
-    sub_partitions: int = 4  # an SM's register file is split between 4 schedulers
-    max_warps: int = 64
-    max_blocks: int = 32
-    smem: int = 0  # shared memory per SM usable by blocks, bytes
-    smem_per_block: int = 0  # the most one block may request
-    smem_reserved: int = 1024  # the driver reserves 1 KB per resident block (sm_80 and later)
-
-
-SM_LIMITS = {
-    80: SMLimits(smem=164 * 1024, smem_per_block=163 * 1024),
-    90: SMLimits(smem=228 * 1024, smem_per_block=227 * 1024),
-}
-
-
-def occupancy(arch: int, regs: int, shared: int, warps: int) -> dict:
-    """Resident blocks per SM and what limits them (the CUDA occupancy calculator's rules: registers rounded up to
-    256 per warp and split across 4 sub-partitions; shared memory plus 1 KB reserved per block)."""
-    lim = SM_LIMITS[arch]
-    regs_per_warp = -(-max(regs, 1) * 32 // lim.reg_unit) * lim.reg_unit
-    warps_by_regs = (lim.regs // lim.sub_partitions // regs_per_warp) * lim.sub_partitions
-    limits = {
-        "registers": warps_by_regs // warps,
-        "shared memory": lim.smem // (shared + lim.smem_reserved) if shared <= lim.smem_per_block else 0,
-        "warps": lim.max_warps // warps,
-        "blocks": lim.max_blocks,
-    }
-    blocks = min(limits.values())
-    limiter = " + ".join(k for k, v in limits.items() if v == blocks)  # every limit that binds
-    return {"blocks_per_sm": blocks, "limited_by": limiter, "fits": shared <= lim.smem_per_block}
 
 
 # --- the kernel module, compiled (not interpreted) ---------------------------------------------------------------

@@ -22,12 +22,15 @@ __all__ = ["VARIANTS", "each_plan", "plan_fields", "planned"]
 # half_codes: int8 keys enter the scores' product as float16 1152 + code (a byte permute per two codes) instead of
 # being converted to bfloat16 (two instructions a code): compiled for sm_90 at 16k x 8, 36.2 main-loop instructions
 # per token against 40.9 for int8 (paged int8 47.1 against 51.2), the same 16 warps per SM.
+# fill_waves=false: the split count of the fixed program target (576 programs at 16k x 8), against the plans' default
+# count that fills whole waves of the SMs (hf_kvcache.kernels.waves): the side-by-side test of why int8 ran at 0.79x
+# sdpa at 16k x 8 (576 programs, 528 resident: two waves) and 1.19x at 16k x 1 (512 programs, one wave).
 VARIANTS = {
-    "int2": ("angle_table=true",),
+    "int8": ("fill_waves=false", "half_codes=true", "stages=2", "block_n=32:stages=2"),
+    "int2": ("fill_waves=false", "angle_table=true"),
     "int3": ("angle_table=true",),
-    "int8": ("half_codes=true", "stages=2", "block_n=32:stages=2"),
-    "paged int8": ("half_codes=true",),
-    "int4": ("stages=2", "warps=8"),  # last: the stage's time box reaches the candidates waiting longer first
+    "paged int8": ("fill_waves=false", "half_codes=true"),
+    "int4": ("fill_waves=false", "stages=2", "warps=8"),  # last: the box reaches the candidates waiting longer first
 }
 
 
