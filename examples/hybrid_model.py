@@ -3,7 +3,8 @@
 Three of Qwen3-Next's four layers are linear attention: they keep a fixed-size recurrent state instead of keys and
 values. Every hf_kvcache cache keeps those states as ``DynamicCache`` does and its own storage (int4 codes, pages)
 for the attention layers, so the same ``past_key_values=`` works: pages give ``DynamicCache``'s tokens exactly, int4
-stores the attention layers' history in a fraction of the bytes. The memory report shows both kinds of layer.
+stores the attention layers' history in a fraction of the bytes. The memory report shows both kinds of layer, and
+``plan_memory`` counts the states every row holds when it sizes a batch.
 
 Run it with::
 
@@ -22,6 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, Qwen3NextConfig
 
 from hf_kvcache import PagedKVCache, QuantizedKVCache, cache_nbytes
+from hf_kvcache.plan import plan_memory
 
 SMALL = os.environ.get("HF_KVCACHE_EXAMPLES_SMALL") == "1"
 
@@ -73,6 +75,14 @@ def main() -> None:
     print(f"attention K/V, DynamicCache:        {attention_dynamic:>9,} bytes")
     print(f"attention K/V, QuantizedKVCache(4): {attention_int4:>9,} bytes")
     print(f"attention ratio: {attention_int4 / attention_dynamic:.3f}")
+
+    # Planning memory: the states are a fixed size per row, which plan measures from the config and adds per row
+    # (here for rows of 4,096 tokens in 256 MiB, the quantized caches reading their codes in place).
+    plan = plan_memory(model.config, "256MiB", context=4096, dtype="float32", caches=("dynamic", "int4"),
+                       reserve="8MiB", attn="hf_kvcache")  # fmt: skip
+    print(f"plan: {plan.state_bytes_per_row:,} bytes of states per row (measured here: {states:,})")
+    for row in plan.rows:
+        print(f"plan: {row.cache:>7} fits {row.max_batch} rows of {plan.context:,} tokens in 256 MiB")
 
 
 if __name__ == "__main__":

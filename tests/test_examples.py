@@ -88,6 +88,11 @@ def check_hybrid_model(out: str, cwd: Path) -> None:
     assert len(re.findall(r"QuantizedLayer: +\d+ tokens", out)) == 2
     # the attention layers' history in int4 (the 128-token residual in float32 aside) against float32
     assert _number(r"attention ratio: ([\d.]+)", out) < 0.7
+    # plan's per-row states are the ones the caches hold, and int4 fits more rows than DynamicCache
+    planned, measured = re.search(r"plan: ([\d,]+) bytes of states per row \(measured here: ([\d,]+)\)", out).groups()
+    assert planned == measured and int(planned.replace(",", "")) > 0
+    rows = dict(re.findall(r"plan: +(\w+) fits (\d+) rows", out))
+    assert int(rows["int4"]) > int(rows["dynamic"]) > 0
 
 
 CHECKS = {
