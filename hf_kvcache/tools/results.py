@@ -166,6 +166,18 @@ RUNS: dict[str, list[str]] = {
         *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
         *["--caches", "dynamic,int2,int2:residual_bits=8,int3,int3:residual_bits=8"],
     ],
+    # An int8 residual of 64 tokens (64 to 127 held) against 128 (128 to 191), both in int8, on the default run's
+    # protocol: the residual is what keeps int2 above 0.16x of DynamicCache's bytes at 8k tokens.
+    "eval-residual-length": [
+        "eval",
+        *REAL,
+        *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
+        *[
+            "--caches",
+            "dynamic,int2:residual_bits=8,int2:residual_bits=8:residual_length=64,int3:residual_bits=8,"
+            "int3:residual_bits=8:residual_length=64",
+        ],
+    ],
     # Lloyd-Max levels (codebook=lloyd) next to the uniform grid at 2 and 3 bits, on the default run's protocol.
     "eval-codebook": [
         "eval",
