@@ -16,9 +16,11 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 __all__ = [
     "ATTENTION_LAYER_TYPES",
+    "INDEXED_LAYER_TYPES",
     "STATE_LAYER_TYPES",
     "WITH_STATES_LAYER_TYPES",
     "LayerSpec",
+    "has_indexed_layers",
     "has_state_layers",
     "is_latent_attention",
     "layer_specs",
@@ -37,6 +39,9 @@ STATE_LAYER_TYPES = ("linear_attention", "conv", "dummy")
 # Layers with recurrent states *and* full attention (Falcon-H1, Zamba): the attention's kind of cache beside the
 # states. (hybrid_sliding, Inkling's, is not served yet: its masks do not line up with a sliding layer's keys.)
 WITH_STATES_LAYER_TYPES = {"hybrid": "full_attention"}
+# Layers of DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5's glm_moe_dsa): full attention whose indexer keeps one
+# narrow key per token beside the K/V (``Cache.update_indexer``) to pick each query's top-k tokens.
+INDEXED_LAYER_TYPES = {"indexed_attention": "full_attention"}
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,9 @@ class LayerSpec:
     # recurrent / convolution states of a STATE_LAYER_TYPES layer, or of an attention layer that has both
     # (WITH_STATES_LAYER_TYPES; its layer_type is then its attention's): transformers' number_of_states
     states: int = 0
+    # channels of the indexer key an INDEXED_LAYER_TYPES layer keeps per token (its layer_type is then its
+    # attention's), 0 for the others
+    indexer_dim: int = 0
 
     @property
     def holds_kv(self) -> bool:
@@ -58,13 +66,18 @@ class LayerSpec:
 
     @property
     def bytes_per_token_factor(self) -> int:
-        """Elements stored per token of this layer (keys and values, all heads)."""
+        """Elements stored per token of this layer (keys and values, all heads; not an indexer's key)."""
         return self.num_kv_heads * (self.key_dim + self.value_dim)
 
 
 def has_state_layers(config: PretrainedConfig) -> bool:
     """Whether ``config`` has recurrent / convolution states or MLP-only blocks beside (or with) its attention."""
     return any(t in STATE_LAYER_TYPES or t in WITH_STATES_LAYER_TYPES for t in get_layer_types_and_kwargs(config)[0])
+
+
+def has_indexed_layers(config: PretrainedConfig) -> bool:
+    """Whether ``config`` has sparse-attention layers whose indexer keeps keys beside the K/V (DeepSeek-V3.2)."""
+    return any(t in INDEXED_LAYER_TYPES for t in get_layer_types_and_kwargs(config)[0])
 
 
 def resolve_config(config) -> PretrainedConfig:
@@ -169,16 +182,18 @@ def layer_specs(config: PretrainedConfig, cache_name: str, tp_size: int = 1, mod
             f"{cache_name} cannot serve model_type {model_type(config)!r}: some of its layers read another layer's "
             "cached keys and values (KV sharing), which hf_kvcache caches do not hand between layers"
         )
-    served = (*ATTENTION_LAYER_TYPES, *STATE_LAYER_TYPES, *WITH_STATES_LAYER_TYPES)
+    served = (*ATTENTION_LAYER_TYPES, *INDEXED_LAYER_TYPES, *STATE_LAYER_TYPES, *WITH_STATES_LAYER_TYPES)
     unsupported = sorted({t for t in layer_types if t not in served})
     if unsupported:
+        attention = ", ".join((*ATTENTION_LAYER_TYPES, *INDEXED_LAYER_TYPES))
         raise ValueError(
-            f"{cache_name} supports models whose layers are {', '.join(ATTENTION_LAYER_TYPES)} (beside "
+            f"{cache_name} supports models whose layers are {attention} (beside "
             f"{', '.join(STATE_LAYER_TYPES + tuple(WITH_STATES_LAYER_TYPES))} layers, whose states are kept as "
             f"transformers keeps them); this config (model_type "
             f"{model_type(config)!r}) has {', '.join(unsupported)} layers"
         )
-    if not any(t in ATTENTION_LAYER_TYPES or t in WITH_STATES_LAYER_TYPES for t in layer_types):
+    if not any(t in ATTENTION_LAYER_TYPES or t in WITH_STATES_LAYER_TYPES or t in INDEXED_LAYER_TYPES
+               for t in layer_types):  # fmt: skip
         raise ValueError(
             f"{cache_name} cannot serve model_type {model_type(config)!r}: none of its layers caches keys and values "
             f"(its layers are {', '.join(sorted(set(layer_types)))})"
@@ -195,7 +210,15 @@ def layer_specs(config: PretrainedConfig, cache_name: str, tp_size: int = 1, mod
             specs.append(LayerSpec(kind, None, 0, 0, 0, False, kwargs.get("number_of_states", 0)))
             continue
         states = kwargs.get("number_of_states", 1) if kind in WITH_STATES_LAYER_TYPES else 0
-        kind = WITH_STATES_LAYER_TYPES.get(kind, kind)
+        indexer = 0
+        if kind in INDEXED_LAYER_TYPES:
+            indexer = _global(config, "index_head_dim")
+            if not isinstance(indexer, int) or indexer < 1:
+                raise ValueError(
+                    f"{cache_name} cannot serve model_type {model_type(config)!r}: its {kind} layers name no "
+                    "index_head_dim (the width of the indexer keys they cache)"
+                )
+        kind = INDEXED_LAYER_TYPES.get(kind, WITH_STATES_LAYER_TYPES.get(kind, kind))
         if is_latent_attention(config):
             heads, key_dim, value_dim = 1, config.kv_lora_rank, config.qk_rope_head_dim
         else:
@@ -218,5 +241,5 @@ def layer_specs(config: PretrainedConfig, cache_name: str, tp_size: int = 1, mod
                 heads //= tp_size
             heads, key_dim, value_dim = layouts.get(i, (heads, key_dim, value_dim))
         window = kwargs.get("sliding_window") if kind != "full_attention" else None
-        specs.append(LayerSpec(kind, window, heads, key_dim, value_dim, rope[i], states))
+        specs.append(LayerSpec(kind, window, heads, key_dim, value_dim, rope[i], states, indexer))
     return specs

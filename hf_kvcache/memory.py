@@ -42,9 +42,10 @@ def cache_nbytes(cache: Cache) -> int:
 
 
 def dynamic_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Bytes per token of a full-precision K/V cache for ``config`` (all layers, keys and values)."""
+    """Bytes per token of a full-precision K/V cache for ``config`` (all layers, keys and values, and the indexer keys
+    of sparse-attention layers)."""
     specs = layer_specs(resolve_config(config), "dynamic_bytes_per_token")
-    return sum(s.bytes_per_token_factor * dtype.itemsize for s in specs)
+    return sum((s.bytes_per_token_factor + s.indexer_dim) * dtype.itemsize for s in specs)
 
 
 class PeakTensorBytes(TorchDispatchMode):

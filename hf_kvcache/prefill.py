@@ -23,6 +23,7 @@ from transformers.cache_utils import (
     Cache,
     DummyLayer,
     DynamicCache,
+    DynamicIndexedLayer,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionAndFullAttentionLayer,
@@ -31,9 +32,9 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
-from ._config import has_state_layers, resolve_config
+from ._config import has_indexed_layers, has_state_layers, resolve_config
 from .layers._common import KVLayer
-from .layers.state import AttentionWithStates
+from .layers.state import AttentionInside
 
 __all__ = ["SharedPrefill", "every_token_cache", "store_prefill", "write_tokens"]
 
@@ -45,7 +46,7 @@ def write_tokens(cache: Cache, layer_idx: int, key_states: torch.Tensor, value_s
     prefill written this way chunk by chunk stores what one through the cache stores, with no scratch."""
     layers = getattr(cache, "layers", None)
     layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
-    if isinstance(layer, (KVLayer, AttentionWithStates)):
+    if isinstance(layer, (KVLayer, AttentionInside)):
         layer.write(key_states, value_states)
     else:
         cache.update(key_states, value_states, layer_idx)
@@ -66,6 +67,18 @@ def _copy_states(cache: Cache, layer_idx: int, source) -> None:
     fresh = LinearAttentionLayer(number_of_states=source.number_of_states)  # what a linear-attention layer's state is
     for name in vars(fresh):
         setattr(target, name, copy.deepcopy(getattr(source, name)))
+
+
+def _copy_indexer(cache: Cache, layer_idx: int, indexer_keys: torch.Tensor) -> None:
+    """A sparse-attention layer's indexer keys of the prefill, copied into ``cache``'s layer ``layer_idx``."""
+    layers = getattr(cache, "layers", None)
+    target = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
+    if not hasattr(target, "update_indexer"):
+        raise ValueError(
+            f"store_prefill: layer {layer_idx} of the prefill holds indexer keys, the cache's "
+            f"{type(target).__name__} has no place for them"
+        )
+    target.update_indexer(indexer_keys.clone())
 
 
 def store_prefill(
@@ -97,6 +110,9 @@ def store_prefill(
         cache.before_forward({"attention_mask": attention_mask})  # what the model's forward hook would tell it
     count, tokens = 0, None
     for layer_idx, entry in enumerate(key_value_states):
+        indexer = None
+        if isinstance(entry, DynamicIndexedLayer):  # a sparse-attention layer: its K/V and its indexer's keys
+            entry, indexer = (entry.keys, entry.values), entry.indexer_keys
         if isinstance(entry, (LinearAttentionCacheLayerMixin, DummyLayer)):
             _copy_states(cache, layer_idx, entry)
             if getattr(entry, "keys", None) is None:  # a layer of states alone
@@ -112,6 +128,8 @@ def store_prefill(
                 "its sliding layers' windows; DynamicCache() without a config keeps every token)"
             )
         write_tokens(cache, layer_idx, key_states, value_states)
+        if indexer is not None:
+            _copy_indexer(cache, layer_idx, indexer)
         count += 1
     layers = getattr(cache, "layers", None)
     if layers is not None and count != len(layers):
@@ -124,7 +142,7 @@ def every_token_cache(model) -> DynamicCache:
     Built without a config, so that every layer is a ``DynamicLayer``, except for hybrid models, whose recurrent /
     convolution layers need transformers' own layers (built from the config, with its sliding layers replaced)."""
     config = resolve_config(model)
-    if not has_state_layers(config):
+    if not has_state_layers(config) and not has_indexed_layers(config):
         return DynamicCache()
     once = DynamicCache(config=config)
     once.layers = [_unbounded(layer) for layer in once.layers]
@@ -173,11 +191,10 @@ class SharedPrefill:
                 once = inputs["past_key_values"] = every_token_cache(model)
                 logits = model(**inputs).logits[:, -logits_to_keep:]
         self.logits = logits
-        # per layer its K/V, or (a hybrid model's recurrent layers) the layer, whose states store_prefill copies
-        self.key_values = [
-            layer if isinstance(layer, (LinearAttentionCacheLayerMixin, DummyLayer)) else (layer.keys, layer.values)
-            for layer in once.layers
-        ]
+        # per layer its K/V, or the layer itself where store_prefill copies more: a hybrid model's recurrent states,
+        # a sparse-attention layer's indexer keys
+        kept = (LinearAttentionCacheLayerMixin, DummyLayer, DynamicIndexedLayer)
+        self.key_values = [layer if isinstance(layer, kept) else (layer.keys, layer.values) for layer in once.layers]
         self.attention_mask = attention_mask
         self.tokens = input_ids.shape[1]
 

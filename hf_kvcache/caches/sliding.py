@@ -120,6 +120,12 @@ class SlidingWindowKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             )
         _refuse_unservable(config, rerotate, sinks)
         specs = self._bind_model(model, config)
+        if any(s.indexer_dim for s in specs):
+            raise ValueError(
+                f"SlidingWindowKVCache cannot serve model_type {model_type(config)!r}: its sparse attention's indexer "
+                "keeps a key per token seen and picks each query's tokens among them, which an evicting window would "
+                "have to move with the keys; use QuantizedKVCache or PagedKVCache (which keep every token)"
+            )
         self.window, self.sinks, self.rerotate, self.bits = window, sinks, rerotate, bits
         self.workspace = Workspace()
         self.rotary = None

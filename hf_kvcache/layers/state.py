@@ -17,7 +17,7 @@ from .._config import LayerSpec
 from ._common import as_index
 from ._storage import _nbytes
 
-__all__ = ["AttentionWithStates", "EmptyLayer", "StateLayer", "cache_layer"]
+__all__ = ["AttentionInside", "AttentionWithStates", "EmptyLayer", "StateLayer", "cache_layer"]
 
 
 class StateLayer(LinearAttentionLayer):
@@ -93,30 +93,32 @@ class StateLayer(LinearAttentionLayer):
         return 0
 
 
-class AttentionWithStates(StateLayer, CacheLayerMixin):
-    """A layer with recurrent states *and* attention (transformers' ``hybrid`` layer type: Falcon-H1, Zamba): the
-    states as :class:`StateLayer` keeps them, and the cache's own layer for the attention's K/V (``attention``:
-    quantized, paged, windowed), to which every K/V operation goes."""
+class AttentionInside(CacheLayerMixin):
+    """A layer that keeps something beside the cache's own layer for the attention's K/V (``attention``: quantized,
+    paged, windowed): every K/V operation goes to that layer; reset, crop and the batch-axis operations go to both
+    (subclasses take their share in :meth:`_beside`), and the bytes are both's."""
 
     is_compileable = False
-
-    def __init__(self, attention, spec: LayerSpec, layer_idx: int, owner: str):
-        StateLayer.__init__(self, spec, layer_idx, owner)
-        self.attention = attention
+    attention: CacheLayerMixin
 
     # what the model and the cache ask of an attention layer: the inner layer's answer
     keys = property(lambda self: getattr(self.attention, "keys", None))
     values = property(lambda self: getattr(self.attention, "values", None))
     is_initialized = property(lambda self: getattr(self.attention, "is_initialized", False))
     is_sliding = property(lambda self: getattr(self.attention, "is_sliding", False))
+    is_croppable = property(lambda self: getattr(self.attention, "is_croppable", False))
     stored_tokens = property(lambda self: self.attention.stored_tokens)
 
+    def _beside(self, operation: str, *args) -> None:
+        """Apply ``operation`` (reset, crop, reorder_cache, batch_repeat_interleave, batch_select_indices, offload,
+        prefetch) to what the layer keeps beside the attention."""
+        raise NotImplementedError
+
+    def _beside_nbytes(self, reserved: bool = False) -> int:
+        raise NotImplementedError
+
     def lazy_initialization(self, *args, **kwargs) -> None:
-        # positional (key_states, value_states): the attention's; keywords only: a state's (update_conv_state, ...)
-        if args:
-            self.attention.lazy_initialization(*args, **kwargs)
-        else:
-            StateLayer.lazy_initialization(self, **kwargs)
+        self.attention.lazy_initialization(*args, **kwargs)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         return self.attention.update(key_states, value_states, *args, **kwargs)
@@ -143,43 +145,65 @@ class AttentionWithStates(StateLayer, CacheLayerMixin):
 
     @property
     def nbytes(self) -> int:
-        return StateLayer.nbytes.fget(self) + self.attention.nbytes
+        return self._beside_nbytes() + self.attention.nbytes
+
+    @property
+    def reserved_nbytes(self) -> int:
+        return self._beside_nbytes(reserved=True) + self.attention.reserved_nbytes
+
+    def reset(self) -> None:
+        self._beside("reset")
+        self.attention.reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._beside("crop", tokens_to_remove)
+        self.attention.crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._beside("reorder_cache", beam_idx)
+        self.attention.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._beside("batch_repeat_interleave", repeats)
+        self.attention.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices) -> None:
+        self._beside("batch_select_indices", indices)
+        self.attention.batch_select_indices(indices)
+
+    def offload(self) -> None:
+        self._beside("offload")
+        self.attention.offload()
+
+    def prefetch(self) -> None:
+        self._beside("prefetch")
+        self.attention.prefetch()
+
+
+class AttentionWithStates(AttentionInside, StateLayer):
+    """A layer with recurrent states *and* attention (transformers' ``hybrid`` layer type: Falcon-H1, Zamba): the
+    states as :class:`StateLayer` keeps them, beside the cache's own layer for the attention's K/V."""
+
+    def __init__(self, attention, spec: LayerSpec, layer_idx: int, owner: str):
+        StateLayer.__init__(self, spec, layer_idx, owner)
+        self.attention = attention
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        # positional (key_states, value_states): the attention's; keywords only: a state's (update_conv_state, ...)
+        if args:
+            self.attention.lazy_initialization(*args, **kwargs)
+        else:
+            StateLayer.lazy_initialization(self, **kwargs)
+
+    def _beside(self, operation: str, *args) -> None:
+        getattr(StateLayer, operation)(self, *args)
+
+    def _beside_nbytes(self, reserved: bool = False) -> int:
+        return (StateLayer.reserved_nbytes if reserved else StateLayer.nbytes).fget(self)
 
     @property
     def state_nbytes(self) -> int:
         return StateLayer.nbytes.fget(self)
-
-    @property
-    def reserved_nbytes(self) -> int:
-        return StateLayer.reserved_nbytes.fget(self) + self.attention.reserved_nbytes
-
-    def reset(self) -> None:
-        StateLayer.reset(self)
-        self.attention.reset()
-
-    def crop(self, tokens_to_remove: int) -> None:
-        StateLayer.crop(self, tokens_to_remove)
-        self.attention.crop(tokens_to_remove)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        StateLayer.reorder_cache(self, beam_idx)
-        self.attention.reorder_cache(beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        StateLayer.batch_repeat_interleave(self, repeats)
-        self.attention.batch_repeat_interleave(repeats)
-
-    def batch_select_indices(self, indices) -> None:
-        StateLayer.batch_select_indices(self, indices)
-        self.attention.batch_select_indices(indices)
-
-    def offload(self) -> None:
-        StateLayer.offload(self)
-        self.attention.offload()
-
-    def prefetch(self) -> None:
-        StateLayer.prefetch(self)
-        self.attention.prefetch()
 
 
 class EmptyLayer(DummyLayer):
@@ -201,8 +225,13 @@ class EmptyLayer(DummyLayer):
 def cache_layer(spec: LayerSpec, layer_idx: int, owner: str, attention: Callable[[], object]):
     """The layer a cache keeps for ``spec``: for a :data:`~hf_kvcache._config.STATE_LAYER_TYPES` layer, its states
     (:class:`StateLayer`) or nothing (:class:`EmptyLayer`); for an attention layer, the cache's own (``attention()``,
-    called only then), beside its recurrent states where the layer has both (:class:`AttentionWithStates`)."""
+    called only then), beside its recurrent states where the layer has both (:class:`AttentionWithStates`) or beside
+    its indexer keys in a sparse-attention layer (:class:`~hf_kvcache.layers.indexed.IndexedAttention`)."""
     if not spec.holds_kv:
         return EmptyLayer(spec, layer_idx, owner) if spec.layer_type == "dummy" else StateLayer(spec, layer_idx, owner)
     layer = attention()
+    if spec.indexer_dim:  # sparse attention's indexer keys beside the K/V
+        from .indexed import IndexedAttention
+
+        return IndexedAttention(layer, spec, layer_idx, owner)
     return AttentionWithStates(layer, spec, layer_idx, owner) if spec.states else layer

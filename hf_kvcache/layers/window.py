@@ -13,10 +13,10 @@ from ._storage import _nbytes
 
 def dynamic_layer_nbytes(spec: LayerSpec, tokens: int, dtype: torch.dtype) -> int:
     """Bytes one row of ``DynamicCache``'s layer for ``spec`` stores after ``tokens`` tokens: every token of a full
-    layer, the last ``sliding_window - 1`` of a sliding one."""
+    layer (with its indexer's key, in a sparse-attention layer), the last ``sliding_window - 1`` of a sliding one."""
     if spec.layer_type != "full_attention" and spec.sliding_window:
         tokens = min(tokens, spec.sliding_window - 1)
-    return tokens * spec.bytes_per_token_factor * dtype.itemsize
+    return tokens * (spec.bytes_per_token_factor + spec.indexer_dim) * dtype.itemsize
 
 
 class ModelSlidingWindowLayer(DynamicSlidingWindowLayer):

@@ -396,6 +396,7 @@ def _plan_cell(model, model_type: str) -> dict:
         return {"status": "n/a", "detail": "prefill: " + _line(error)}
     layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]  # not linear attention
     held = sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
+    held += sum(t.nbytes for layer in layers if (t := getattr(layer, "indexer_keys", None)) is not None)
     # The tokens the cache holds: a model may add its own before the prompt (CPM-Ant's 32 prompt-tuning tokens).
     batch, tokens = inputs["input_ids"].shape[0], max(inputs["input_ids"].shape[1], cache.get_seq_length())
     states = [
@@ -551,8 +552,11 @@ def render(saved: dict) -> str:
         "`linear_attention` and `conv` layer types), MLP-only blocks (`dummy`), or layers with both (`hybrid`: "
         "Falcon-H1, Zamba) are served: every cache keeps the recurrent states as `DynamicCache` "
         "does (transformers' own layer classes, full precision) and its own storage for the attention's K/V, which "
-        "the `hf_kvcache` attention reads in place as any other model's. Refused by name: `hybrid_sliding` layers, "
-        "indexed and compressed attention, and layers that read another layer's cache (KV sharing).",
+        "the `hf_kvcache` attention reads in place as any other model's. Sparse attention's `indexed_attention` "
+        "layers (DeepSeek-V3.2, GLM-5's `glm_moe_dsa`) are served by the caches that keep every token: the "
+        "indexer's keys beside the K/V, as `DynamicCache` keeps them; the evicting window refuses them. Refused by "
+        "name: `hybrid_sliding` layers, compressed attention (DeepSeek-V4), and layers that read another layer's "
+        "cache (KV sharing).",
         "",
         "Caches: " + ", ".join(f"`{c}` = `{spec}`" for c, spec, *_ in CACHES) + ". Reproduce with "
         "`python scripts/supported_models.py --run` (the whole matrix, a few minutes on one core); the test suite "

@@ -1,0 +1,90 @@
+"""The layers of DeepSeek Sparse Attention (DSA: DeepSeek-V3.2, GLM-5's ``glm_moe_dsa``, transformers'
+``indexed_attention`` layer type) in every hf_kvcache cache that keeps every token.
+
+A DSA layer is full attention over a latent K/V cache whose queries each read only the top-k tokens an *indexer*
+picks: one narrow key per token (``index_head_dim`` channels, one head), scored against the indexer's queries. The
+model stores those keys through ``Cache.update_indexer`` beside the K/V. Here the cache's own layer keeps the K/V
+(quantized, paged) and the indexer keys stay as transformers' ``DynamicIndexedLayer`` keeps them, in the model's
+dtype: quantizing them would change which tokens the attention reads, not only how precisely. They follow every
+lifecycle and batch operation of the K/V (crop, beams, batch selection, reset), and a forward of another batch size,
+dtype or device than they hold raises ``ValueError``. The sliding-window cache does not serve these models: an
+evicting window would have to move the indexer's positions with the keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._config import LayerSpec
+from ._common import as_index
+from ._storage import _nbytes
+from .state import AttentionInside
+
+__all__ = ["IndexedAttention"]
+
+
+class IndexedAttention(AttentionInside):
+    """An ``indexed_attention`` layer: the cache's own layer for the attention's K/V, beside the indexer's keys
+    ``(B, T, index_head_dim)`` (``indexer_keys``, as ``DynamicIndexedLayer`` names them)."""
+
+    def __init__(self, attention, spec: LayerSpec, layer_idx: int, owner: str):
+        self.attention, self.spec, self.layer_idx, self.owner = attention, spec, layer_idx, owner
+        self.indexer_keys: torch.Tensor | None = None
+        self.indexer_position_ids: torch.Tensor | None = None  # transformers' field; models that set it keep it
+
+    @property
+    def is_indexer_initialized(self) -> bool:
+        return self.indexer_keys is not None
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        """Append a forward's indexer keys ``(B, n, D)`` and return every token's, ``(B, T, D)``."""
+        held = self.indexer_keys
+        if held is not None and (
+            indexer_key_states.shape[0] != held.shape[0]
+            or indexer_key_states.dtype != held.dtype
+            or indexer_key_states.device != held.device
+        ):
+            raise ValueError(
+                f"{self.owner} layer {self.layer_idx} (indexed_attention) holds indexer keys of batch "
+                f"{held.shape[0]}, {held.dtype} on {held.device}; this forward passed batch "
+                f"{indexer_key_states.shape[0]}, {indexer_key_states.dtype} on {indexer_key_states.device}. Call "
+                "cache.reset() (or build a new cache) before another batch"
+            )
+        self.indexer_keys = indexer_key_states if held is None else torch.cat([held, indexer_key_states], dim=1)
+        return self.indexer_keys
+
+    def _map(self, keys, positions) -> None:
+        """``keys(indexer_keys)`` and ``positions(indexer_position_ids)`` (batch on axis 0 and 1), where held."""
+        if self.indexer_keys is not None:
+            self.indexer_keys = keys(self.indexer_keys)
+        if self.indexer_position_ids is not None:
+            self.indexer_position_ids = positions(self.indexer_position_ids)
+
+    def _beside(self, operation: str, *args) -> None:
+        if operation == "reset":
+            self.indexer_keys = self.indexer_position_ids = None
+        elif operation in ("reorder_cache", "batch_select_indices"):
+            index = as_index(args[0])
+            self._map(lambda t: t.index_select(0, index.to(t.device)), lambda p: p.index_select(1, index.to(p.device)))
+        elif operation == "batch_repeat_interleave":
+            self._map(lambda t: t.repeat_interleave(args[0], dim=0), lambda p: p.repeat_interleave(args[0], dim=1))
+        elif operation == "offload":
+            self._map(lambda t: t.to("cpu", non_blocking=True), lambda p: p.to("cpu", non_blocking=True))
+        elif operation == "prefetch" and getattr(self.attention, "device", None) is not None:
+            device = self.attention.device
+            self._map(lambda t: t.to(device, non_blocking=True), lambda p: p.to(device, non_blocking=True))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """The attention's crop, then the indexer keys cut to the tokens it kept."""
+        self.attention.crop(tokens_to_remove)
+        kept = self.attention.get_seq_length()
+        self._map(lambda t: t[:, :kept], lambda p: p[..., :kept])
+
+    def _beside_nbytes(self, reserved: bool = False) -> int:
+        if self.indexer_keys is None:
+            return 0
+        return self.indexer_keys.untyped_storage().nbytes() if reserved else _nbytes(self.indexer_keys)
+
+    def planned_nbytes(self, tokens: int, dtype: torch.dtype, prompt: int | None = None) -> int:
+        """The attention's planned bytes and every token's indexer key (:mod:`hf_kvcache.plan`)."""
+        return self.attention.planned_nbytes(tokens, dtype, prompt) + tokens * self.spec.indexer_dim * dtype.itemsize

@@ -1,0 +1,211 @@
+"""DeepSeek Sparse Attention (transformers' ``indexed_attention`` layers: DeepSeek-V3.2, GLM-5's ``glm_moe_dsa``):
+the caches keep the latent K/V their own way and the indexer's keys beside them as ``DynamicCache`` does, so
+lossless caches reproduce DynamicCache exactly and lossy ones stay within their bounds, under every attention
+implementation, batch 1 and left-padded, through beams and sampling; the indexer keys follow crop, reorder, batch
+selection and reset; a handed-over prefill carries them; plan and nbytes count them; the evicting window refuses."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from hf_kvcache import make_cache
+from hf_kvcache.compare import LOGIT_BOUNDS
+from hf_kvcache.layers.indexed import IndexedAttention
+from hf_kvcache.plan import kv_bytes
+from hf_kvcache.prefill import SharedPrefill
+from hf_kvcache.tools.supported_models import tiny_config
+
+FAMILIES = ("deepseek_v32", "glm_moe_dsa")
+ATTENTION = ("eager", "sdpa", "hf_kvcache")
+VOCAB, PAD, NEW = 128, 0, 8
+CASES = {  # spec, lossless, logit bound (lossy): small residuals and groups so that tokens really are quantized
+    "paged": ("paged:block_size=4", True, 0.0),
+    "int8": ("int8", False, LOGIT_BOUNDS["int8"]),
+    "int4": ("int4:residual_length=2:group_size=8", False, LOGIT_BOUNDS["int4"]),
+    "int2": ("int2:residual_length=2:group_size=8", False, LOGIT_BOUNDS["int2"]),
+    "paged-int8": ("paged:block_size=4:bits=8", False, LOGIT_BOUNDS["int8"]),
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+@cache
+def _model(family: str, attn: str):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation=attn).eval()
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _prompt(batch: str, length: int = 12) -> dict:
+    ids = torch.randint(3, VOCAB, (2 if batch == "padded" else 1, length), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    if batch == "padded":
+        ids[1, :5], mask[1, :5] = PAD, 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _generate(model, cache, inputs, **kwargs):
+    torch.manual_seed(1234)
+    with torch.no_grad():
+        return model.generate(
+            **inputs, past_key_values=cache, max_new_tokens=NEW, min_new_tokens=NEW, output_logits=True,
+            return_dict_in_generate=True, **({"do_sample": False} | kwargs),
+        )  # fmt: skip
+
+
+def _params():
+    for family in FAMILIES:
+        for name in CASES:
+            for attn in ATTENTION:
+                for batch in ("single", "padded"):
+                    fast = attn == "sdpa" and batch == "padded" and (family == FAMILIES[0] or name == "paged")
+                    marks = () if fast else (pytest.mark.slow,)
+                    yield pytest.param(family, name, attn, batch, id=f"{family}-{name}-{attn}-{batch}", marks=marks)
+
+
+@pytest.mark.parametrize("family, name, attn, batch", list(_params()))
+def test_greedy_matches_dynamic_cache(family, name, attn, batch):
+    """Lossless caches: DynamicCache's tokens and logits. Lossy: every step's logits within the kind's bound until
+    the first token that differs (the matrix's rule). Every attention layer keeps one indexer key per token."""
+    spec, lossless, bound = CASES[name]
+    model = _model(family, attn)
+    inputs = _prompt(batch)
+    dynamic = DynamicCache(config=model.config)
+    ref = _generate(_model(family, "sdpa"), dynamic, inputs)
+    cache = make_cache(spec, model)
+    out = _generate(model, cache, inputs)
+    assert all(isinstance(layer, IndexedAttention) for layer in cache.layers)
+    # every real token's indexer key as DynamicCache's (lossy caches: the prompt's, which no quantized read fed;
+    # left padding's keys follow each attention implementation's own masking)
+    real = torch.cat([inputs["attention_mask"], torch.full((len(inputs["attention_mask"]), NEW - 1), lossless)], 1)
+    for ours, theirs in zip(cache.layers, dynamic.layers):
+        assert ours.indexer_keys.shape == theirs.indexer_keys.shape
+        keep = real.bool()
+        torch.testing.assert_close(ours.indexer_keys[keep], theirs.indexer_keys[keep], rtol=1e-4, atol=1e-4)
+    if lossless:
+        torch.testing.assert_close(out.sequences, ref.sequences, rtol=0, atol=0)
+        for got, want in zip(out.logits, ref.logits):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        return
+    differ = (out.sequences != ref.sequences).any(0).nonzero()
+    steps = len(ref.logits) if not len(differ) else int(differ[0]) - (ref.sequences.shape[1] - len(ref.logits)) + 1
+    for step in range(steps):
+        error = (out.logits[step] - ref.logits[step]).abs().amax(-1)
+        assert (error <= bound * ref.logits[step].std(-1)).all(), f"step {step}: logit error {error.tolist()}"
+
+
+MODES = {
+    "beam": dict(num_beams=3),
+    "beam-nrs": dict(num_beams=3, num_return_sequences=2),
+    "sample-nrs": dict(do_sample=True, num_return_sequences=2),
+    "prompt-lookup": dict(prompt_lookup_num_tokens=3),  # crops the cache where drafts are rejected
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_generate_modes_match_dynamic_cache(mode):
+    """Beam search reorders the indexer keys with the pages, sampling repeats them per sequence, prompt lookup crops
+    them: tokens as DynamicCache's."""
+    model = _model(FAMILIES[0], "sdpa")
+    inputs = _prompt("single" if mode == "prompt-lookup" else "padded")
+    dynamic = DynamicCache(config=model.config)
+    ref = _generate(model, dynamic, inputs, **MODES[mode])
+    cache = make_cache(CASES["paged"][0], model)
+    out = _generate(model, cache, inputs, **MODES[mode])
+    torch.testing.assert_close(out.sequences, ref.sequences, rtol=0, atol=0)
+    for ours, theirs in zip(cache.layers, dynamic.layers):
+        assert ours.indexer_keys.shape == theirs.indexer_keys.shape
+        assert ours.indexer_keys.shape[1] == ours.attention.get_seq_length()
+
+
+def test_crop_and_batch_operations_keep_the_indexer_keys_with_the_tokens():
+    model = _model(FAMILIES[0], "sdpa")
+    cache = make_cache("int8", model)
+    with torch.no_grad():
+        model(**_prompt("padded"), past_key_values=cache)
+    layer = cache.layers[0]
+    keys = layer.indexer_keys.clone()
+    cache.crop(-3)  # generate()'s way: minus the tokens to remove
+    assert layer.indexer_keys.shape[1] == cache.get_seq_length() == 9
+    torch.testing.assert_close(layer.indexer_keys, keys[:, :9], rtol=0, atol=0)
+    cache.crop(-2)
+    assert layer.indexer_keys.shape[1] == cache.get_seq_length() == 7
+    cache.batch_repeat_interleave(2)
+    torch.testing.assert_close(layer.indexer_keys, keys[:, :7].repeat_interleave(2, 0), rtol=0, atol=0)
+    cache.batch_select_indices(torch.tensor([3, 0]))
+    torch.testing.assert_close(layer.indexer_keys, keys[[1, 0], :7], rtol=0, atol=0)
+    cache.reorder_cache(torch.tensor([1, 1]))
+    torch.testing.assert_close(layer.indexer_keys, keys[[0, 0], :7], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["int8", "paged"])
+def test_another_batch_is_refused_until_reset(name):
+    model = _model(FAMILIES[0], "sdpa")
+    cache = make_cache(CASES[name][0], model)
+    _generate(model, cache, _prompt("single"))
+    with pytest.raises(ValueError, match=r"layer 0 .*holds .*\b1\b"):  # the K/V's check or the indexer's
+        _generate(model, cache, _prompt("padded"))
+    with pytest.raises(ValueError, match=r"layer 0 \(indexed_attention\) holds indexer keys of batch 1"):
+        cache.layers[0].update_indexer(torch.zeros(2, 1, model.config.index_head_dim))
+    cache.reset()
+    assert cache.nbytes == 0 and all(layer.indexer_keys is None for layer in cache.layers)
+    again = _generate(model, cache, _prompt("padded"))
+    fresh = _generate(model, make_cache(CASES[name][0], model), _prompt("padded"))
+    torch.testing.assert_close(again.sequences, fresh.sequences, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["paged", "int8", "int2"])
+def test_shared_prefill_hands_over_the_indexer_keys(name):
+    """One prefill stored in a cache (the K/V written, the indexer keys copied) leaves the state a prefill through
+    the cache leaves: the same continuation, logit for logit."""
+    model = _model(FAMILIES[0], "sdpa")
+    inputs = _prompt("padded")
+    shared = SharedPrefill(model, inputs["input_ids"], inputs["attention_mask"])
+    handed = shared.into(make_cache(CASES[name][0], model))
+    own = make_cache(CASES[name][0], model)
+    with torch.no_grad():
+        model(**inputs, past_key_values=own)
+    assert handed.get_seq_length() == own.get_seq_length() == 12
+    assert handed.nbytes == own.nbytes
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
+    mask = torch.cat([inputs["attention_mask"], torch.ones_like(ids)], 1)
+    with torch.no_grad():
+        a = model(input_ids=ids, attention_mask=mask, past_key_values=handed).logits
+        b = model(input_ids=ids, attention_mask=mask, past_key_values=own).logits
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for entry, layer in zip(shared.key_values, handed.layers):
+        assert entry.indexer_keys is not layer.indexer_keys  # copied: each cache appends to its own
+
+
+def test_plan_and_nbytes_count_the_indexer_keys():
+    """``kv_bytes`` counts every token's indexer key as DynamicCache stores it; the paged cache holds what it plans,
+    its indexer keys included."""
+    model = _model(FAMILIES[0], "sdpa")
+    inputs = _prompt("single", length=20)
+    dynamic = DynamicCache(config=model.config)
+    paged = make_cache("paged:block_size=4", model)
+    with torch.no_grad():
+        model(**inputs, past_key_values=dynamic)
+        model(**inputs, past_key_values=paged)
+    held = sum(layer.keys.nbytes + layer.values.nbytes + layer.indexer_keys.nbytes for layer in dynamic.layers)
+    indexer = sum(layer.indexer_keys.nbytes for layer in dynamic.layers)
+    assert indexer > 0
+    assert kv_bytes("dynamic", model, tokens=20, dtype=torch.float32) == held
+    assert kv_bytes("paged:block_size=4", model, tokens=20, dtype=torch.float32) == paged.nbytes
+    report = paged.memory_report()
+    assert report["nbytes"] == paged.nbytes
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_evicting_window_is_refused_by_name(family):
+    with pytest.raises(ValueError, match=rf"SlidingWindowKVCache cannot serve model_type '{family}': its sparse"):
+        make_cache("sink:window=6:sinks=2:rerotate=false", _model(family, "sdpa"))  # (rerotate: MLA's refusal)
