@@ -41,6 +41,21 @@ def cache_nbytes(cache: Cache) -> int:
     return sum(_tensor_bytes(list(vars(layer).values()), seen) for layer in cache.layers)
 
 
+def recurrent_state_bytes(cache) -> int:
+    """Bytes of the convolution and recurrent states the linear-attention layers of a transformers cache hold (a
+    hybrid model's Mamba / gated DeltaNet / convolution layers; 0 for others): ``DynamicCache``'s or ours."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    return sum(
+        t.numel() * t.element_size()
+        for layer in cache.layers
+        if isinstance(layer, LinearAttentionCacheLayerMixin)
+        for states in (layer.conv_states, layer.recurrent_states)
+        for t in states.values()
+        if t is not None
+    )
+
+
 def dynamic_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes per token of a full-precision K/V cache for ``config`` (all layers, keys and values, and the indexer keys
     of sparse-attention layers)."""

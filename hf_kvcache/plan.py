@@ -188,7 +188,8 @@ def _zero_experts(model: torch.nn.Module) -> None:
 
 def _measure_states(config, dtype: torch.dtype) -> int:
     from transformers import AutoModelForCausalLM, DynamicCache
-    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    from .memory import recurrent_state_bytes
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
@@ -197,12 +198,7 @@ def _measure_states(config, dtype: torch.dtype) -> int:
     ids = torch.zeros((1, 4), dtype=torch.long, device="meta")
     with torch.no_grad():
         model(input_ids=ids, past_key_values=cache, use_cache=True)
-    total = 0
-    for layer in cache.layers:
-        if isinstance(layer, LinearAttentionCacheLayerMixin):
-            for states in (layer.conv_states, layer.recurrent_states):
-                total += sum(t.numel() * t.element_size() for t in states.values() if t is not None)
-    return total
+    return recurrent_state_bytes(cache)
 
 
 _STATE_BYTES: dict[tuple[str, torch.dtype], int] = {}  # per config (its JSON) and dtype: a plan asks many times

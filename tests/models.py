@@ -144,3 +144,71 @@ def extra_model(family: str, attn: str = "eager"):
     model.generation_config.pad_token_id = PAD
     model.generation_config.eos_token_id = None
     return model
+
+
+# --- models of the supported-models matrix's tiny configs (hybrid and sparse-attention families) ------------------
+
+
+@cache
+def config_model(model_type: str, attn: str = "sdpa"):
+    """A seeded random model of ``model_type`` at the supported-models matrix's tiny size."""
+    from hf_kvcache.tools.supported_models import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation=attn).eval()
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def generate(model, cache, inputs: dict, new: int = 8, **kwargs):
+    """``new`` tokens (greedy unless ``kwargs`` say otherwise, sampling seeded) with the logits of every step."""
+    torch.manual_seed(1234)
+    with torch.no_grad():
+        return model.generate(
+            **inputs, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, output_logits=True,
+            return_dict_in_generate=True, **({"do_sample": False} | kwargs),
+        )  # fmt: skip
+
+
+def assert_generation_matches(out, ref, lossless: bool, bound: float) -> None:
+    """Lossless: the reference's tokens and logits. Lossy: every step's logits within ``bound`` (times the step's
+    logit spread) until the first token that differs (the matrix's rule)."""
+    if lossless:
+        torch.testing.assert_close(out.sequences, ref.sequences, rtol=0, atol=0)
+        for got, want in zip(out.logits, ref.logits):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        return
+    differ = (out.sequences != ref.sequences).any(0).nonzero()
+    steps = len(ref.logits) if not len(differ) else int(differ[0]) - (ref.sequences.shape[1] - len(ref.logits)) + 1
+    for step in range(steps):
+        error = (out.logits[step] - ref.logits[step]).abs().amax(-1)
+        assert (error <= bound * ref.logits[step].std(-1)).all(), f"step {step}: logit error {error.tolist()}"
+
+
+def prefilled(model, inputs: dict, *caches):
+    """``caches`` after one forward of ``inputs`` each."""
+    with torch.no_grad():
+        for cache in caches:
+            model(**inputs, past_key_values=cache)
+    return caches
+
+
+def handed_prefill_continues_alike(model, make, inputs: dict):
+    """A prompt's prefill handed to one cache (``SharedPrefill``) against a prefill through another (``make()``
+    builds each): the same length and bytes, then the same logits, bit for bit, for 6 more tokens. Returns the
+    ``SharedPrefill`` and the cache it was handed to."""
+    from hf_kvcache.prefill import SharedPrefill
+
+    shared = SharedPrefill(model, inputs["input_ids"], inputs["attention_mask"])
+    handed = shared.into(make())
+    (own,) = prefilled(model, inputs, make())
+    assert handed.get_seq_length() == own.get_seq_length() == inputs["input_ids"].shape[1]
+    assert handed.nbytes == own.nbytes
+    ids = torch.randint(3, VOCAB, (len(inputs["input_ids"]), 6), generator=torch.Generator().manual_seed(5))
+    mask = torch.cat([inputs["attention_mask"], torch.ones_like(ids)], 1)
+    with torch.no_grad():
+        a = model(input_ids=ids, attention_mask=mask, past_key_values=handed).logits
+        b = model(input_ids=ids, attention_mask=mask, past_key_values=own).logits
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    return shared, handed

@@ -7,18 +7,26 @@ every cache; memory reports and plans count what the caches hold."""
 
 from __future__ import annotations
 
-from functools import cache
-
 import pytest
 import torch
+from models import (
+    PAD,
+    VOCAB,
+    assert_generation_matches,
+    config_model,
+    generate,
+    handed_prefill_continues_alike,
+    prefilled,
+)
+from models import prompt as _prompt
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from hf_kvcache import QuantizedKVCache, make_cache
 from hf_kvcache.compare import LOGIT_BOUNDS
 from hf_kvcache.layers.state import AttentionWithStates, EmptyLayer, StateLayer
+from hf_kvcache.memory import recurrent_state_bytes
 from hf_kvcache.plan import kv_bytes, plan_memory, state_bytes
-from hf_kvcache.prefill import SharedPrefill
 from hf_kvcache.tools.supported_models import tiny_config
 
 # Gated DeltaNet + attention with partial RoPE (Qwen3-Next), Mamba + MoE + attention without RoPE (Jamba),
@@ -26,7 +34,7 @@ from hf_kvcache.tools.supported_models import tiny_config
 # layers (Falcon-H1: transformers' "hybrid" layer type).
 FAMILIES = ("qwen3_next", "jamba", "lfm2_moe", "nemotron_h", "falcon_h1")
 ATTENTION = ("eager", "sdpa", "hf_kvcache")
-VOCAB, PAD, NEW = 128, 0, 8
+NEW = 8
 # spec, lossless, logit bound (lossy): small residuals and groups so that tokens really are quantized.
 CASES = {
     "paged": ("paged:block_size=4", True, 0.0),
@@ -38,30 +46,12 @@ CASES = {
 }
 
 
-@cache
 def _model(family: str, attn: str):
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation=attn).eval()
-    model.generation_config.pad_token_id = PAD
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def _prompt(batch: str, length: int = 12) -> dict:
-    ids = torch.randint(3, VOCAB, (2 if batch == "padded" else 1, length), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    if batch == "padded":
-        ids[1, :5], mask[1, :5] = PAD, 0
-    return {"input_ids": ids, "attention_mask": mask}
+    return config_model(family, attn)
 
 
 def _generate(model, cache, inputs, **kwargs):
-    torch.manual_seed(1234)
-    with torch.no_grad():
-        return model.generate(
-            **inputs, past_key_values=cache, max_new_tokens=NEW, min_new_tokens=NEW, output_logits=True,
-            return_dict_in_generate=True, **({"do_sample": False} | kwargs),
-        )  # fmt: skip
+    return generate(model, cache, inputs, NEW, **kwargs)
 
 
 @torch.no_grad()
@@ -93,16 +83,7 @@ def test_greedy_matches_dynamic_cache(family, name, attn, batch):
     cache = make_cache(spec, model)
     out = _generate(model, cache, inputs)
     assert any(isinstance(layer, StateLayer) for layer in cache.layers)  # AttentionWithStates is one too
-    if lossless:
-        torch.testing.assert_close(out.sequences, ref.sequences, rtol=0, atol=0)
-        for got, want in zip(out.logits, ref.logits):
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        return
-    differ = (out.sequences != ref.sequences).any(0).nonzero()
-    steps = len(ref.logits) if not len(differ) else int(differ[0]) - (ref.sequences.shape[1] - len(ref.logits)) + 1
-    for step in range(steps):
-        error = (out.logits[step] - ref.logits[step]).abs().amax(-1)
-        assert (error <= bound * ref.logits[step].std(-1)).all(), f"step {step}: logit error {error.tolist()}"
+    assert_generation_matches(out, ref, lossless, bound)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -170,19 +151,7 @@ def test_shared_prefill_hands_over_recurrent_states(family, name):
     through the cache leaves: the same continuation, token for token and logit for logit."""
     model = _model(family, "sdpa")
     inputs = _prompt("padded")
-    shared = SharedPrefill(model, inputs["input_ids"], inputs["attention_mask"])
-    handed = shared.into(make_cache(CASES[name][0], model))
-    own = make_cache(CASES[name][0], model)
-    with torch.no_grad():
-        model(**inputs, past_key_values=own)
-    assert handed.get_seq_length() == own.get_seq_length() == 12
-    assert handed.nbytes == own.nbytes
-    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
-    mask = torch.cat([inputs["attention_mask"], torch.ones_like(ids)], 1)
-    with torch.no_grad():
-        a = model(input_ids=ids, attention_mask=mask, past_key_values=handed).logits
-        b = model(input_ids=ids, attention_mask=mask, past_key_values=own).logits
-    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    shared, handed = handed_prefill_continues_alike(model, lambda: make_cache(CASES[name][0], model), inputs)
     # the states were copied, not shared: the prefill's own layers are untouched by the caches' updates
     for entry, layer in zip(shared.key_values, handed.layers):
         if isinstance(entry, LinearAttentionCacheLayerMixin):
@@ -194,11 +163,9 @@ def test_memory_report_and_plan_count_what_the_caches_hold():
     the per-token K/V of the attention layers, as DynamicCache stores them, and the paged cache holds that."""
     model = _model("nemotron_h", "sdpa")
     inputs = _prompt("single", length=20)
-    dynamic = DynamicCache(config=model.config)
-    cache = make_cache("paged:block_size=4", model)
-    with torch.no_grad():
-        model(**inputs, past_key_values=dynamic)
-        model(**inputs, past_key_values=cache)
+    dynamic, cache = prefilled(
+        model, inputs, DynamicCache(config=model.config), make_cache("paged:block_size=4", model)
+    )
     report = cache.memory_report()
     states = sum(layer.nbytes for layer in cache.layers if isinstance(layer, StateLayer))
     assert report["state_nbytes"] == cache.state_nbytes == states > 0
@@ -226,18 +193,6 @@ def test_memory_report_and_plan_count_what_the_caches_hold():
     assert kv_bytes("paged:block_size=4", model, tokens=20, dtype=torch.float32) == cache.nbytes - cache.state_nbytes
 
 
-def _dynamic_state_bytes(cache: DynamicCache) -> int:
-    held = [
-        t
-        for layer in cache.layers
-        if isinstance(layer, LinearAttentionCacheLayerMixin)
-        for states in (layer.conv_states, layer.recurrent_states)
-        for t in states.values()
-        if t is not None
-    ]
-    return sum(t.numel() * t.element_size() for t in held)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_plan_measures_the_recurrent_states_a_row_holds(family):
     """``state_bytes`` (a forward on the meta device, experts routing nothing) equals the states DynamicCache holds
@@ -246,17 +201,13 @@ def test_plan_measures_the_recurrent_states_a_row_holds(family):
     mixers keep float32 states under bfloat16 weights)."""
     model = _model(family, "sdpa")
     inputs = _prompt("single", length=20)
-    dynamic = DynamicCache(config=model.config)
-    cache = make_cache("paged:block_size=4", model)
-    with torch.no_grad():
-        model(**inputs, past_key_values=dynamic)
-        model(**inputs, past_key_values=cache)
-    assert state_bytes(model.config, torch.float32) == _dynamic_state_bytes(dynamic) == cache.state_nbytes > 0
+    dynamic, cache = prefilled(
+        model, inputs, DynamicCache(config=model.config), make_cache("paged:block_size=4", model)
+    )
+    assert state_bytes(model.config, torch.float32) == recurrent_state_bytes(dynamic) == cache.state_nbytes > 0
     half = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.bfloat16).eval()
-    dynamic = DynamicCache(config=half.config)
-    with torch.no_grad():
-        half(**inputs, past_key_values=dynamic)
-    assert state_bytes(half.config, torch.bfloat16) == _dynamic_state_bytes(dynamic) > 0
+    (dynamic,) = prefilled(half, inputs, DynamicCache(config=half.config))
+    assert state_bytes(half.config, torch.bfloat16) == recurrent_state_bytes(dynamic) > 0
 
 
 def test_plan_counts_every_rows_states_in_what_fits():

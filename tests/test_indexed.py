@@ -6,22 +6,20 @@ selection and reset; a handed-over prefill carries them; plan and nbytes count t
 
 from __future__ import annotations
 
-from functools import cache
-
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from models import assert_generation_matches, config_model, generate, handed_prefill_continues_alike, prefilled
+from models import prompt as _prompt
+from transformers import DynamicCache
 
 from hf_kvcache import make_cache
 from hf_kvcache.compare import LOGIT_BOUNDS
 from hf_kvcache.layers.indexed import IndexedAttention
 from hf_kvcache.plan import kv_bytes
-from hf_kvcache.prefill import SharedPrefill
-from hf_kvcache.tools.supported_models import tiny_config
 
 FAMILIES = ("deepseek_v32", "glm_moe_dsa")
 ATTENTION = ("eager", "sdpa", "hf_kvcache")
-VOCAB, PAD, NEW = 128, 0, 8
+VOCAB, NEW = 128, 8
 CASES = {  # spec, lossless, logit bound (lossy): small residuals and groups so that tokens really are quantized
     "paged": ("paged:block_size=4", True, 0.0),
     "int8": ("int8", False, LOGIT_BOUNDS["int8"]),
@@ -36,30 +34,12 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-@cache
 def _model(family: str, attn: str):
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation=attn).eval()
-    model.generation_config.pad_token_id = PAD
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def _prompt(batch: str, length: int = 12) -> dict:
-    ids = torch.randint(3, VOCAB, (2 if batch == "padded" else 1, length), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    if batch == "padded":
-        ids[1, :5], mask[1, :5] = PAD, 0
-    return {"input_ids": ids, "attention_mask": mask}
+    return config_model(family, attn)
 
 
 def _generate(model, cache, inputs, **kwargs):
-    torch.manual_seed(1234)
-    with torch.no_grad():
-        return model.generate(
-            **inputs, past_key_values=cache, max_new_tokens=NEW, min_new_tokens=NEW, output_logits=True,
-            return_dict_in_generate=True, **({"do_sample": False} | kwargs),
-        )  # fmt: skip
+    return generate(model, cache, inputs, NEW, **kwargs)
 
 
 def _params():
@@ -91,16 +71,7 @@ def test_greedy_matches_dynamic_cache(family, name, attn, batch):
         assert ours.indexer_keys.shape == theirs.indexer_keys.shape
         keep = real.bool()
         torch.testing.assert_close(ours.indexer_keys[keep], theirs.indexer_keys[keep], rtol=1e-4, atol=1e-4)
-    if lossless:
-        torch.testing.assert_close(out.sequences, ref.sequences, rtol=0, atol=0)
-        for got, want in zip(out.logits, ref.logits):
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        return
-    differ = (out.sequences != ref.sequences).any(0).nonzero()
-    steps = len(ref.logits) if not len(differ) else int(differ[0]) - (ref.sequences.shape[1] - len(ref.logits)) + 1
-    for step in range(steps):
-        error = (out.logits[step] - ref.logits[step]).abs().amax(-1)
-        assert (error <= bound * ref.logits[step].std(-1)).all(), f"step {step}: logit error {error.tolist()}"
+    assert_generation_matches(out, ref, lossless, bound)
 
 
 MODES = {
@@ -129,9 +100,7 @@ def test_generate_modes_match_dynamic_cache(mode):
 
 def test_crop_and_batch_operations_keep_the_indexer_keys_with_the_tokens():
     model = _model(FAMILIES[0], "sdpa")
-    cache = make_cache("int8", model)
-    with torch.no_grad():
-        model(**_prompt("padded"), past_key_values=cache)
+    (cache,) = prefilled(model, _prompt("padded"), make_cache("int8", model))
     layer = cache.layers[0]
     keys = layer.indexer_keys.clone()
     cache.crop(-3)  # generate()'s way: minus the tokens to remove
@@ -169,19 +138,7 @@ def test_shared_prefill_hands_over_the_indexer_keys(name):
     the cache leaves: the same continuation, logit for logit."""
     model = _model(FAMILIES[0], "sdpa")
     inputs = _prompt("padded")
-    shared = SharedPrefill(model, inputs["input_ids"], inputs["attention_mask"])
-    handed = shared.into(make_cache(CASES[name][0], model))
-    own = make_cache(CASES[name][0], model)
-    with torch.no_grad():
-        model(**inputs, past_key_values=own)
-    assert handed.get_seq_length() == own.get_seq_length() == 12
-    assert handed.nbytes == own.nbytes
-    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
-    mask = torch.cat([inputs["attention_mask"], torch.ones_like(ids)], 1)
-    with torch.no_grad():
-        a = model(input_ids=ids, attention_mask=mask, past_key_values=handed).logits
-        b = model(input_ids=ids, attention_mask=mask, past_key_values=own).logits
-    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    shared, handed = handed_prefill_continues_alike(model, lambda: make_cache(CASES[name][0], model), inputs)
     for entry, layer in zip(shared.key_values, handed.layers):
         assert entry.indexer_keys is not layer.indexer_keys  # copied: each cache appends to its own
 
@@ -191,11 +148,9 @@ def test_plan_and_nbytes_count_the_indexer_keys():
     its indexer keys included."""
     model = _model(FAMILIES[0], "sdpa")
     inputs = _prompt("single", length=20)
-    dynamic = DynamicCache(config=model.config)
-    paged = make_cache("paged:block_size=4", model)
-    with torch.no_grad():
-        model(**inputs, past_key_values=dynamic)
-        model(**inputs, past_key_values=paged)
+    dynamic, paged = prefilled(
+        model, inputs, DynamicCache(config=model.config), make_cache("paged:block_size=4", model)
+    )
     held = sum(layer.keys.nbytes + layer.values.nbytes + layer.indexer_keys.nbytes for layer in dynamic.layers)
     indexer = sum(layer.indexer_keys.nbytes for layer in dynamic.layers)
     assert indexer > 0

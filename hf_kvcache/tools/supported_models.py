@@ -383,8 +383,8 @@ def _plan_cell(model, model_type: str) -> dict:
     """``kv_bytes('dynamic', model, ...)`` against the K/V bytes a DynamicCache holds after a prefill of the prompt,
     and ``state_bytes`` against the recurrent states it holds (a hybrid model's; none for the others)."""
     from transformers import DynamicCache
-    from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
+    from hf_kvcache.memory import recurrent_state_bytes
     from hf_kvcache.plan import kv_bytes, state_bytes
 
     inputs = _prompt(VOCAB)
@@ -399,15 +399,7 @@ def _plan_cell(model, model_type: str) -> dict:
     held += sum(t.nbytes for layer in layers if (t := getattr(layer, "indexer_keys", None)) is not None)
     # The tokens the cache holds: a model may add its own before the prompt (CPM-Ant's 32 prompt-tuning tokens).
     batch, tokens = inputs["input_ids"].shape[0], max(inputs["input_ids"].shape[1], cache.get_seq_length())
-    states = [
-        t
-        for layer in cache.layers
-        if isinstance(layer, LinearAttentionCacheLayerMixin)
-        for kind in (layer.conv_states, layer.recurrent_states)
-        for t in kind.values()
-        if t is not None
-    ]
-    held_states = sum(t.nbytes for t in states)
+    held_states = recurrent_state_bytes(cache)
     try:
         planned = kv_bytes("dynamic", model, tokens=tokens, batch=batch, dtype=model.dtype)
         planned_states = batch * state_bytes(model, model.dtype)
