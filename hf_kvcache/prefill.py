@@ -34,7 +34,7 @@ from transformers.cache_utils import (
 
 from ._config import has_indexed_layers, has_state_layers, resolve_config
 from .layers._common import KVLayer
-from .layers.state import AttentionInside
+from .layers.inside import AttentionInside
 
 __all__ = ["SharedPrefill", "every_token_cache", "store_prefill", "write_tokens"]
 

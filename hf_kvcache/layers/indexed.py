@@ -18,7 +18,7 @@ import torch
 from .._config import LayerSpec
 from ._common import as_index
 from ._storage import _nbytes
-from .state import AttentionInside
+from .inside import AttentionInside
 
 __all__ = ["IndexedAttention"]
 

@@ -11,13 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from transformers.cache_utils import CacheLayerMixin, DummyLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
+from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from .._config import LayerSpec
 from ._common import as_index
 from ._storage import _nbytes
+from .indexed import IndexedAttention
+from .inside import AttentionInside
 
-__all__ = ["AttentionInside", "AttentionWithStates", "EmptyLayer", "StateLayer", "cache_layer"]
+__all__ = ["AttentionWithStates", "EmptyLayer", "StateLayer", "cache_layer"]
 
 
 class StateLayer(LinearAttentionLayer):
@@ -93,93 +95,6 @@ class StateLayer(LinearAttentionLayer):
         return 0
 
 
-class AttentionInside(CacheLayerMixin):
-    """A layer that keeps something beside the cache's own layer for the attention's K/V (``attention``: quantized,
-    paged, windowed): every K/V operation goes to that layer; reset, crop and the batch-axis operations go to both
-    (subclasses take their share in :meth:`_beside`), and the bytes are both's."""
-
-    is_compileable = False
-    attention: CacheLayerMixin
-
-    # what the model and the cache ask of an attention layer: the inner layer's answer
-    keys = property(lambda self: getattr(self.attention, "keys", None))
-    values = property(lambda self: getattr(self.attention, "values", None))
-    is_initialized = property(lambda self: getattr(self.attention, "is_initialized", False))
-    is_sliding = property(lambda self: getattr(self.attention, "is_sliding", False))
-    is_croppable = property(lambda self: getattr(self.attention, "is_croppable", False))
-    stored_tokens = property(lambda self: self.attention.stored_tokens)
-
-    def _beside(self, operation: str, *args) -> None:
-        """Apply ``operation`` (reset, crop, reorder_cache, batch_repeat_interleave, batch_select_indices, offload,
-        prefetch) to what the layer keeps beside the attention."""
-        raise NotImplementedError
-
-    def _beside_nbytes(self, reserved: bool = False) -> int:
-        raise NotImplementedError
-
-    def lazy_initialization(self, *args, **kwargs) -> None:
-        self.attention.lazy_initialization(*args, **kwargs)
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        return self.attention.update(key_states, value_states, *args, **kwargs)
-
-    def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Store a forward's K/V without the read (:func:`hf_kvcache.prefill.write_tokens`)."""
-        write = getattr(self.attention, "write", None)
-        if write is not None:
-            write(key_states, value_states)
-        else:
-            self.attention.update(key_states, value_states)
-
-    def get_seq_length(self) -> int:
-        return self.attention.get_seq_length()
-
-    def get_mask_sizes(self, *args, **kwargs):
-        return self.attention.get_mask_sizes(*args, **kwargs)
-
-    def get_max_length(self) -> int:
-        return self.attention.get_max_length()
-
-    def planned_nbytes(self, tokens: int, dtype: torch.dtype, prompt: int | None = None) -> int:
-        return self.attention.planned_nbytes(tokens, dtype, prompt)
-
-    @property
-    def nbytes(self) -> int:
-        return self._beside_nbytes() + self.attention.nbytes
-
-    @property
-    def reserved_nbytes(self) -> int:
-        return self._beside_nbytes(reserved=True) + self.attention.reserved_nbytes
-
-    def reset(self) -> None:
-        self._beside("reset")
-        self.attention.reset()
-
-    def crop(self, tokens_to_remove: int) -> None:
-        self._beside("crop", tokens_to_remove)
-        self.attention.crop(tokens_to_remove)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._beside("reorder_cache", beam_idx)
-        self.attention.reorder_cache(beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._beside("batch_repeat_interleave", repeats)
-        self.attention.batch_repeat_interleave(repeats)
-
-    def batch_select_indices(self, indices) -> None:
-        self._beside("batch_select_indices", indices)
-        self.attention.batch_select_indices(indices)
-
-    def offload(self) -> None:
-        self._beside("offload")
-        self.attention.offload()
-
-    def prefetch(self) -> None:
-        self._beside("prefetch")
-        self.attention.prefetch()
-
-
 class AttentionWithStates(AttentionInside, StateLayer):
     """A layer with recurrent states *and* attention (transformers' ``hybrid`` layer type: Falcon-H1, Zamba): the
     states as :class:`StateLayer` keeps them, beside the cache's own layer for the attention's K/V."""
@@ -231,7 +146,5 @@ def cache_layer(spec: LayerSpec, layer_idx: int, owner: str, attention: Callable
         return EmptyLayer(spec, layer_idx, owner) if spec.layer_type == "dummy" else StateLayer(spec, layer_idx, owner)
     layer = attention()
     if spec.indexer_dim:  # sparse attention's indexer keys beside the K/V
-        from .indexed import IndexedAttention
-
         return IndexedAttention(layer, spec, layer_idx, owner)
     return AttentionWithStates(layer, spec, layer_idx, owner) if spec.states else layer
