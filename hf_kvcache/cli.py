@@ -232,7 +232,12 @@ def _add_plan_parser(sub) -> None:
         help="attention decoding will use: eager or sdpa (quantized caches need a dequantization workspace) or "
         "hf_kvcache (codes read in place: no workspace)",
     )
-    p.add_argument("--caches", default=",".join(DEFAULT_PLAN_CACHES), help="cache specs, comma-separated")
+    p.add_argument(
+        "--caches",
+        default=None,
+        help=f"cache specs, comma-separated (default: {','.join(DEFAULT_PLAN_CACHES)}, less those the model refuses, "
+        "said under the table)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_plan)
 
@@ -265,7 +270,7 @@ def _plan(args) -> int:
         batch=args.batch,
         dtype=dtype,
         weights_bits=args.weights_bits,
-        caches=_split(args.caches),
+        caches=None if args.caches is None else _split(args.caches),
         reserve=args.reserve,
         tp=args.tp,
         attn=args.attn,

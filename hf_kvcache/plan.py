@@ -390,7 +390,7 @@ def plan_memory(
     batch: int = 1,
     dtype: torch.dtype | str = torch.bfloat16,
     weights_bits: int = 16,
-    caches: tuple[str, ...] | list[str] = DEFAULT_PLAN_CACHES,
+    caches: tuple[str, ...] | list[str] | None = None,
     reserve: str | int | None = None,
     max_context: int = 2**24,
     tp: int = 1,
@@ -406,7 +406,10 @@ def plan_memory(
     rank of ``tp`` under tensor parallelism (``memory`` is one device's; each rank holds ``1 / tp`` of the KV heads,
     exactly, and of the weights, approximately). ``attn``: the attention implementation decoding will use:
     ``"eager"`` / ``"sdpa"`` (the quantized caches dequantize one layer's history per step into a workspace, counted
-    as scratch) or ``"hf_kvcache"`` (they read their codes in place: no scratch).
+    as scratch) or ``"hf_kvcache"`` (they read their codes in place: no scratch). ``caches``: the specs to plan;
+    default :data:`DEFAULT_PLAN_CACHES` less those that refuse the model (latent attention refuses the sink window's
+    re-rotation, for one), which the assumptions name with the reason; a spec given here that refuses the model is
+    its ``ValueError``.
 
     >>> from transformers import LlamaConfig
     >>> config = LlamaConfig(num_hidden_layers=16, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
@@ -428,6 +431,18 @@ def plan_memory(
     layer_specs(config, "plan", tp)  # the degree must divide every layer's KV heads
     context = context if context is not None else getattr(config, "max_position_embeddings", None) or 4096
     check_int("context", context, 1)
+    skipped = {}
+    if caches is None:  # the defaults this model accepts
+        caches = []
+        for spec in DEFAULT_PLAN_CACHES:
+            try:
+                kv_bytes(spec, config, 1, dtype=dtype, tp=tp)
+            except ValueError as err:
+                skipped[spec] = str(err).splitlines()[0]
+            else:
+                caches.append(spec)
+        if not caches:
+            raise ValueError(f"none of the default caches serves this model: {next(iter(skipped.values()))}")
     if not caches:
         raise ValueError("caches must name at least one cache spec")
     for spec in caches:
@@ -494,6 +509,7 @@ def plan_memory(
             "under attn_implementation='hf_kvcache' they read their codes in place and need none"
         ),
         "paged:share=N: groups of N rows share one prompt (sampling, beams) and each generates 256 tokens",
+        *(f"not planned: {spec} ({reason})" for spec, reason in skipped.items()),
         "growth headroom: our caches grow their buffers by 12.5%; DynamicCache's torch.cat briefly holds two "
         "copies of one layer; both fit in the reserve at typical sizes",
     ]

@@ -205,3 +205,26 @@ def test_scratch_follows_the_attention_that_decodes():
     with pytest.raises(ValueError, match="attn must be one of eager, sdpa, hf_kvcache, got 'flash'"):
         plan_memory(config, "80GiB", attn="flash")
     assert cli(["plan", "--model", "reference", "--memory", "1GiB", "--attn", "flash"]) == 2
+
+
+def test_default_caches_leave_out_those_the_model_refuses(tmp_path, capsys):
+    """Latent attention (DeepSeek-V3) refuses the sink window's re-rotation: a plan with the default caches plans
+    the others and names the two left out with the reason (it had failed whole); a sink spec asked for by name is its
+    ValueError, as any refused spec."""
+    from hf_kvcache.plan import DEFAULT_PLAN_CACHES
+    from hf_kvcache.tools.supported_models import tiny_config
+
+    config = tiny_config("deepseek_v3")
+    plan = plan_memory(config, "1GiB", context=256, reserve="64MiB")
+    sinks = [c for c in DEFAULT_PLAN_CACHES if c.startswith("sink")]
+    assert [r.cache for r in plan.rows] == [c for c in DEFAULT_PLAN_CACHES if c not in sinks]
+    for spec in sinks:
+        assert any(a.startswith(f"not planned: {spec} (SlidingWindowKVCache") for a in plan.assumptions)
+    with pytest.raises(ValueError, match=r"cannot serve model_type 'deepseek_v3'"):
+        plan_memory(config, "1GiB", context=256, reserve="64MiB", caches=("dynamic", sinks[0]))
+    path = tmp_path / "config.json"
+    path.write_text(config.to_json_string())
+    assert cli(["plan", "--model", str(path), "--memory", "1GiB", "--context", "256", "--reserve", "64MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "| int4 " in out and "not planned: sink:window=1024:sinks=4" in out
+    assert "| sink:" not in out
