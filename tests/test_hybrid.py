@@ -230,6 +230,8 @@ def test_plan_says_when_it_cannot_measure_the_states(monkeypatch):
     def fails(config, dtype):
         raise NotImplementedError("no meta kernel for this op")
 
+    with pytest.raises(ValueError, match=r"tp must be"):
+        state_bytes(tiny_config("jamba"), tp=0)
     monkeypatch.setattr(plan_module, "_measure_states", fails)
     monkeypatch.setattr(plan_module, "_STATE_BYTES", {})
     with pytest.raises(ValueError, match=r"recurrent states of model_type 'jamba' on the meta device"):

@@ -748,7 +748,8 @@ def triton_partial(
                        HALF=half and query.dtype != torch.float32)  # fmt: skip
     key = None
     if not exact and plan.fill_waves and query.is_cuda:
-        key = (query.device, plan.group_tiles, query.dtype, s.k.dtype, *sorted(common.items()))
+        # (common is built in the same order every call: its items need no sorting on this per-step path)
+        key = (query.device, plan.group_tiles, query.dtype, s.k.dtype, *common.items())
         splits = _filled(key, s, plan, b * hkv, splits, query.device)
     m = torch.empty((b, hkv, rows, splits), dtype=torch.float32, device=query.device)
     l_ = torch.empty_like(m)

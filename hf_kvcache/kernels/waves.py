@@ -66,16 +66,21 @@ def _device(index: int) -> tuple[int, int]:
     return props.multi_processor_count, props.major * 10 + props.minor
 
 
+def _of(device: torch.device) -> tuple[int, int]:
+    """``(SMs, compute capability as 90)`` of a CUDA device, read once per device."""
+    return _device(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (read once per device)."""
-    return _device(device.index if device.index is not None else torch.cuda.current_device())[0]
+    return _of(device)[0]
 
 
 def resident_programs(kernel, device: torch.device) -> int | None:
     """Programs of a compiled Triton kernel (what a launch returns) one SM of ``device`` holds at once; None where
     the kernel's figures or the device's limits are unknown (the interpreter returns no kernel; architectures not in
     :data:`SM_LIMITS`)."""
-    arch = _device(device.index if device.index is not None else torch.cuda.current_device())[1]
+    arch = _of(device)[1]
     regs = getattr(kernel, "n_regs", None)
     metadata = getattr(kernel, "metadata", None)
     if arch not in SM_LIMITS or not regs or metadata is None:
