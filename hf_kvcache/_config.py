@@ -75,6 +75,19 @@ def has_state_layers(config: PretrainedConfig) -> bool:
     return any(t in STATE_LAYER_TYPES or t in WITH_STATES_LAYER_TYPES for t in get_layer_types_and_kwargs(config)[0])
 
 
+def _indexer_width(config: PretrainedConfig) -> int | None:
+    """Channels of the indexer key an ``indexed_attention`` layer caches per token: ``index_head_dim`` (DeepSeek-V3.2,
+    GLM-5, AXK2, HY-V4), or ``indexer_head_dim`` times ``indexer_kv_heads`` (Qwen4-Exp's QSA indexer, which keeps
+    one head of them). None where the config names neither."""
+    width = _global(config, "index_head_dim")
+    if width is not None:
+        return width
+    width, heads = _global(config, "indexer_head_dim"), _global(config, "indexer_kv_heads")
+    if isinstance(width, int) and heads is not None:
+        return width * heads if isinstance(heads, int) else None
+    return width
+
+
 def has_indexed_layers(config: PretrainedConfig) -> bool:
     """Whether ``config`` has sparse-attention layers whose indexer keeps keys beside the K/V (DeepSeek-V3.2)."""
     return any(t in INDEXED_LAYER_TYPES for t in get_layer_types_and_kwargs(config)[0])
@@ -105,9 +118,20 @@ def _global(config, name: str):
         return None
 
 
+def _latent_layer(layer_config) -> bool:
+    return isinstance(_global(layer_config, "kv_lora_rank"), int) and isinstance(
+        _global(layer_config, "qk_rope_head_dim"), int
+    )
+
+
 def is_latent_attention(config: PretrainedConfig) -> bool:
-    """Multi-head latent attention: the model caches a compressed latent and a shared rotated key, not K/V."""
-    return isinstance(_global(config, "kv_lora_rank"), int) and isinstance(_global(config, "qk_rope_head_dim"), int)
+    """Multi-head latent attention: the model caches a compressed latent and a shared rotated key, not K/V. A config
+    whose widths vary by layer (transformers' ``per_layer_config``: Dots 3 Note's sliding layers have a latent twice
+    as wide) is latent where any layer is."""
+    if _latent_layer(config):
+        return True
+    layers = _global(config, "per_layer_config")
+    return layers is not None and any(_latent_layer(layer) for layer in layers)
 
 
 def uses_alibi(config: PretrainedConfig) -> bool:
@@ -212,15 +236,15 @@ def layer_specs(config: PretrainedConfig, cache_name: str, tp_size: int = 1, mod
         states = kwargs.get("number_of_states", 1) if kind in WITH_STATES_LAYER_TYPES else 0
         indexer = 0
         if kind in INDEXED_LAYER_TYPES:
-            indexer = _global(config, "index_head_dim")
+            indexer = _indexer_width(config)
             if not isinstance(indexer, int) or indexer < 1:
                 raise ValueError(
                     f"{cache_name} cannot serve model_type {model_type(config)!r}: its {kind} layers name no "
-                    "index_head_dim (the width of the indexer keys they cache)"
+                    "index_head_dim / indexer_head_dim (the width of the indexer keys they cache)"
                 )
         kind = INDEXED_LAYER_TYPES.get(kind, WITH_STATES_LAYER_TYPES.get(kind, kind))
-        if is_latent_attention(config):
-            heads, key_dim, value_dim = 1, config.kv_lora_rank, config.qk_rope_head_dim
+        if _latent_layer(layer_config):
+            heads, key_dim, value_dim = 1, layer_config.kv_lora_rank, layer_config.qk_rope_head_dim
         else:
             q_heads = _global(layer_config, "num_attention_heads")
             if not isinstance(q_heads, int):

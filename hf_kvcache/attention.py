@@ -48,6 +48,22 @@ def _causal_mask(batch: int, q: int, total: int, device: torch.device) -> torch.
     return (columns[None, :] <= rows[:, None]).expand(batch, 1, q, total)
 
 
+def _as_bool(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A boolean mask (True attends) from transformers' boolean or additive float mask (0 attends)."""
+    return mask if mask is None or mask.dtype == torch.bool else mask == 0
+
+
+def _picked(mask: torch.Tensor | None, indices: torch.Tensor, query: torch.Tensor, total: int) -> torch.Tensor:
+    """``mask`` narrowed to the keys a sparse attention's indexer picked for each query: ``indices`` ``(B, q, k)``
+    key positions, which DeepSeek-V3.2, GLM-5, Dots 3 Note and the like fold into eager's and sdpa's mask themselves
+    and pass to every other implementation as ``indices``. A negative entry picks nothing."""
+    batch, q = query.shape[0], query.shape[2]
+    columns = torch.where(indices >= 0, indices.long(), total)  # into a spare last column, then dropped
+    picked = torch.zeros((batch, q, total + 1), dtype=torch.bool, device=query.device).scatter(-1, columns, True)
+    base = _causal_mask(batch, q, total, query.device) if mask is None else mask
+    return base & picked[..., :total].unsqueeze(1)
+
+
 def hf_kvcache_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -58,29 +74,36 @@ def hf_kvcache_attention(
     dropout: float = 0.0,
     softcap: float | None = None,
     s_aux: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """An ``AttentionInterface`` function: our kernels for a cache's storage handle, sdpa for anything else."""
+    """An ``AttentionInterface`` function: our kernels for a cache's storage handle, sdpa for anything else. A
+    sparse attention's ``indices`` (the keys its indexer picked) narrow the mask as eager and sdpa are given it."""
+    if kwargs.get("block_indices") is not None:
+        raise ValueError(
+            f"the hf_kvcache attention does not apply {type(module).__name__}'s block-sparse selection "
+            "(block_indices); load the model with attn_implementation='sdpa'"
+        )
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    total = key.length if isinstance(key, KVHandle) else key.shape[2]
+    mask = _as_bool(attention_mask)
+    if indices is not None:
+        mask = _picked(mask, indices, query, total)
     if isinstance(key, KVHandle):
         if dropout and module.training:
             raise ValueError("the hf_kvcache attention reads a cache at inference: dropout must be 0")
-        mask = attention_mask
         if mask is None and query.shape[2] > 1:  # causal (one query token sees every token: no mask at all)
-            mask = _causal_mask(query.shape[0], query.shape[2], key.length, query.device)
-        elif mask is not None and mask.dtype != torch.bool:
-            mask = mask == 0  # an additive float mask: 0 attends
+            mask = _causal_mask(query.shape[0], query.shape[2], total, query.device)
         return decode_attention(query, key, mask, scaling, softcap or 0.0, s_aux), None
     if softcap or s_aux is not None:  # sdpa has neither: the reference over the plain tensors
-        mask = attention_mask
-        if mask is not None and mask.dtype != torch.bool:
-            mask = mask == 0
         if mask is None and query.shape[2] > 1:
-            mask = _causal_mask(query.shape[0], query.shape[2], key.shape[2], query.device)
+            mask = _causal_mask(query.shape[0], query.shape[2], total, query.device)
         handle = KVHandle((DenseSegment(key, value),))
         return decode_attention(query, handle, mask, scaling, softcap or 0.0, s_aux), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if indices is not None:
+        attention_mask = mask
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 

@@ -186,6 +186,19 @@ def _zero_experts(model: torch.nn.Module) -> None:
             module.forward = zeros
 
 
+def _skip_sparse_attention(model: torch.nn.Module) -> None:
+    """Give every sparse attention of a meta model (an attention module with an ``indexer``: DeepSeek-V3.2, GLM-5,
+    Qwen4-Exp) an output of its input's shape and no weights: its indexer picks tokens by data (``nonzero`` has no
+    meta implementation), and attention keeps per-token K/V, counted apart, not recurrent state."""
+
+    def zeros(hidden_states, *args, **kwargs):
+        return torch.zeros_like(hidden_states), None
+
+    for module in model.modules():
+        if isinstance(getattr(module, "indexer", None), torch.nn.Module):
+            module.forward = zeros
+
+
 def _measure_states(config, dtype: torch.dtype) -> int:
     from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -194,6 +207,7 @@ def _measure_states(config, dtype: torch.dtype) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     _zero_experts(model)
+    _skip_sparse_attention(model)
     cache = DynamicCache(config=model.config)
     ids = torch.zeros((1, 4), dtype=torch.long, device="meta")
     with torch.no_grad():

@@ -150,12 +150,13 @@ def extra_model(family: str, attn: str = "eager"):
 
 
 @cache
-def config_model(model_type: str, attn: str = "sdpa"):
-    """A seeded random model of ``model_type`` at the supported-models matrix's tiny size."""
+def config_model(model_type: str, attn: str = "sdpa", **overrides):
+    """A seeded random model of ``model_type`` at the supported-models matrix's tiny size (``overrides``: config
+    fields set on top of it)."""
     from hf_kvcache.tools.supported_models import tiny_config
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation=attn).eval()
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, overrides), attn_implementation=attn).eval()
     model.generation_config.pad_token_id = PAD
     model.generation_config.eos_token_id = None
     return model

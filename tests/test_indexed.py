@@ -1,5 +1,6 @@
-"""DeepSeek Sparse Attention (transformers' ``indexed_attention`` layers: DeepSeek-V3.2, GLM-5's ``glm_moe_dsa``):
-the caches keep the latent K/V their own way and the indexer's keys beside them as ``DynamicCache`` does, so
+"""Sparse attention (transformers' ``indexed_attention`` layers: DeepSeek-V3.2, GLM-5's ``glm_moe_dsa``; Qwen4-Exp's
+compressed-block indexer beside gated DeltaNet layers; Dots 3 Note's, beside latent sliding layers twice as wide): the
+caches keep the latent K/V their own way and the indexer's keys beside them as ``DynamicCache`` does, so
 lossless caches reproduce DynamicCache exactly and lossy ones stay within their bounds, under every attention
 implementation, batch 1 and left-padded, through beams and sampling; the indexer keys follow crop, reorder, batch
 selection and reset; a handed-over prefill carries them; plan and nbytes count them; the evicting window refuses."""
@@ -13,11 +14,16 @@ from models import prompt as _prompt
 from transformers import DynamicCache
 
 from hf_kvcache import make_cache
+from hf_kvcache.attention import hf_kvcache_attention
 from hf_kvcache.compare import LOGIT_BOUNDS
 from hf_kvcache.layers.indexed import IndexedAttention
-from hf_kvcache.plan import kv_bytes
+from hf_kvcache.memory import recurrent_state_bytes
+from hf_kvcache.plan import kv_bytes, state_bytes
 
 FAMILIES = ("deepseek_v32", "glm_moe_dsa")
+# Indexed layers among other kinds: Qwen4-Exp (gated DeltaNet, an indexer width named indexer_head_dim), Dots 3 Note
+# (latent attention whose widths vary by layer). Fewer cells: sdpa and hf_kvcache, left-padded.
+MIXED = ("qwen4_exp_text", "dots3_note_text")
 ATTENTION = ("eager", "sdpa", "hf_kvcache")
 VOCAB, NEW = 128, 8
 CASES = {  # spec, lossless, logit bound (lossy): small residuals and groups so that tokens really are quantized
@@ -34,8 +40,17 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-def _model(family: str, attn: str):
-    return config_model(family, attn)
+# Indexers that pick 4 of the prompt's 10+ tokens (the tiny configs' defaults pick every token of a short prompt).
+SPARSE = {
+    "deepseek_v32": {"index_topk": 4},
+    "glm_moe_dsa": {"index_topk": 4},
+    "dots3_note_text": {"index_topk": 4},
+    "qwen4_exp_text": {"indexer_budget": 4},  # one block of 4 tokens, and the tail
+}
+
+
+def _model(family: str, attn: str, sparse: bool = False):
+    return config_model(family, attn, **(SPARSE[family] if sparse else {}))
 
 
 def _generate(model, cache, inputs, **kwargs):
@@ -43,10 +58,10 @@ def _generate(model, cache, inputs, **kwargs):
 
 
 def _params():
-    for family in FAMILIES:
+    for family in FAMILIES + MIXED:
         for name in CASES:
-            for attn in ATTENTION:
-                for batch in ("single", "padded"):
+            for attn in ATTENTION if family in FAMILIES else ("sdpa", "hf_kvcache"):
+                for batch in ("single", "padded") if family in FAMILIES else ("padded",):
                     fast = attn == "sdpa" and batch == "padded" and (family == FAMILIES[0] or name == "paged")
                     marks = () if fast else (pytest.mark.slow,)
                     yield pytest.param(family, name, attn, batch, id=f"{family}-{name}-{attn}-{batch}", marks=marks)
@@ -54,24 +69,51 @@ def _params():
 
 @pytest.mark.parametrize("family, name, attn, batch", list(_params()))
 def test_greedy_matches_dynamic_cache(family, name, attn, batch):
-    """Lossless caches: DynamicCache's tokens and logits. Lossy: every step's logits within the kind's bound until
-    the first token that differs (the matrix's rule). Every attention layer keeps one indexer key per token."""
+    """Lossless caches: DynamicCache's tokens and logits, with the indexer picking 4 tokens. Lossy: every step's
+    logits within the kind's bound until the first token that differs (the matrix's rule), with the indexer picking
+    every token: a top-k selection is discontinuous, and a quantized layer's output flips it (int4 on DeepSeek-V3.2,
+    4 of 15 tokens: layer 1 picked token 6 for token 1 at the fourth step, the logit error 0.052 against 0.005-0.007
+    at every other step). Every indexed layer keeps one indexer key per token."""
     spec, lossless, bound = CASES[name]
-    model = _model(family, attn)
+    model = _model(family, attn, sparse=lossless)
     inputs = _prompt(batch)
     dynamic = DynamicCache(config=model.config)
-    ref = _generate(_model(family, "sdpa"), dynamic, inputs)
+    ref = _generate(_model(family, "sdpa", sparse=lossless), dynamic, inputs)
     cache = make_cache(spec, model)
     out = _generate(model, cache, inputs)
-    assert all(isinstance(layer, IndexedAttention) for layer in cache.layers)
+    indexed = [hasattr(layer, "indexer_keys") for layer in dynamic.layers]
+    assert any(indexed) and indexed == [isinstance(layer, IndexedAttention) for layer in cache.layers]
     # every real token's indexer key as DynamicCache's (lossy caches: the prompt's, which no quantized read fed;
     # left padding's keys follow each attention implementation's own masking)
     real = torch.cat([inputs["attention_mask"], torch.full((len(inputs["attention_mask"]), NEW - 1), lossless)], 1)
     for ours, theirs in zip(cache.layers, dynamic.layers):
+        if not isinstance(ours, IndexedAttention):
+            continue
         assert ours.indexer_keys.shape == theirs.indexer_keys.shape
         keep = real.bool()
         torch.testing.assert_close(ours.indexer_keys[keep], theirs.indexer_keys[keep], rtol=1e-4, atol=1e-4)
     assert_generation_matches(out, ref, lossless, bound)
+
+
+@pytest.mark.parametrize("family", FAMILIES + MIXED)
+def test_the_hf_kvcache_attention_applies_the_indexers_selection(family):
+    """The models fold the indexer's picks into eager's and sdpa's masks themselves and pass them to any other
+    implementation as ``indices`` (Qwen4-Exp folds them into every mask): under ``hf_kvcache`` ``DynamicCache`` gives
+    sdpa's tokens and logits, and the selection changes them (it is exercised)."""
+    inputs = _prompt("padded")
+    runs = {}
+    for attn, sparse in (("sdpa", True), ("hf_kvcache", True), ("sdpa", False)):
+        model = _model(family, attn, sparse)
+        runs[attn, sparse] = _generate(model, DynamicCache(config=model.config), inputs)
+    ours, sdpa, every = runs["hf_kvcache", True], runs["sdpa", True], runs["sdpa", False]
+    assert_generation_matches(ours, sdpa, True, 0.0)
+    assert any((a - b).abs().amax() > 1e-3 for a, b in zip(sdpa.logits, every.logits))
+
+
+def test_a_block_sparse_selection_the_attention_cannot_apply_is_refused():
+    query = torch.zeros(1, 2, 1, 8)
+    with pytest.raises(ValueError, match=r"does not apply Linear's block-sparse selection \(block_indices\)"):
+        hf_kvcache_attention(torch.nn.Linear(1, 1), query, query, query, None, block_indices=torch.zeros(1))
 
 
 MODES = {
@@ -143,24 +185,28 @@ def test_shared_prefill_hands_over_the_indexer_keys(name):
         assert entry.indexer_keys is not layer.indexer_keys  # copied: each cache appends to its own
 
 
-def test_plan_and_nbytes_count_the_indexer_keys():
-    """``kv_bytes`` counts every token's indexer key as DynamicCache stores it; the paged cache holds what it plans,
-    its indexer keys included."""
-    model = _model(FAMILIES[0], "sdpa")
+@pytest.mark.parametrize("family", (FAMILIES[0], *MIXED))
+def test_plan_and_nbytes_count_the_indexer_keys(family):
+    """``kv_bytes`` counts every token's indexer key as DynamicCache stores it (the recurrent states apart); the
+    paged cache holds what it plans, its indexer keys included; plan's state count is a real forward's."""
+    model = _model(family, "sdpa")
     inputs = _prompt("single", length=20)
     dynamic, paged = prefilled(
         model, inputs, DynamicCache(config=model.config), make_cache("paged:block_size=4", model)
     )
-    held = sum(layer.keys.nbytes + layer.values.nbytes + layer.indexer_keys.nbytes for layer in dynamic.layers)
-    indexer = sum(layer.indexer_keys.nbytes for layer in dynamic.layers)
+    attention = [layer for layer in dynamic.layers if getattr(layer, "keys", None) is not None]
+    held = sum(layer.keys.nbytes + layer.values.nbytes + getattr(layer, "indexer_keys", layer.keys[:0]).nbytes
+               for layer in attention)  # fmt: skip
+    indexer = sum(layer.indexer_keys.nbytes for layer in attention if hasattr(layer, "indexer_keys"))
     assert indexer > 0
     assert kv_bytes("dynamic", model, tokens=20, dtype=torch.float32) == held
-    assert kv_bytes("paged:block_size=4", model, tokens=20, dtype=torch.float32) == paged.nbytes
     report = paged.memory_report()
+    assert kv_bytes("paged:block_size=4", model, tokens=20, dtype=torch.float32) == paged.nbytes - paged.state_nbytes
+    assert state_bytes(model.config, torch.float32) == recurrent_state_bytes(dynamic) == paged.state_nbytes
     assert report["nbytes"] == paged.nbytes
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + MIXED)
 def test_evicting_window_is_refused_by_name(family):
     with pytest.raises(ValueError, match=rf"SlidingWindowKVCache cannot serve model_type '{family}': its sparse"):
         make_cache("sink:window=6:sinks=2:rerotate=false", _model(family, "sdpa"))  # (rerotate: MLA's refusal)

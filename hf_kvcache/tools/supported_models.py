@@ -118,6 +118,23 @@ SHRINK = {
     "tie_word_embeddings": False,
 }
 DROP = object()  # an override that removes a generic size the class refuses
+# Qwen4-Exp's QSA indexer sizes, which the class's defaults leave unset (its default config does not build).
+_QSA = {
+    "indexer_n_heads": 2,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 16,
+    "indexer_budget": 8,
+    "indexer_compress_ratio": 4,
+}
+# Dots 3 Note: latent attention whose sliding layers have their own sizes (``swa_*``, the released checkpoint's
+# names; twice the latent width here, as there), every layer's KV heads equal to its query heads (its validator).
+_DOTS3 = {
+    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16, "head_dim": 24,
+    "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "index_head_dim": 16, "index_n_heads": 2,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6,
+    "swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_q_lora_rank": 16, "swa_kv_lora_rank": 32,
+    "swa_head_dim": 24, "swa_qk_nope_head_dim": 16, "swa_v_head_dim": 16,
+}  # fmt: skip
 # Per-family overrides where the generic shrink cannot build or run (the reason in a comment).
 OVERRIDES: dict[str, dict] = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2},  # no default layer kinds
@@ -136,6 +153,9 @@ OVERRIDES: dict[str, dict] = {
     "prophetnet": {"num_hidden_layers": DROP},  # sized by num_encoder_layers / num_decoder_layers
     "reformer": {"axial_pos_embds_dim": [32, 32], "attn_layers": ["local", "local"]},
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
+    "qwen4_exp": {"text_config": _QSA},
+    "qwen4_exp_text": _QSA,
+    "dots3_note_text": _DOTS3,
 }
 
 
@@ -545,8 +565,9 @@ def render(saved: dict) -> str:
         "Falcon-H1, Zamba) are served: every cache keeps the recurrent states as `DynamicCache` "
         "does (transformers' own layer classes, full precision) and its own storage for the attention's K/V, which "
         "the `hf_kvcache` attention reads in place as any other model's. Sparse attention's `indexed_attention` "
-        "layers (DeepSeek-V3.2, GLM-5's `glm_moe_dsa`) are served by the caches that keep every token: the "
-        "indexer's keys beside the K/V, as `DynamicCache` keeps them; the evicting window refuses them. Refused by "
+        "layers (DeepSeek-V3.2, GLM-5's `glm_moe_dsa`, Dots 3 Note, Qwen4-Exp beside gated DeltaNet) are served by the "
+        "caches that keep every token: the indexer's keys beside the K/V, as `DynamicCache` keeps them; the evicting "
+        "window refuses them. Refused by "
         "name: `hybrid_sliding` layers, compressed attention (DeepSeek-V4), and layers that read another layer's "
         "cache (KV sharing).",
         "",
