@@ -234,9 +234,16 @@ def rotary_spec(
         rope_parameters = rope_parameters[layer_type]
         if rope_parameters is None:
             return None  # per-layer-kind parameters, none for this kind: its layers are NoPE (Beam's full layers)
-    if isinstance(rope_parameters, dict) and "mrope_section" in rope_parameters:
-        raise ValueError(f"multimodal RoPE (mrope_section) cannot be re-rotated; use {way_out}")
-    module = _rotary_module(model_or_config, config, way_out)
+    # Multimodal RoPE named by the config, or the module's own default sections where it names none (Qwen2-VL /
+    # 2.5-VL / 3-VL, Qwen3.5, GLM-4V)
+    mrope = isinstance(rope_parameters, dict) and "mrope_section" in rope_parameters
+    module = None if mrope else _rotary_module(model_or_config, config, way_out)
+    if mrope or getattr(module, "mrope_section", None) is not None:
+        raise ValueError(
+            f"model_type {getattr(config, 'model_type', '?')!r} uses multimodal RoPE (mrope_section): the positions of "
+            f"image tokens, and of the text after them, are not the cache's token index, so its keys cannot be "
+            f"re-rotated; use {way_out}"
+        )
     if module is None and declines_rope(config):
         return None
     if module is None:

@@ -112,3 +112,25 @@ def test_bench_flags_fail_in_one_line_before_any_work(capsys, flags, message):
     assert cli(["bench", "--model", "reference", "--contexts", "8", "--caches", "dynamic", *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["module-default-sections", "config-names-them"])
+def test_multimodal_rope_is_never_replayed_from_the_cache_index(named):
+    """Qwen3.5 (and the Qwen-VL / GLM-4V families) turn keys by 3-D positions whose image tokens, and the text after
+    them, are not the cache's token index. Its rotary module carries default sections even where the config names
+    none (transformers' default Qwen3.5 config), so both spellings are refused for what would replay positions:
+    pre-RoPE keys (int2's "auto" falls back to keys stored after RoPE) and the sink window's re-rotation."""
+    from hf_kvcache.tools.supported_models import tiny_config
+
+    config = tiny_config("qwen3_5_text")
+    if named:  # a checkpoint's config.json names them
+        config.rope_parameters = dict(config.rope_parameters, mrope_section=[1, 1])
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert ("mrope_section" in model.config.rope_parameters) == named
+    assert make_cache("int2", model).pre_rope is False
+    message = r"model_type 'qwen3_5_text' uses multimodal RoPE \(mrope_section\).*use pre_rope=False"
+    with pytest.raises(ValueError, match=message):
+        make_cache("int2:pre_rope=true", model)
+    with pytest.raises(ValueError, match=r"uses multimodal RoPE \(mrope_section\).*use rerotate=False"):
+        make_cache("sink:window=8:sinks=2", model)
+    make_cache("sink:window=8:sinks=2:rerotate=false", model)
