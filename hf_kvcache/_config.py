@@ -80,11 +80,9 @@ def _indexer_width(config: PretrainedConfig) -> int | None:
     GLM-5, AXK2, HY-V4), or ``indexer_head_dim`` times ``indexer_kv_heads`` (Qwen4-Exp's QSA indexer, which keeps
     one head of them). None where the config names neither."""
     width = _global(config, "index_head_dim")
-    if width is not None:
-        return width
-    width, heads = _global(config, "indexer_head_dim"), _global(config, "indexer_kv_heads")
-    if isinstance(width, int) and heads is not None:
-        return width * heads if isinstance(heads, int) else None
+    if width is None:
+        width, heads = _global(config, "indexer_head_dim"), _global(config, "indexer_kv_heads") or 1
+        width = width * heads if isinstance(width, int) and isinstance(heads, int) else None
     return width
 
 
