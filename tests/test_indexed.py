@@ -158,6 +158,27 @@ def test_crop_and_batch_operations_keep_the_indexer_keys_with_the_tokens():
     torch.testing.assert_close(layer.indexer_keys, keys[[0, 0], :7], rtol=0, atol=0)
 
 
+def test_indexer_keys_grow_in_amortized_buffers():
+    """Decode steps append in place (DynamicIndexedLayer copies every key held at every step): one allocation across
+    the steps after the prompt's, and the bytes held are the live keys'."""
+    model = _model(FAMILIES[0], "sdpa")
+    cache = make_cache("paged:block_size=4", model)
+    inputs = _prompt("padded")
+    with torch.no_grad():
+        out = model(**inputs, past_key_values=cache)
+        layer = cache.layers[0]
+        storage = layer.indexer_keys.untyped_storage().data_ptr()
+        mask = inputs["attention_mask"]
+        for _ in range(6):
+            token = out.logits[:, -1:].argmax(-1)
+            mask = torch.cat([mask, torch.ones_like(token)], 1)
+            out = model(input_ids=token, attention_mask=mask, past_key_values=cache)
+            assert layer.indexer_keys.untyped_storage().data_ptr() == storage
+    assert layer.indexer_keys.shape[1] == cache.get_seq_length() == inputs["input_ids"].shape[1] + 6
+    assert layer._beside_nbytes() == layer.indexer_keys.numel() * layer.indexer_keys.element_size()
+    assert layer._beside_nbytes(reserved=True) > layer._beside_nbytes()
+
+
 @pytest.mark.parametrize("name", ["int8", "paged"])
 def test_another_batch_is_refused_until_reset(name):
     model = _model(FAMILIES[0], "sdpa")
@@ -182,7 +203,7 @@ def test_shared_prefill_hands_over_the_indexer_keys(name):
     inputs = _prompt("padded")
     shared, handed = handed_prefill_continues_alike(model, lambda: make_cache(CASES[name][0], model), inputs)
     for entry, layer in zip(shared.key_values, handed.layers):
-        assert entry.indexer_keys is not layer.indexer_keys  # copied: each cache appends to its own
+        assert entry.indexer_keys.data_ptr() != layer.indexer_keys.data_ptr()  # copied: each cache appends to its own
 
 
 @pytest.mark.parametrize("family", (FAMILIES[0], *MIXED))
