@@ -3,7 +3,9 @@
 One :class:`LayerSpec` per decoder layer describes what the model will pass to ``Cache.update`` on that layer. Most
 models pass keys and values of one width (``head_dim``); multi-head latent attention (DeepSeek-V2/V3 and their
 descendants) caches its compressed latents instead: one "head" whose key slot is the ``kv_lora_rank``-wide latent and
-whose value slot is the ``qk_rope_head_dim``-wide rotated key, so keys and values differ in width there.
+whose value slot is the ``qk_rope_head_dim``-wide rotated key, so keys and values differ in width there. Where that
+rotated key has no channels (GLM-5-Next's NoPE latent layers), the spec describes how the cache stores the latent:
+half in the key slot, half in the value slot (``split_keys``), so no format ever holds an empty tensor.
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ class LayerSpec:
     # channels of the indexer key an INDEXED_LAYER_TYPES layer keeps per token (its layer_type is then its
     # attention's), 0 for the others
     indexer_dim: int = 0
+    # The model passes its keys with key_dim + value_dim channels and values with none (NoPE latent attention:
+    # GLM-5-Next); the cache stores the keys' first key_dim channels in its key slot and the rest in its value slot
+    # (layers.inside.SplitKeys) and hands the keys back whole, beside an empty value.
+    split_keys: bool = False
 
     @property
     def holds_kv(self) -> bool:
@@ -78,8 +84,11 @@ def has_state_layers(config: PretrainedConfig) -> bool:
 def _indexer_width(config: PretrainedConfig) -> int | None:
     """Channels of the indexer key an ``indexed_attention`` layer caches per token: ``index_head_dim`` (DeepSeek-V3.2,
     GLM-5, AXK2, HY-V4), or ``indexer_head_dim`` times ``indexer_kv_heads`` (Qwen4-Exp's QSA indexer, which keeps
-    one head of them). None where the config names neither."""
+    one head of them). GLM-5-Next's pooled indexer (``index_kpool``) caches each key packed with its pool gate (as
+    wide) and a validity channel: ``2 * index_head_dim + 1``. None where the config names neither."""
     width = _global(config, "index_head_dim")
+    if isinstance(width, int) and isinstance(_global(config, "index_kpool"), int):
+        return 2 * width + 1
     if width is None:
         width, heads = _global(config, "indexer_head_dim"), _global(config, "indexer_kv_heads") or 1
         width = width * heads if isinstance(width, int) and isinstance(heads, int) else None
@@ -241,8 +250,11 @@ def layer_specs(config: PretrainedConfig, cache_name: str, tp_size: int = 1, mod
                     "index_head_dim / indexer_head_dim (the width of the indexer keys they cache)"
                 )
         kind = INDEXED_LAYER_TYPES.get(kind, WITH_STATES_LAYER_TYPES.get(kind, kind))
+        split = False
         if _latent_layer(layer_config):
             heads, key_dim, value_dim = 1, layer_config.kv_lora_rank, layer_config.qk_rope_head_dim
+            if value_dim == 0 and key_dim > 1:  # NoPE latent: nothing in the value slot, the latent split over both
+                key_dim, value_dim, split = key_dim - key_dim // 2, key_dim // 2, True
         else:
             q_heads = _global(layer_config, "num_attention_heads")
             if not isinstance(q_heads, int):
@@ -263,5 +275,5 @@ def layer_specs(config: PretrainedConfig, cache_name: str, tp_size: int = 1, mod
                 heads //= tp_size
             heads, key_dim, value_dim = layouts.get(i, (heads, key_dim, value_dim))
         window = kwargs.get("sliding_window") if kind != "full_attention" else None
-        specs.append(LayerSpec(kind, window, heads, key_dim, value_dim, rope[i], states, indexer))
+        specs.append(LayerSpec(kind, window, heads, key_dim, value_dim, rope[i], states, indexer, split))
     return specs

@@ -25,6 +25,7 @@ with the context: :func:`state_bytes` measures one row's, and the plan adds them
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import math
 import re
@@ -188,24 +189,34 @@ def _zero_experts(model: torch.nn.Module) -> None:
 
 def _skip_sparse_attention(model: torch.nn.Module) -> None:
     """Give every sparse attention of a meta model (an attention module with an ``indexer``: DeepSeek-V3.2, GLM-5,
-    Qwen4-Exp) an output of its input's shape and no weights: its indexer picks tokens by data (``nonzero`` has no
-    meta implementation), and attention keeps per-token K/V, counted apart, not recurrent state."""
+    Qwen4-Exp, GLM-5-Next) an output of its input's shape and no weights: its indexer picks tokens by data
+    (``nonzero`` has no meta implementation), and attention keeps per-token K/V, counted apart, not recurrent state."""
 
     def zeros(hidden_states, *args, **kwargs):
         return torch.zeros_like(hidden_states), None
 
+    def zeros_and_picks(hidden_states, *args, **kwargs):
+        return torch.zeros_like(hidden_states), None, None
+
     for module in model.modules():
-        if isinstance(getattr(module, "indexer", None), torch.nn.Module):
-            module.forward = zeros
+        if not hasattr(module, "indexer"):
+            continue
+        # GLM-5-Next's layers return their picks too, for the next layer ("shared", whose indexer is None) to reuse
+        hands_on = "prev_topk_indices" in inspect.signature(module.forward).parameters
+        if hands_on or isinstance(module.indexer, torch.nn.Module):
+            module.forward = zeros_and_picks if hands_on else zeros
 
 
 def _measure_states(config, dtype: torch.dtype) -> int:
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import AutoModel, AutoModelForCausalLM, DynamicCache
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from .memory import recurrent_state_bytes
 
+    # The decoder alone where the text config has no causal-LM class (GLM-5-Next's, under an image-text-to-text model)
+    auto = AutoModelForCausalLM if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else AutoModel
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        model = auto.from_config(config, dtype=dtype).eval()
     _zero_experts(model)
     _skip_sparse_attention(model)
     cache = DynamicCache(config=model.config)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from functools import cache
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import hf_kvcache  # noqa: F401  (registers the hf_kvcache attention implementation)
 from hf_kvcache.tools.tiny import TINY_FAMILIES, TINY_VOCAB
@@ -152,11 +153,16 @@ def extra_model(family: str, attn: str = "eager"):
 @cache
 def config_model(model_type: str, attn: str = "sdpa", **overrides):
     """A seeded random model of ``model_type`` at the supported-models matrix's tiny size (``overrides``: config
-    fields set on top of it)."""
+    fields set on top of it). A type with no causal-LM class (GLM-5-Next) is built image-text-to-text, the overrides
+    set on its text config, and run on text."""
     from hf_kvcache.tools.supported_models import tiny_config
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type, overrides), attn_implementation=attn).eval()
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        auto, config = AutoModelForCausalLM, tiny_config(model_type, overrides)
+    else:
+        auto, config = AutoModelForImageTextToText, tiny_config(model_type, {"text_config": overrides})
+    model = auto.from_config(config, attn_implementation=attn).eval()
     model.generation_config.pad_token_id = PAD
     model.generation_config.eos_token_id = None
     return model

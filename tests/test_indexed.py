@@ -17,13 +17,16 @@ from hf_kvcache import make_cache
 from hf_kvcache.attention import hf_kvcache_attention
 from hf_kvcache.compare import LOGIT_BOUNDS
 from hf_kvcache.layers.indexed import IndexedAttention
+from hf_kvcache.layers.inside import SplitKeys
 from hf_kvcache.memory import recurrent_state_bytes
 from hf_kvcache.plan import kv_bytes, state_bytes
 
 FAMILIES = ("deepseek_v32", "glm_moe_dsa")
 # Indexed layers among other kinds: Qwen4-Exp (gated DeltaNet, an indexer width named indexer_head_dim), Dots 3 Note
 # (latent attention whose widths vary by layer). Fewer cells: sdpa and hf_kvcache, left-padded.
-MIXED = ("qwen4_exp_text", "dots3_note_text")
+# GLM-5-Next: NoPE latent attention (an empty value; the cache splits the latent over both slots) whose indexer
+# reads the tokens held from the layer's keys, beside KDA layers; image-text-to-text, run on text.
+MIXED = ("qwen4_exp_text", "dots3_note_text", "glm5_next")
 ATTENTION = ("eager", "sdpa", "hf_kvcache")
 VOCAB, NEW = 128, 8
 CASES = {  # spec, lossless, logit bound (lossy): small residuals and groups so that tokens really are quantized
@@ -46,6 +49,7 @@ SPARSE = {
     "glm_moe_dsa": {"index_topk": 4},
     "dots3_note_text": {"index_topk": 4},
     "qwen4_exp_text": {"indexer_budget": 4},  # one block of 4 tokens, and the tail
+    "glm5_next": {"index_topk": 4},  # two pools of 2 tokens, and the tail
 }
 
 
@@ -229,5 +233,32 @@ def test_plan_and_nbytes_count_the_indexer_keys(family):
 
 @pytest.mark.parametrize("family", FAMILIES + MIXED)
 def test_evicting_window_is_refused_by_name(family):
-    with pytest.raises(ValueError, match=rf"SlidingWindowKVCache cannot serve model_type '{family}': its sparse"):
+    with pytest.raises(
+        ValueError, match=rf"SlidingWindowKVCache cannot serve model_type '{family}(_text)?': its sparse"
+    ):
         make_cache("sink:window=6:sinks=2:rerotate=false", _model(family, "sdpa"))  # (rerotate: MLA's refusal)
+
+
+@pytest.mark.parametrize("name", ["paged", "int4"])
+def test_a_nope_latent_is_stored_over_both_slots(name):
+    """GLM-5-Next's sparse layers pass a latent and an empty value: the cache stores the latent's halves in its key
+    and value slots (paged: exactly DynamicCache's latent), the layer's ``keys`` tell the indexer the tokens held (a
+    meta tensor of DynamicCache's keys' shape), and a forward of another layout is refused by name."""
+    model = _model("glm5_next", "sdpa")
+    inputs = _prompt("padded")
+    dynamic, cache = prefilled(model, inputs, DynamicCache(config=model.config), make_cache(CASES[name][0], model))
+    for ours, theirs in zip(cache.layers, dynamic.layers):
+        if not isinstance(ours, IndexedAttention):
+            continue
+        split = ours.attention
+        assert isinstance(split, SplitKeys) and split.spec.key_dim + split.spec.value_dim == theirs.keys.shape[-1]
+        assert ours.keys.device.type == "meta" and ours.keys.shape == theirs.keys.shape and theirs.values.shape[-1] == 0
+        latent = theirs.keys.new_zeros(*theirs.keys.shape[:2], 1, theirs.keys.shape[-1])
+        keys, values = ours.update(latent, latent[..., :0])  # one more token, read back as the model reads it
+        assert keys.shape == (*theirs.keys.shape[:2], theirs.keys.shape[2] + 1, theirs.keys.shape[-1])
+        assert values.shape[-1] == 0
+        if CASES[name][1]:  # every real token's latent (pages store nothing under left padding)
+            real = inputs["attention_mask"].bool()
+            torch.testing.assert_close(keys[:, 0, :-1][real], theirs.keys[:, 0][real], rtol=0, atol=0)
+        with pytest.raises(ValueError, match=r"latent attention passes keys of \d+ channels and values of none"):
+            split.update(latent, latent)

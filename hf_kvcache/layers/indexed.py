@@ -40,6 +40,18 @@ class IndexedAttention(AttentionInside):
         return None if self._held is None else self._held.view("k")[:, 0]
 
     @property
+    def keys(self) -> torch.Tensor | None:
+        """What ``DynamicIndexedLayer.keys`` tells a model that reads it (GLM-5-Next's indexer takes the tokens held
+        from ``keys.shape[-2]``): the attention layer's dense keys where it keeps them, else, once it holds tokens, a
+        meta tensor of their shape ``(B, H, T, D)``, which has no data to read (the K/V live in the cache's format)."""
+        keys = self.attention.keys
+        if isinstance(keys, torch.Tensor) or self._held is None:
+            return keys
+        spec, batch = self.spec, self.indexer_keys.shape[0]
+        width = spec.key_dim + spec.value_dim if spec.split_keys else spec.key_dim
+        return torch.empty((batch, spec.num_kv_heads, self.get_seq_length(), width), device="meta")
+
+    @property
     def is_indexer_initialized(self) -> bool:
         return self._held is not None
 

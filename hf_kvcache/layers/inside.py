@@ -1,13 +1,15 @@
-"""A layer that keeps something beside the cache's own attention layer (recurrent states: Falcon-H1, Zamba; a sparse
-attention's indexer keys: DeepSeek-V3.2): every K/V operation goes to the attention layer, the lifecycle and batch
-operations to both."""
+"""A layer around the cache's own attention layer: one that keeps something beside it (recurrent states: Falcon-H1,
+Zamba; a sparse attention's indexer keys: DeepSeek-V3.2), where every K/V operation goes to the attention layer and
+the lifecycle and batch operations to both; and :class:`SplitKeys`, which stores a NoPE latent in both of its slots."""
 
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-__all__ = ["AttentionInside"]
+from .._config import LayerSpec
+
+__all__ = ["AttentionInside", "SplitKeys"]
 
 
 class AttentionInside(CacheLayerMixin):
@@ -95,3 +97,50 @@ class AttentionInside(CacheLayerMixin):
     def prefetch(self) -> None:
         self._beside("prefetch")
         self.attention.prefetch()
+
+
+class SplitKeys(AttentionInside):
+    """A NoPE latent-attention layer (GLM-5-Next: ``qk_rope_head_dim = 0``, :attr:`LayerSpec.split_keys`): the model
+    passes its latent as the keys and a value of no channels. The attention layer stores the latent's first
+    ``key_dim`` channels in its key slot and the other ``value_dim`` in its value slot, so every format, kernel and
+    pool holds two non-empty halves (the bytes are the latent's), and the latent goes back to the model whole, beside
+    an empty value."""
+
+    def __init__(self, attention, spec: LayerSpec, layer_idx: int, owner: str):
+        self.attention, self.spec, self.layer_idx, self.owner = attention, spec, layer_idx, owner
+
+    keys = property(lambda self: self._stored()[0])
+    values = property(lambda self: self._stored()[1])
+
+    def _stored(self):
+        """The attention layer's dense ``keys`` / ``values`` where it keeps them, as the model passed them."""
+        return self._whole(getattr(self.attention, "keys", None), getattr(self.attention, "values", None))
+
+    def _halves(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        width = self.spec.key_dim + self.spec.value_dim
+        if key_states.shape[-1] != width or value_states.shape[-1] != 0:
+            raise ValueError(
+                f"{self.owner} layer {self.layer_idx} was built from a config whose latent attention passes keys of "
+                f"{width} channels and values of none; this forward passed keys of {key_states.shape[-1]} and values "
+                f"of {value_states.shape[-1]}"
+            )
+        # contiguous: the formats view a forward's tokens by groups of channels
+        return key_states[..., : self.spec.key_dim].contiguous(), key_states[..., self.spec.key_dim :].contiguous()
+
+    @staticmethod
+    def _whole(keys, values):
+        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+            return keys, values
+        return torch.cat([keys, values], dim=-1), values[..., :0]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self._whole(*self.attention.update(*self._halves(key_states, value_states), *args, **kwargs))
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().write(*self._halves(key_states, value_states))
+
+    def _beside(self, operation: str, *args) -> None:
+        """Nothing is kept beside the attention layer."""
+
+    def _beside_nbytes(self, reserved: bool = False) -> int:
+        return 0

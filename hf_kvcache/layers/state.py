@@ -17,7 +17,7 @@ from .._config import LayerSpec
 from ._common import as_index
 from ._storage import _nbytes
 from .indexed import IndexedAttention
-from .inside import AttentionInside
+from .inside import AttentionInside, SplitKeys
 
 __all__ = ["AttentionWithStates", "EmptyLayer", "StateLayer", "cache_layer"]
 
@@ -141,10 +141,13 @@ def cache_layer(spec: LayerSpec, layer_idx: int, owner: str, attention: Callable
     """The layer a cache keeps for ``spec``: for a :data:`~hf_kvcache._config.STATE_LAYER_TYPES` layer, its states
     (:class:`StateLayer`) or nothing (:class:`EmptyLayer`); for an attention layer, the cache's own (``attention()``,
     called only then), beside its recurrent states where the layer has both (:class:`AttentionWithStates`) or beside
-    its indexer keys in a sparse-attention layer (:class:`~hf_kvcache.layers.indexed.IndexedAttention`)."""
+    its indexer keys in a sparse-attention layer (:class:`~hf_kvcache.layers.indexed.IndexedAttention`); a NoPE
+    latent's halves in its key and value slots (:class:`~hf_kvcache.layers.inside.SplitKeys`)."""
     if not spec.holds_kv:
         return EmptyLayer(spec, layer_idx, owner) if spec.layer_type == "dummy" else StateLayer(spec, layer_idx, owner)
     layer = attention()
+    if spec.split_keys:
+        layer = SplitKeys(layer, spec, layer_idx, owner)
     if spec.indexer_dim:  # sparse attention's indexer keys beside the K/V
         return IndexedAttention(layer, spec, layer_idx, owner)
     return AttentionWithStates(layer, spec, layer_idx, owner) if spec.states else layer

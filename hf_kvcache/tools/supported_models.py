@@ -158,6 +158,20 @@ OVERRIDES: dict[str, dict] = {
     "qwen4_exp": {"text_config": _QSA},
     "qwen4_exp_text": _QSA,
     "dots3_note_text": _DOTS3,
+    # GLM-5-Next (image-text-to-text only, not a matrix row; tests/test_indexed.py runs its text path): its validator
+    # wants NoPE sparse-attention layers; the indexer and the KDA layers at the shrink's sizes.
+    "glm5_next": {
+        "text_config": {
+            "qk_rope_head_dim": 0,
+            "index_head_dim": 16,
+            "index_n_heads": 2,
+            "index_kpool": 2,
+            "linear_head_dim": 16,
+            "linear_num_heads": 2,
+            "hc_mult": 2,
+            "hc_sinkhorn_iters": 4,
+        }
+    },
 }
 
 
@@ -242,7 +256,11 @@ def tiny_config(model_type: str, variant: dict | None = None):
     from transformers import CONFIG_MAPPING
 
     variant = variant or {}
-    overrides = OVERRIDES.get(model_type, {}) | {k: v for k, v in variant.items() if not k.startswith("later:")}
+    overrides = dict(OVERRIDES.get(model_type, {}))
+    for key, value in variant.items():
+        if not key.startswith("later:"):  # a sub-config's fields join the family's own for it
+            both = isinstance(value, dict) and isinstance(overrides.get(key), dict)
+            overrides[key] = overrides[key] | value if both else value
     config = _rebuilt(CONFIG_MAPPING[model_type](), SHRINK, overrides)
     for key, value in variant.items():
         if key.startswith("later:"):
@@ -569,7 +587,9 @@ def render(saved: dict) -> str:
         "the `hf_kvcache` attention reads in place as any other model's. Sparse attention's `indexed_attention` "
         "layers (DeepSeek-V3.2, GLM-5's `glm_moe_dsa`, Dots 3 Note, Qwen4-Exp beside gated DeltaNet) are served by the "
         "caches that keep every token: the indexer's keys beside the K/V, as `DynamicCache` keeps them; the evicting "
-        "window refuses them. Refused by "
+        "window refuses them. GLM-5-Next (image-text-to-text, so not a row here; its text path runs in "
+        "`tests/test_indexed.py`) passes its NoPE latent with an empty value: the caches store the latent's halves in "
+        "their key and value slots. Refused by "
         "name: `hybrid_sliding` layers, compressed attention (DeepSeek-V4), and layers that read another layer's "
         "cache (KV sharing).",
         "",
