@@ -589,7 +589,10 @@ def render(saved: dict) -> str:
         "caches that keep every token: the indexer's keys beside the K/V, as `DynamicCache` keeps them; the evicting "
         "window refuses them. GLM-5-Next (image-text-to-text, so not a row here; its text path runs in "
         "`tests/test_indexed.py`) passes its NoPE latent with an empty value: the caches store the latent's halves in "
-        "their key and value slots. Refused by "
+        "their key and value slots. Images through vision-language models are tested apart "
+        "(`tests/test_vlm_images.py`: LLaVA, and Qwen2-VL, whose image tokens take multimodal RoPE positions; this "
+        "matrix's vision-language rows run text only): pages equal, int8 / int4 / int2 within bound, keys before RoPE "
+        "and the sink window's re-rotation refused where positions are multimodal. Refused by "
         "name: `hybrid_sliding` layers, compressed attention (DeepSeek-V4), and layers that read another layer's "
         "cache (KV sharing).",
         "",
