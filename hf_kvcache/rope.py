@@ -219,6 +219,18 @@ def _scaled(value, layer_type: str):
     return value[layer_type] if isinstance(value, dict) else value
 
 
+def _model_kind(config, layer_type: str) -> str:
+    """The model's own name for the layers the caches serve as ``layer_type``, which keys its per-kind RoPE
+    (ZAYA's attention layers, which hold states too, are ``"hybrid"``; sparse attention's ``"indexed_attention"``)."""
+    from ._config import INDEXED_LAYER_TYPES, WITH_STATES_LAYER_TYPES
+
+    served_as = INDEXED_LAYER_TYPES | WITH_STATES_LAYER_TYPES
+    kinds = getattr(config, "layer_types", None) or ()
+    if layer_type in kinds:
+        return layer_type
+    return next((kind for kind in kinds if served_as.get(kind) == layer_type), layer_type)
+
+
 def rotary_spec(
     model_or_config, config, layer_type: str = "full_attention", way_out: str = "rerotate=False"
 ) -> RotarySpec | None:
@@ -229,6 +241,7 @@ def rotary_spec(
         ValueError: the rotation depends on the sequence length (``dynamic``, ``longrope``), is multimodal, or has a
             layout this function cannot verify.
     """
+    layer_type = _model_kind(config, layer_type)
     rope_parameters = getattr(config, "rope_parameters", None) or {}
     if isinstance(rope_parameters, dict) and layer_type in rope_parameters:
         rope_parameters = rope_parameters[layer_type]

@@ -134,3 +134,27 @@ def test_multimodal_rope_is_never_replayed_from_the_cache_index(named):
     with pytest.raises(ValueError, match=r"uses multimodal RoPE \(mrope_section\).*use rerotate=False"):
         make_cache("sink:window=8:sinks=2", model)
     make_cache("sink:window=8:sinks=2:rerotate=false", model)
+
+
+def test_rope_keyed_by_the_models_own_name_for_a_layer_kind():
+    """ZAYA's attention layers hold states too (layer type ``"hybrid"``, served as full attention) and its rotary
+    module keys its RoPE by that name: the caches that replay RoPE (int2's pre-RoPE keys, the sink window's
+    re-rotation) read the model's own rotation for it (a KeyError on 'full_attention' before), and reproduce
+    DynamicCache (the window holding every token) or stay within int2's bound."""
+    from models import assert_generation_matches, config_model, generate
+    from transformers import DynamicCache
+
+    from hf_kvcache.compare import LOGIT_BOUNDS
+    from hf_kvcache.rope import rotary_spec
+
+    torch.set_num_threads(1)
+    model = config_model("zaya")
+    assert model.config.layer_types == ["hybrid"] * len(model.config.layer_types)
+    spec = rotary_spec(model, model.config)
+    torch.testing.assert_close(spec.inv_freq, model.model.rotary_emb.hybrid_inv_freq.float())
+    inputs = prompt("padded")
+    ref = generate(model, DynamicCache(config=model.config), inputs)
+    assert make_cache("int2", model).pre_rope is True
+    assert_generation_matches(generate(model, make_cache("int2", model), inputs), ref, False, LOGIT_BOUNDS["int2"])
+    window = make_cache("sink:window=64:sinks=2", model)
+    assert_generation_matches(generate(model, window, inputs), ref, True, 0.0)

@@ -155,6 +155,10 @@ OVERRIDES: dict[str, dict] = {
     "prophetnet": {"num_hidden_layers": DROP},  # sized by num_encoder_layers / num_decoder_layers
     "reformer": {"axial_pos_embds_dim": [32, 32], "attn_layers": ["local", "local"]},
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
+    "zaya": {"num_experts_per_tok": 1},  # its validator: one expert per token
+    # its default config names no RoPE per layer kind, which its rotary module reads (set after construction: a
+    # dict-valued field is not a sub-config)
+    "cohere_compass_text": {"later:rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}},
     "qwen4_exp": {"text_config": _QSA},
     "qwen4_exp_text": _QSA,
     "dots3_note_text": _DOTS3,
@@ -252,19 +256,19 @@ def _rebuilt(config, sizes: dict, overrides: dict):
 
 def tiny_config(model_type: str, variant: dict | None = None):
     """The model type's config class built small (generic sizes, then the family's overrides, then a variant's;
-    ``later:`` keys of a variant are set on the built config, as a loaded config can end up)."""
+    ``later:`` keys are set on the built config, as a loaded config can end up, or where a dict-valued field would
+    otherwise be read as a sub-config's overrides)."""
     from transformers import CONFIG_MAPPING
 
-    variant = variant or {}
     overrides = dict(OVERRIDES.get(model_type, {}))
-    for key, value in variant.items():
-        if not key.startswith("later:"):  # a sub-config's fields join the family's own for it
-            both = isinstance(value, dict) and isinstance(overrides.get(key), dict)
-            overrides[key] = overrides[key] | value if both else value
+    for key, value in (variant or {}).items():
+        # a sub-config's fields join the family's own for it
+        both = isinstance(value, dict) and isinstance(overrides.get(key), dict) and not key.startswith("later:")
+        overrides[key] = overrides[key] | value if both else value
+    later = {key.removeprefix("later:"): overrides.pop(key) for key in list(overrides) if key.startswith("later:")}
     config = _rebuilt(CONFIG_MAPPING[model_type](), SHRINK, overrides)
-    for key, value in variant.items():
-        if key.startswith("later:"):
-            setattr(config, key.removeprefix("later:"), value)
+    for key, value in later.items():
+        setattr(config, key, value)
     return config
 
 
