@@ -66,6 +66,11 @@ class LayerSpec:
     split_keys: bool = False
 
     @property
+    def passed_key_dim(self) -> int:
+        """Channels per head of the key_states the model passes (the whole latent where it is split over both slots)."""
+        return self.key_dim + self.value_dim if self.split_keys else self.key_dim
+
+    @property
     def holds_kv(self) -> bool:
         """Whether the model passes this layer's keys and values to the cache (else: a state layer, no K/V)."""
         return self.layer_type in ATTENTION_LAYER_TYPES

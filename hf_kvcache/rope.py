@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ._config import INDEXED_LAYER_TYPES, WITH_STATES_LAYER_TYPES
+
 __all__ = ["RotarySpec", "rerotate", "rotary_spec", "rotate_positions"]
 
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
@@ -222,8 +224,6 @@ def _scaled(value, layer_type: str):
 def _model_kind(config, layer_type: str) -> str:
     """The model's own name for the layers the caches serve as ``layer_type``, which keys its per-kind RoPE
     (ZAYA's attention layers, which hold states too, are ``"hybrid"``; sparse attention's ``"indexed_attention"``)."""
-    from ._config import INDEXED_LAYER_TYPES, WITH_STATES_LAYER_TYPES
-
     served_as = INDEXED_LAYER_TYPES | WITH_STATES_LAYER_TYPES
     kinds = getattr(config, "layer_types", None) or ()
     if layer_type in kinds:

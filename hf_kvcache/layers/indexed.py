@@ -47,9 +47,8 @@ class IndexedAttention(AttentionInside):
         keys = self.attention.keys
         if isinstance(keys, torch.Tensor) or self._held is None:
             return keys
-        spec, batch = self.spec, self.indexer_keys.shape[0]
-        width = spec.key_dim + spec.value_dim if spec.split_keys else spec.key_dim
-        return torch.empty((batch, spec.num_kv_heads, self.get_seq_length(), width), device="meta")
+        shape = (self.indexer_keys.shape[0], self.spec.num_kv_heads, self.get_seq_length(), self.spec.passed_key_dim)
+        return torch.empty(shape, device="meta")
 
     @property
     def is_indexer_initialized(self) -> bool:

@@ -117,7 +117,7 @@ class SplitKeys(AttentionInside):
         return self._whole(getattr(self.attention, "keys", None), getattr(self.attention, "values", None))
 
     def _halves(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        width = self.spec.key_dim + self.spec.value_dim
+        width = self.spec.passed_key_dim
         if key_states.shape[-1] != width or value_states.shape[-1] != 0:
             raise ValueError(
                 f"{self.owner} layer {self.layer_idx} was built from a config whose latent attention passes keys of "

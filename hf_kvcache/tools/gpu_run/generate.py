@@ -292,7 +292,7 @@ def run(record: StageRecord, device: str, smoke: bool) -> None:
     record.save()
     # Every object alive now (the libraries, the model) is left out of the collections between items, which free each
     # item's caches (reference cycles through hooks): a full collection walked them all, 0.54 s each on CPU, 51 s of
-    # the smoke run's 56 s in this stage and minutes of a lent GPU's box.
+    # the smoke run's 56 s in-process, and as much per item of a lent GPU's box.
     gc.freeze()
     try:
         _measure(record, model, dev, smoke)
