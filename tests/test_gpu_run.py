@@ -4,6 +4,7 @@ the modules the lent machine lacks hidden, so a missing import is found here; it
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -24,12 +25,16 @@ SCRIPT = ROOT / "benchmarks" / "gpu_run.py"
 
 
 def _gpu_run(out: Path, *flags: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    # As a user starts it: without the test suite's HF_KVCACHE_CPU_HANDLES (tests/conftest.py), which would hide a run
+    # that finds no storage handle to time on CPU.
+    env = {k: v for k, v in os.environ.items() if k != "HF_KVCACHE_CPU_HANDLES"}
     return subprocess.run(
         [sys.executable, str(SCRIPT), "--output", str(out), "--device", "cpu", *flags],
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=ROOT,
+        env=env,
     )
 
 
@@ -86,7 +91,8 @@ def test_smoke_run_every_stage_with_the_lent_machines_modules(smoke):
         "cpu float32 [hf_kvcache]: int8",
     ):
         assert line in console, line
-    assert re.search(r"decode: (\d+)/\1 passed", console), "every decode check passes"
+    decode = re.search(r"decode: ([1-9]\d*)/\1 passed", console)
+    assert decode, "every decode check passes, and there are some"
 
 
 @pytest.mark.slow

@@ -162,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         env[HIDE_ENV] = args.hide
     if args.device == "cpu":  # the Triton kernels run in Triton's interpreter on CPU tensors
         env.setdefault("TRITON_INTERPRET", "1")
+        # A GPU's layers always hand the hf_kvcache attention their storage; off CUDA they do so only past a length
+        # (HF_KVCACHE_CPU_HANDLES "auto"), which the smoke's shapes never reach: the stages that time or check the
+        # kernels' decode would find no storage to read.
+        env["HF_KVCACHE_CPU_HANDLES"] = "always"
     start = time.monotonic()
     run = {"command": " ".join(["gpu_run", *(argv if argv is not None else sys.argv[1:])]), "stages": []}
     run |= {"budget_s": args.budget_s, "smoke": args.smoke, "device": args.device}
