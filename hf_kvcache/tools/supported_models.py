@@ -154,7 +154,15 @@ OVERRIDES: dict[str, dict] = {
     "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0}},
     "prophetnet": {"num_hidden_layers": DROP},  # sized by num_encoder_layers / num_decoder_layers
     "reformer": {"axial_pos_embds_dim": [32, 32], "attn_layers": ["local", "local"]},
-    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
+    # Its width and KV heads by its own names, as its checkpoints give them: hidden_size (an alias) is set after the
+    # FFN sub-config copied d_model's default (2048: experts 32x too wide), and num_key_value_heads given beside
+    # attn_config's kv_n_heads would disagree with the heads its attention projects.
+    "dbrx": {
+        "attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0, "kv_n_heads": 2},
+        "hidden_size": DROP,
+        "d_model": 64,
+        "num_key_value_heads": DROP,
+    },
     "zaya": {"num_experts_per_tok": 1},  # its validator: one expert per token
     # its default config names no RoPE per layer kind, which its rotary module reads (set after construction: a
     # dict-valued field is not a sub-config)
