@@ -163,6 +163,8 @@ OVERRIDES: dict[str, dict] = {
         "d_model": 64,
         "num_key_value_heads": DROP,
     },
+    # its rotary module turns head_dim channels, which its checkpoints set to qk_rope_head_dim (64 both)
+    "longcat_flash": {"head_dim": SHRINK["qk_rope_head_dim"]},
     "zaya": {"num_experts_per_tok": 1},  # its validator: one expert per token
     # its default config names no RoPE per layer kind, which its rotary module reads (set after construction: a
     # dict-valued field is not a sub-config)
