@@ -141,3 +141,17 @@ def ids(reference):
 
     _, tokenizer = reference
     return torch.tensor(tokenizer(reference_text(), add_special_tokens=False)["input_ids"])
+
+
+@pytest.fixture
+def native_cpu():
+    """The CPU kernel of :mod:`hf_kvcache.kernels.cpu_native`, built: skips where this machine has no C compiler,
+    unless ``HF_KVCACHE_REQUIRE_NATIVE=1`` (CI sets it), which fails instead."""
+    from hf_kvcache.kernels import cpu_native
+
+    state = cpu_native.status()
+    if not state.startswith("built"):
+        if os.environ.get("HF_KVCACHE_REQUIRE_NATIVE") == "1":
+            pytest.fail(f"HF_KVCACHE_REQUIRE_NATIVE=1 but the CPU kernel is {state}")
+        pytest.skip(f"the CPU kernel is {state}")
+    return cpu_native

@@ -9,6 +9,7 @@ from transformers import LlamaConfig
 
 from hf_kvcache import make_cache
 from hf_kvcache.formats import KVHandle
+from hf_kvcache.kernels import cpu_native
 from hf_kvcache.layers import _common
 from hf_kvcache.prefill import store_prefill
 
@@ -30,8 +31,16 @@ def _step(spec: str, tokens: int, rows: int = 1):
 )  # fmt: skip
 def test_off_cuda_the_storage_is_handed_over_from_the_measured_length(monkeypatch, spec, short, long):
     monkeypatch.setattr(_common, "CPU_HANDLES", "auto")
+    monkeypatch.setattr(cpu_native, "NATIVE_CPU", "never")  # KIVI's codes then read by the torch decode
     assert isinstance(_step(spec, *short), torch.Tensor)  # below the layer's CPU_HANDLE_TOKENS: sdpa's path
     assert isinstance(_step(spec, *long), KVHandle)
+
+
+@pytest.mark.parametrize("spec", ["int4:residual_length=16", "int3:residual_length=16", "int2:residual_length=16"])
+def test_codes_the_cpu_kernel_decodes_keep_sdpas_path_at_any_length(native_cpu, monkeypatch, spec):
+    monkeypatch.setattr(_common, "CPU_HANDLES", "auto")
+    assert isinstance(_step(spec, 4200, 2), torch.Tensor)
+    assert isinstance(_step("int3:residual_length=16:codebook=lloyd", 4200, 2), KVHandle)  # a codebook: torch's
 
 
 @pytest.mark.parametrize("spec", ["sink:window=64:sinks=4", "paged", "paged:bits=8"])

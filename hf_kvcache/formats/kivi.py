@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from .. import quant
-from ..kernels import torch_decode
+from ..kernels import cpu_native, torch_decode
 from ..kernels._available import guarded, triton_available
 from ..kernels._eager import eager
 from ..kernels.storage import KIVI, KernelStorage, LaunchPlan, block
-from ..rope import RotarySpec
+from ..rope import RotarySpec, angle_table
 from ._base import (
     KeyTurn,
     Partials,
@@ -97,6 +97,11 @@ def _unpack_into(packed: torch.Tensor, bits: int, out: torch.Tensor, levels: tor
         torch.index_select(table, 0, index.flatten(), out=out.view(-1, table.shape[-1]))
     else:
         out.copy_(table[index].flatten(-2))
+
+
+def _rope_whole_head(rope: KeyTurn, width: int) -> bool:
+    """Whether ``rope`` turns every channel of a ``width``-wide head in ``rotate_half`` pairs (the CPU kernel's)."""
+    return not rope[0].interleaved and rope[0].rotary_dim == width
 
 
 def _float32_arithmetic(decode):
@@ -562,7 +567,36 @@ class KiviCodec:
         kg = out.view(b, h, t // self.group_size, self.group_size, dk)
         kg.mul_(scale.unsqueeze(3)).add_(zero.unsqueeze(3))
 
+    def reads_natively(self, dtype: torch.dtype, key_dim: int, value_dim: int, rope: KeyTurn | None,
+                       rotate: bool = False) -> bool:  # fmt: skip
+        """Whether :meth:`decode_native` serves a layer of ``dtype`` K/V of these widths (its CPU kernel built)."""
+        if self.codebook != "uniform" or (rope is not None and not _rope_whole_head(rope, key_dim)):
+            return False
+        if dtype != torch.float32 or kivi_scale_dtype(self.scale_dtype, dtype) != torch.float32:
+            return False
+        widths = all(cpu_native.width_served(w, rotate) for w in (key_dim, value_dim))
+        return widths and all(b in cpu_native.BITS for b in (self.key_bits, self.value_bits)) and cpu_native.usable()
+
+    def decode_native(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor, rope: KeyTurn | None,
+                      rotate: bool) -> bool:  # fmt: skip
+        """:meth:`decode` by the CPU kernel (:mod:`hf_kvcache.kernels.cpu_native`) in one pass per token, the
+        Hadamard rotation undone where ``rotate`` (:class:`RotatedCodec`): True where it did, False (nothing
+        written) where it cannot serve (a codebook, RoPE on part of the head or interleaved, not float32, ...)."""
+        if self.codebook != "uniform" or (rope is not None and not _rope_whole_head(rope, k_out.shape[-1])):
+            return False
+        table = None if rope is None else angle_table(rope[0].inv_freq, rope[1] + k_out.shape[-2])
+        keys = (parts["k"], parts["ks"], parts["kz"], k_out, self.key_bits)
+        values = (parts["v"], parts["vs"], parts["vz"], v_out, self.value_bits)
+        if not (cpu_native.serves(*keys, rotate, table) and cpu_native.serves(*values, rotate, None)):
+            return False
+        turn = None if rope is None else (table, rope[1])
+        return cpu_native.decode_kivi(*keys, self.group_size, self.per_token_keys, rotate, turn) and (
+            cpu_native.decode_kivi(*values, self.group_size, True, rotate)
+        )
+
     def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor, rope: KeyTurn | None = None) -> None:
+        if self.decode_native(parts, k_out, v_out, rope, rotate=False):
+            return
         if self.per_token_keys:
             self._decode_per_token(parts["k"], parts["ks"], parts["kz"], k_out, self.key_bits)
         else:

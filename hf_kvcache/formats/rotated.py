@@ -224,7 +224,7 @@ class RotatedCodec:
         self.unit, self.units = inner.unit, inner.units
 
     def __getattr__(self, name):  # group_size, bits, key_axis, like, ... of the inner codec (not its encoders)
-        if name in ("inner", "encode", "encode_into"):
+        if name in ("inner", "encode", "encode_into", "decode_native"):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
@@ -245,11 +245,19 @@ class RotatedCodec:
         tokens unrotated."""
         self.inner.encode_into(self._rotate(k), self._rotate(v), out)
 
+    def reads_natively(self, dtype: torch.dtype, key_dim: int, value_dim: int, rope: KeyTurn | None) -> bool:
+        """Whether the inner codec's CPU kernel decodes and rotates back in one pass (KIVI's)."""
+        inner = getattr(self.inner, "reads_natively", None)
+        return inner is not None and inner(dtype, key_dim, value_dim, rope, rotate=True)
+
     def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor, rope: KeyTurn | None = None) -> None:
         """The inner codec's tokens rotated back, keys stored before RoPE turned to their positions in the same pass
         (:func:`rotate_back`). Decoded in float32 where the K/V are float16 (a rotated token may not fit float16);
         rotated back in float32 there and on the CPU (whose 16-bit products run ~20x slower than float32's), else in
         the K/V dtype."""
+        native = getattr(self.inner, "decode_native", None)  # KIVI's CPU kernel undoes the rotation in its pass
+        if native is not None and native(parts, k_out, v_out, rope, rotate=True):
+            return
         wide = k_out.dtype == torch.float16
         k_dec = torch.empty(k_out.shape, device=k_out.device) if wide else k_out
         v_dec = torch.empty(v_out.shape, device=v_out.device) if wide else v_out

@@ -232,7 +232,12 @@ class KVLayer(BatchOpsMixin, CacheLayerMixin):
             raise ValueError(f"HF_KVCACHE_CPU_HANDLES must be one of {', '.join(CPU_HANDLES_CHOICES)}, got {choice!r}")
         if choice != "auto":
             return choice == "always"
-        return self.CPU_HANDLE_TOKENS is not None and past_tokens * self.batch_size >= self.CPU_HANDLE_TOKENS
+        threshold = self._cpu_handle_tokens()
+        return threshold is not None and past_tokens * self.batch_size >= threshold
+
+    def _cpu_handle_tokens(self) -> int | None:
+        """:attr:`CPU_HANDLE_TOKENS`, or what a layer decides from its storage format."""
+        return self.CPU_HANDLE_TOKENS
 
     def _set_batch(self, batch: int | None) -> None:
         if self.is_initialized:

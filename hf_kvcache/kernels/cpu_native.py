@@ -1,0 +1,195 @@
+"""KIVI codes decoded on the CPU by a small C kernel (``kivi_cpu.c``), built at first use with the machine's compiler.
+
+Under sdpa (and wherever a quantized layer hands attention dequantized K/V) every forward decodes the whole history
+of every layer. In pure torch that is ~15 passes over it for the int3 / int2 defaults (unpack two bit planes,
+dequantize, rotate back, turn pre-RoPE keys): one layer of SmolLM2 at 768 stored tokens took 1.4 ms for int3, where
+DynamicCache reads its tensors as they are. The kernel does the same work in one pass per token (3.4x faster there;
+int4's plain read 2x); its outputs equal the torch path's to float32 rounding (tests/test_cpu_native.py).
+
+Nothing is compiled where it cannot serve: float32 outputs and scales, uniform codes of 2, 3 or 4 bits, widths that
+are multiples of 8 (powers of two where rotated), RoPE in the ``rotate_half`` layout over the whole head. Anything
+else, a machine without a C compiler (``$CC``, ``cc``, ``gcc`` or ``clang``), or ``HF_KVCACHE_NATIVE_CPU=never``
+takes the torch path; :func:`status` says which and why. The library is cached per source, compiler and CPU under
+``$HF_KVCACHE_CACHE`` (default ``~/.cache/hf_kvcache``), so a process pays the compile (~1 s) only the first time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+__all__ = ["BITS", "NATIVE_CPU_CHOICES", "decode_kivi", "serves", "status", "usable", "width_served"]
+
+SOURCE = Path(__file__).with_name("kivi_cpu.c")
+NATIVE_CPU_CHOICES = ("auto", "never")
+# Read at every decode (tests and benchmarks switch it), from HF_KVCACHE_NATIVE_CPU at import.
+NATIVE_CPU = os.environ.get("HF_KVCACHE_NATIVE_CPU", "auto")
+MAX_WIDTH = 1024  # the kernel's per-token scratch
+BITS = (2, 3, 4)
+# Below this many decoded floats one thread does the work: a thread pool's hand-off costs more than it saves.
+PARALLEL_FLOATS = 1 << 18
+
+_LOCK = threading.Lock()
+_WHY_NOT: list[str] = []  # why the library could not be built or loaded in this process (empty: it was, or not tried)
+
+
+def status() -> str:
+    """``"built: <library>"``, ``"disabled: ..."`` or ``"unavailable: <why>"`` (building it if not tried yet)."""
+    if NATIVE_CPU == "never":
+        return "disabled: HF_KVCACHE_NATIVE_CPU=never"
+    lib = _library()
+    return f"built: {lib._name}" if lib is not None else f"unavailable: {_WHY_NOT[0]}"
+
+
+def _cache_dir() -> Path:
+    from ..models import model_cache_dir  # at first use: the kernels package imports nothing of the rest at import
+
+    return model_cache_dir() / "native"
+
+
+def _cpu_key() -> str:
+    """What a library built with ``-march=native`` depends on: the CPU's model and instruction-set flags (a cache
+    folder shared between machines must not hand one machine another's instructions)."""
+    text = platform.machine() + platform.processor()
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        text += "".join(sorted({line for line in lines if line.startswith(("model name", "flags", "Features"))}))
+    except OSError:
+        pass
+    return text
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+
+
+def _build() -> Path:
+    """The library's path, compiled into the cache folder first if absent (written under a temporary name and moved
+    into place, so processes building at once never load half a file)."""
+    if os.name != "posix":
+        raise OSError(f"building the kernel is supported on POSIX systems only, not {os.name!r}")
+    cc = _compiler()
+    if cc is None:
+        raise OSError("no C compiler found ($CC, cc, gcc or clang)")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + cc.encode() + _cpu_key().encode()).hexdigest()[:16]
+    folder = _cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=folder)
+        probe.close()
+    except OSError:
+        folder = Path(tempfile.gettempdir()) / f"hf_kvcache-native-{os.getuid()}"
+        folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"kivi_cpu-{key}.so"
+    if path.is_file():
+        return path
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so")
+    os.close(fd)
+    errors = []
+    try:
+        # -march=native where the compiler takes it (the library is built for, and cached per, this CPU)
+        for flags in (["-O3", "-march=native"], ["-O3"]):
+            cmd = [cc, *flags, "-std=gnu11", "-shared", "-fPIC", "-o", tmp, str(SOURCE)]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if done.returncode == 0:
+                os.replace(tmp, path)
+                return path
+            errors.append(done.stderr.strip().splitlines()[-1:] or [f"exit status {done.returncode}"])
+        raise OSError(f"{cc} failed: {errors[-1][0][:300]}")
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    with _LOCK:
+        try:
+            lib = ctypes.CDLL(str(_build()))
+        except (OSError, subprocess.SubprocessError) as err:
+            _WHY_NOT.append(f"{type(err).__name__}: {err}")
+            return None
+    lib.kivi_cpu_init()
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.kivi_decode_f32.argtypes = [p, p, p, p, p, p, p, p, i64, i64, i64, i32, i64, i32, ctypes.c_float, i32, p, i64,
+                                    i64, i64]  # fmt: skip
+    lib.kivi_decode_f32.restype = None
+    return lib
+
+
+@functools.cache
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="hf_kvcache-native")
+
+
+def usable() -> bool:
+    """Whether the kernel is switched on and built (building it if not tried yet); never inside a graph being
+    traced, which takes the torch path."""
+    return NATIVE_CPU != "never" and not torch.compiler.is_compiling() and _library() is not None
+
+
+def width_served(width: int, rotate: bool) -> bool:
+    """Whether the kernel reads heads ``width`` channels wide (rotated: a power of two)."""
+    return width % 8 == 0 and 0 < width <= MAX_WIDTH and not (rotate and width & (width - 1))
+
+
+def serves(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out: torch.Tensor, bits: int,
+           rotate: bool, angles: torch.Tensor | None) -> bool:  # fmt: skip
+    """Whether :func:`decode_kivi` takes these tensors (before the library is built: a layout it cannot read never
+    costs a compile)."""
+    if NATIVE_CPU == "never" or out.device.type != "cpu" or bits not in BITS or out.dim() != 4 or not out.numel():
+        return False
+    if torch.compiler.is_compiling():  # a graph being traced cannot call into a C library: the torch path, fused
+        return False
+    if out.dtype != torch.float32 or scale.dtype != torch.float32 or zero.dtype != torch.float32:
+        return False
+    if not width_served(out.shape[-1], rotate):
+        return False
+    if angles is not None and (angles.dtype != torch.float32 or not angles.is_contiguous()):
+        return False
+    return all(t.dim() == 4 and t.stride(-1) == 1 and t.device.type == "cpu" for t in (codes, scale, zero, out))
+
+
+def decode_kivi(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out: torch.Tensor, bits: int,
+                group: int, per_token: bool, rotate: bool = False, rope: tuple[torch.Tensor, int] | None = None,
+                ) -> bool:  # fmt: skip
+    """Decode one stored KIVI tensor into ``out`` ``(B, H, T, D)`` (any strides but a contiguous last dimension),
+    rotated back by the Hadamard transform of the head (``rotate``) and turned to positions ``first ..`` where
+    ``rope`` is ``(angle table, first)`` (:func:`hf_kvcache.rope.angle_table`, every channel rotary, ``rotate_half``
+    pairs). ``codes`` ``(B, H, T, D * bits / 8)``; ``scale`` / ``zero`` ``(B, H, T, D / group)`` per token
+    (``per_token``), else ``(B, H, T / group, D)`` per key group. Returns False, touching nothing, where the kernel
+    cannot serve (see the module's docstring): the caller decodes in torch then."""
+    angles, first = rope if rope is not None else (None, 0)
+    if not serves(codes, scale, zero, out, bits, rotate, angles):
+        return False
+    lib = _library()
+    if lib is None:
+        return False
+    b, h, t, width = out.shape
+    strides = [torch.tensor(x.stride()[:3], dtype=torch.int64) for x in (codes, scale, zero, out)]
+    gain = 1 / math.sqrt(width) if rotate else 1.0
+    args = (codes.data_ptr(), strides[0].data_ptr(), scale.data_ptr(), strides[1].data_ptr(), zero.data_ptr(),
+            strides[2].data_ptr(), out.data_ptr(), strides[3].data_ptr(), h, t, width, bits, group, int(per_token),
+            gain, int(rotate), angles.data_ptr() if angles is not None else None, first)  # fmt: skip
+    rows = b * h * t
+    threads = min(torch.get_num_threads(), rows)
+    if threads <= 1 or out.numel() < PARALLEL_FLOATS:
+        lib.kivi_decode_f32(*args, 0, rows)
+        return True
+    # ctypes lets go of the GIL for the call: each thread decodes its own tokens, on torch's intra-op thread count
+    step = -(-rows // threads)
+    list(_pool(threads).map(lambda r0: lib.kivi_decode_f32(*args, r0, min(r0 + step, rows)), range(0, rows, step)))
+    return True

@@ -1,0 +1,167 @@
+"""The CPU kernel that decodes KIVI codes in one pass (hf_kvcache/kernels/kivi_cpu.c) against the torch path it
+replaces: every layout it serves equals it to float32 rounding, every layout it does not serve falls back untouched,
+and a machine that cannot build it decodes in torch and says why.
+
+Skipped where no C compiler is found, unless ``HF_KVCACHE_REQUIRE_NATIVE=1`` (CI sets it), which fails instead."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import tiny_model
+
+from hf_kvcache import make_cache
+from hf_kvcache.formats.kivi import KiviCodec
+from hf_kvcache.formats.rotated import RotatedCodec
+from hf_kvcache.kernels import cpu_native
+from hf_kvcache.rope import RotarySpec
+
+B, H, T = 2, 3, 40  # T: a whole number of key groups (8)
+
+
+@pytest.fixture(autouse=True)
+def built(native_cpu):
+    torch.set_num_threads(1)
+
+
+def _spec(width: int, rotary_dim: int | None = None, interleaved: bool = False) -> RotarySpec:
+    rotary_dim = rotary_dim or width
+    return RotarySpec(1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)), rotary_dim, interleaved)
+
+
+def _decode_both(codec, parts, width, rope, monkeypatch, dtype=torch.float32):
+    """``(native, torch, whether the kernel served)``, each decoded into a view of a longer workspace."""
+    b, h, t = parts["k"].shape[:3]
+    outs = []
+    for mode in ("auto", "never"):
+        monkeypatch.setattr(cpu_native, "NATIVE_CPU", mode)
+        k, v = (torch.full((b, h, t + 8, width), 7.0, dtype=dtype) for _ in "kv")
+        codec.decode(parts, k[:, :, :t], v[:, :, :t], rope)
+        assert (k[:, :, t:] == 7).all() and (v[:, :, t:] == 7).all(), "wrote past the view"
+        outs.append((k[:, :, :t], v[:, :, :t]))
+    inner = codec.inner if isinstance(codec, RotatedCodec) else codec
+    k, v = (torch.empty(b, h, t, width, dtype=dtype) for _ in "kv")
+    monkeypatch.setattr(cpu_native, "NATIVE_CPU", "auto")
+    served = inner.decode_native(parts, k, v, rope, rotate=isinstance(codec, RotatedCodec))
+    return outs[0], outs[1], served
+
+
+def _assert_equal_to_rounding(native, reference):
+    """Equal to the rounding of the outputs' dtype (sums taken in another order: float32's, or float16's last bit)."""
+    for got, want in zip(native, reference):
+        tol = 1e-5 if want.dtype == torch.float32 else 2 * torch.finfo(want.dtype).eps
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "hadamard"])
+@pytest.mark.parametrize("key_axis", ["channel", "token"])
+@pytest.mark.parametrize("pre_rope", [False, True], ids=["post-rope", "pre-rope"])
+def test_the_kernel_equals_the_torch_decode(bits, rotate, key_axis, pre_rope, monkeypatch):
+    width, group = 64, 8
+    inner = KiviCodec(bits, group, None, key_axis=key_axis)
+    codec = RotatedCodec(inner) if rotate else inner
+    g = torch.Generator().manual_seed(bits)
+    k = torch.randn(B, H, T, width, generator=g) * torch.linspace(0.2, 6, width)  # channels of unlike ranges
+    parts = codec.encode(k, torch.randn(B, H, T, width, generator=g))
+    rope = (_spec(width), 9) if pre_rope else None
+    native, reference, served = _decode_both(codec, parts, width, rope, monkeypatch)
+    assert served
+    _assert_equal_to_rounding(native, reference)
+
+
+@pytest.mark.parametrize("width, group, rotate", [(128, 32, True), (96, 32, False), (32, 8, True), (256, 64, True)])
+def test_other_head_widths_and_groups(width, group, rotate, monkeypatch):
+    inner = KiviCodec(3, group, None)
+    codec = RotatedCodec(inner) if rotate else inner
+    g = torch.Generator().manual_seed(width)
+    tokens = 2 * group
+    parts = codec.encode(torch.randn(B, H, tokens, width, generator=g), torch.randn(B, H, tokens, width, generator=g))
+    native, reference, served = _decode_both(codec, parts, width, (_spec(width), 0), monkeypatch)
+    assert served
+    _assert_equal_to_rounding(native, reference)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["lloyd codebook", "interleaved rope", "partial rope", "rotated width 96", "float16 workspace"],
+)
+def test_what_the_kernel_does_not_read_falls_back_to_torch(case, monkeypatch):
+    """The fused pass declines (nothing written); the codes are then read by the torch path, whose plain KIVI unpack
+    the kernel still serves where it can (uniform float32 codes: the interleaved and partial RoPE cases)."""
+    width = 96 if case == "rotated width 96" else 64
+    inner = KiviCodec(2, 8, torch.float32 if case == "float16 workspace" else None,
+                      codebook="lloyd" if case == "lloyd codebook" else "uniform")  # fmt: skip
+    codec = RotatedCodec(inner)
+    rope = {
+        "interleaved rope": (_spec(width, interleaved=True), 3),
+        "partial rope": (_spec(width, rotary_dim=32), 3),
+    }.get(case, (_spec(width), 3))
+    g = torch.Generator().manual_seed(0)
+    parts = codec.encode(torch.randn(B, H, T, width, generator=g), torch.randn(B, H, T, width, generator=g))
+    dtype = torch.float16 if case == "float16 workspace" else torch.float32
+    native, reference, served = _decode_both(codec, parts, width, rope, monkeypatch, dtype)
+    assert not served  # the fused pass declines; a plain unpack inside the torch path may still be the kernel's
+    _assert_equal_to_rounding(native, reference)
+
+
+def test_threads_split_the_tokens_and_agree(monkeypatch):
+    codec = RotatedCodec(KiviCodec(3, 8, None))
+    g = torch.Generator().manual_seed(1)
+    parts = codec.encode(torch.randn(B, H, T, 64, generator=g), torch.randn(B, H, T, 64, generator=g))
+    one = (torch.empty(B, H, T, 64), torch.empty(B, H, T, 64))
+    codec.decode(parts, *one, (_spec(64), 2))
+    monkeypatch.setattr(cpu_native, "PARALLEL_FLOATS", 1)
+    torch.set_num_threads(2)
+    try:
+        split = (torch.empty(B, H, T, 64), torch.empty(B, H, T, 64))
+        codec.decode(parts, *split, (_spec(64), 2))
+    finally:
+        torch.set_num_threads(1)
+    for a, b in zip(one, split):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # each token decoded by the same code, whichever thread
+
+
+def test_a_machine_that_cannot_build_it_decodes_in_torch_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("HF_KVCACHE_CACHE", str(tmp_path / "cache"))
+    cpu_native._library.cache_clear()
+    try:
+        assert cpu_native.status().startswith("unavailable: ")
+        assert "no-such-cc" in cpu_native.status()
+        codec = RotatedCodec(KiviCodec(3, 8, None))
+        parts = codec.encode(torch.randn(1, 1, 8, 64), torch.randn(1, 1, 8, 64))
+        k, v = torch.empty(1, 1, 8, 64), torch.empty(1, 1, 8, 64)
+        assert not codec.inner.decode_native(parts, k, v, None, rotate=True)
+        codec.decode(parts, k, v)  # the torch path
+        assert k.isfinite().all()
+    finally:
+        cpu_native._library.cache_clear()
+        cpu_native._WHY_NOT.clear()
+    monkeypatch.setattr(cpu_native, "NATIVE_CPU", "never")
+    assert cpu_native.status() == "disabled: HF_KVCACHE_NATIVE_CPU=never"
+
+
+@pytest.mark.parametrize(
+    "spec", ["int3:residual_length=4:group_size=8", "int2:residual_length=4:group_size=8", "int4:residual_length=4"]
+)
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_model_scores_the_same_through_either_decode(spec, family, monkeypatch):
+    """Teacher-forced logits of a left-padded batch under sdpa with the defaults' layouts (int3 / int2:
+    Hadamard-rotated codes of pre-RoPE keys, 4 sinks), the history decoded by the kernel or in torch at every step."""
+    model = tiny_model(family, "sdpa")
+    ids = torch.randint(3, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    logits = []
+    for mode in ("auto", "never"):
+        monkeypatch.setattr(cpu_native, "NATIVE_CPU", mode)
+        cache = make_cache(spec, model)
+        with torch.no_grad():
+            out = [model(ids[:, :8], attention_mask=mask[:, :8], past_key_values=cache).logits[:, -1]]
+            for t in range(8, ids.shape[1]):
+                step = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache)
+                out.append(step.logits[:, -1])
+        assert sum(getattr(layer, "quantized_tokens", 0) for layer in cache.layers) > 0
+        logits.append(torch.stack(out, 1))
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
