@@ -105,6 +105,21 @@ def test_what_the_kernel_does_not_read_falls_back_to_torch(case, monkeypatch):
     _assert_equal_to_rounding(native, reference)
 
 
+def test_tensors_that_do_not_cover_the_output_are_refused_not_read(monkeypatch):
+    """The kernel checks no bounds: a scale or code tensor shorter than the tokens asked for, or an angle table
+    short of the last position, is declined before the call."""
+    inner = KiviCodec(3, 8, None)
+    parts = inner.encode(torch.randn(1, 2, 16, 64), torch.randn(1, 2, 16, 64))
+    out = torch.empty(1, 2, 16, 64)
+    table = torch.zeros(20, 2, 32)
+    assert cpu_native.decode_kivi(parts["k"], parts["ks"], parts["kz"], out, 3, 8, False, True, (table, 4))
+    assert not cpu_native.decode_kivi(parts["k"], parts["ks"][:, :, :1], parts["kz"], out, 3, 8, False)
+    assert not cpu_native.decode_kivi(parts["k"][:, :, :8], parts["ks"], parts["kz"], out, 3, 8, False)
+    assert not cpu_native.decode_kivi(parts["v"], parts["vs"][:, :, :15], parts["vz"], out, 3, 8, True)
+    assert not cpu_native.decode_kivi(parts["k"], parts["ks"], parts["kz"], out, 3, 8, False, True, (table, 5))
+    assert not cpu_native.decode_kivi(parts["k"], parts["ks"], parts["kz"], out, 4, 8, False)  # codes of 3 bits
+
+
 def test_threads_split_the_tokens_and_agree(monkeypatch):
     codec = RotatedCodec(KiviCodec(3, 8, None))
     g = torch.Generator().manual_seed(1)

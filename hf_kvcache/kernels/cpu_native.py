@@ -21,6 +21,7 @@ import hashlib
 import math
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -50,7 +51,7 @@ def status() -> str:
     if NATIVE_CPU == "never":
         return "disabled: HF_KVCACHE_NATIVE_CPU=never"
     lib = _library()
-    return f"built: {lib._name}" if lib is not None else f"unavailable: {_WHY_NOT[0]}"
+    return f"built: {lib._name}" if lib is not None else f"unavailable: {_WHY_NOT[-1]}"
 
 
 def _cache_dir() -> Path:
@@ -71,8 +72,12 @@ def _cpu_key() -> str:
     return text
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+def _compiler() -> list[str] | None:
+    """The compiler's command: ``$CC`` as the shell would split it (``ccache gcc``), else the first found."""
+    if os.environ.get("CC"):
+        return shlex.split(os.environ["CC"])
+    found = next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    return [found] if found else None
 
 
 def _build() -> Path:
@@ -84,7 +89,7 @@ def _build() -> Path:
     if cc is None:
         raise OSError("no C compiler found ($CC, cc, gcc or clang)")
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + cc.encode() + _cpu_key().encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join(cc).encode() + _cpu_key().encode()).hexdigest()[:16]
     folder = _cache_dir()
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -102,13 +107,13 @@ def _build() -> Path:
     try:
         # -march=native where the compiler takes it (the library is built for, and cached per, this CPU)
         for flags in (["-O3", "-march=native"], ["-O3"]):
-            cmd = [cc, *flags, "-std=gnu11", "-shared", "-fPIC", "-o", tmp, str(SOURCE)]
+            cmd = [*cc, *flags, "-std=gnu11", "-shared", "-fPIC", "-o", tmp, str(SOURCE)]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if done.returncode == 0:
                 os.replace(tmp, path)
                 return path
             errors.append(done.stderr.strip().splitlines()[-1:] or [f"exit status {done.returncode}"])
-        raise OSError(f"{cc} failed: {errors[-1][0][:300]}")
+        raise OSError(f"{' '.join(cc)} failed: {errors[-1][0][:300]}")
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -154,13 +159,25 @@ def serves(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out: to
         return False
     if torch.compiler.is_compiling():  # a graph being traced cannot call into a C library: the torch path, fused
         return False
-    if out.dtype != torch.float32 or scale.dtype != torch.float32 or zero.dtype != torch.float32:
+    if codes.dtype != torch.uint8 or any(x.dtype != torch.float32 for x in (scale, zero, out)):
         return False
     if not width_served(out.shape[-1], rotate):
         return False
     if angles is not None and (angles.dtype != torch.float32 or not angles.is_contiguous()):
         return False
     return all(t.dim() == 4 and t.stride(-1) == 1 and t.device.type == "cpu" for t in (codes, scale, zero, out))
+
+
+def _shapes_agree(codes, scale, zero, out, bits, group, per_token, rope) -> bool:
+    """Whether every tensor covers what the kernel reads for ``out``'s tokens (it checks no bounds itself)."""
+    b, h, t, width = out.shape
+    rows = t if per_token else -(-t // group)
+    params = (b, h, rows, width // group) if per_token else (b, h, rows, width)
+    if (per_token and width % group) or tuple(codes.shape) != (b, h, t, width * bits // 8):
+        return False
+    if any(tuple(x.shape[:2]) != params[:2] or x.shape[2] < rows or x.shape[3] != params[3] for x in (scale, zero)):
+        return False
+    return rope is None or (rope[0].shape[0] >= rope[1] + t and tuple(rope[0].shape[1:]) == (2, width // 2))
 
 
 def decode_kivi(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out: torch.Tensor, bits: int,
@@ -173,7 +190,9 @@ def decode_kivi(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, ou
     (``per_token``), else ``(B, H, T / group, D)`` per key group. Returns False, touching nothing, where the kernel
     cannot serve (see the module's docstring): the caller decodes in torch then."""
     angles, first = rope if rope is not None else (None, 0)
-    if not serves(codes, scale, zero, out, bits, rotate, angles):
+    if not serves(codes, scale, zero, out, bits, rotate, angles) or not _shapes_agree(
+        codes, scale, zero, out, bits, group, per_token, rope
+    ):
         return False
     lib = _library()
     if lib is None:
