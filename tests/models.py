@@ -18,6 +18,16 @@ ATTENTION = ("eager", "sdpa")
 
 
 @cache
+def rotary(width: int, layout: str = "half"):
+    """A RoPE of ``width``-channel heads (base 10,000): every channel in the rotate_half layout ("half"),
+    "interleaved" pairs, or the first half of the channels only ("partial")."""
+    from hf_kvcache.rope import RotarySpec
+
+    rotary_dim = width // 2 if layout == "partial" else width
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    return RotarySpec(inv_freq, rotary_dim, layout == "interleaved")
+
+
 def tiny_model(family: str, attn: str = "sdpa", seed: int = 0):
     """A seeded random model; ``seed=1`` gives a different model of the same family (an assistant that disagrees)."""
     torch.manual_seed(seed)

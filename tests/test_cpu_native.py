@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import tiny_model
+from models import rotary, tiny_model
 
 from hf_kvcache import make_cache
 from hf_kvcache.formats.kivi import KiviCodec
 from hf_kvcache.formats.rotated import RotatedCodec
 from hf_kvcache.kernels import cpu_native
-from hf_kvcache.rope import RotarySpec
 
 B, H, T = 2, 3, 40  # T: a whole number of key groups (8)
 
@@ -22,11 +21,6 @@ B, H, T = 2, 3, 40  # T: a whole number of key groups (8)
 @pytest.fixture(autouse=True)
 def built(native_cpu):
     torch.set_num_threads(1)
-
-
-def _spec(width: int, rotary_dim: int | None = None, interleaved: bool = False) -> RotarySpec:
-    rotary_dim = rotary_dim or width
-    return RotarySpec(1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)), rotary_dim, interleaved)
 
 
 def _decode_both(codec, parts, width, rope, monkeypatch, dtype=torch.float32):
@@ -64,7 +58,7 @@ def test_the_kernel_equals_the_torch_decode(bits, rotate, key_axis, pre_rope, mo
     g = torch.Generator().manual_seed(bits)
     k = torch.randn(B, H, T, width, generator=g) * torch.linspace(0.2, 6, width)  # channels of unlike ranges
     parts = codec.encode(k, torch.randn(B, H, T, width, generator=g))
-    rope = (_spec(width), 9) if pre_rope else None
+    rope = (rotary(width), 9) if pre_rope else None
     native, reference, served = _decode_both(codec, parts, width, rope, monkeypatch)
     assert served
     _assert_equal_to_rounding(native, reference)
@@ -77,7 +71,7 @@ def test_other_head_widths_and_groups(width, group, rotate, monkeypatch):
     g = torch.Generator().manual_seed(width)
     tokens = 2 * group
     parts = codec.encode(torch.randn(B, H, tokens, width, generator=g), torch.randn(B, H, tokens, width, generator=g))
-    native, reference, served = _decode_both(codec, parts, width, (_spec(width), 0), monkeypatch)
+    native, reference, served = _decode_both(codec, parts, width, (rotary(width), 0), monkeypatch)
     assert served
     _assert_equal_to_rounding(native, reference)
 
@@ -94,9 +88,9 @@ def test_what_the_kernel_does_not_read_falls_back_to_torch(case, monkeypatch):
                       codebook="lloyd" if case == "lloyd codebook" else "uniform")  # fmt: skip
     codec = RotatedCodec(inner)
     rope = {
-        "interleaved rope": (_spec(width, interleaved=True), 3),
-        "partial rope": (_spec(width, rotary_dim=32), 3),
-    }.get(case, (_spec(width), 3))
+        "interleaved rope": (rotary(width, "interleaved"), 3),
+        "partial rope": (rotary(width, "partial"), 3),
+    }.get(case, (rotary(width), 3))
     g = torch.Generator().manual_seed(0)
     parts = codec.encode(torch.randn(B, H, T, width, generator=g), torch.randn(B, H, T, width, generator=g))
     dtype = torch.float16 if case == "float16 workspace" else torch.float32
@@ -125,12 +119,12 @@ def test_threads_split_the_tokens_and_agree(monkeypatch):
     g = torch.Generator().manual_seed(1)
     parts = codec.encode(torch.randn(B, H, T, 64, generator=g), torch.randn(B, H, T, 64, generator=g))
     one = (torch.empty(B, H, T, 64), torch.empty(B, H, T, 64))
-    codec.decode(parts, *one, (_spec(64), 2))
+    codec.decode(parts, *one, (rotary(64), 2))
     monkeypatch.setattr(cpu_native, "PARALLEL_FLOATS", 1)
     torch.set_num_threads(2)
     try:
         split = (torch.empty(B, H, T, 64), torch.empty(B, H, T, 64))
-        codec.decode(parts, *split, (_spec(64), 2))
+        codec.decode(parts, *split, (rotary(64), 2))
     finally:
         torch.set_num_threads(1)
     for a, b in zip(one, split):
@@ -155,6 +149,17 @@ def test_a_machine_that_cannot_build_it_decodes_in_torch_and_says_why(tmp_path, 
         cpu_native._WHY_NOT.clear()
     monkeypatch.setattr(cpu_native, "NATIVE_CPU", "never")
     assert cpu_native.status() == "disabled: HF_KVCACHE_NATIVE_CPU=never"
+
+
+def test_a_bad_switch_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(cpu_native, "NATIVE_CPU", "off")
+    codec = RotatedCodec(KiviCodec(3, 8, None))
+    parts = codec.encode(torch.randn(1, 1, 8, 64), torch.randn(1, 1, 8, 64))
+    message = "HF_KVCACHE_NATIVE_CPU must be one of auto, never, got 'off'"
+    with pytest.raises(ValueError, match=message):
+        codec.decode(parts, torch.empty(1, 1, 8, 64), torch.empty(1, 1, 8, 64))
+    with pytest.raises(ValueError, match=message):
+        cpu_native.status()
 
 
 @pytest.mark.parametrize(

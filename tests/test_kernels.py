@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import rotary
 
 from hf_kvcache.formats import (
     DenseSegment,
@@ -340,7 +341,6 @@ def test_rotated_segment_keeps_float16_headroom(inner, pre_rope):
     the result: a query of 1,500 in every channel (its product with the signs alone 96,000, past float16's 65,504)
     and keys with a 9,000 outlier channel rotated back per tile (72,000 unscaled) still equal the reference, finite."""
     from hf_kvcache.formats import PreRopeSegment, RotatedCodec
-    from hf_kvcache.rope import RotarySpec
 
     head_dim = 64
     g = torch.Generator().manual_seed(11)
@@ -351,8 +351,7 @@ def test_rotated_segment_keeps_float16_headroom(inner, pre_rope):
     codec = RotatedCodec(base)
     seg = codec.segment(codec.encode(k, v), 0)
     if pre_rope:
-        seg = PreRopeSegment(seg, RotarySpec(1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim), head_dim,
-                                             False), 5)  # fmt: skip
+        seg = PreRopeSegment(seg, rotary(head_dim), 5)
     query = (1500 + torch.randn(1, 8, 1, head_dim, generator=g)).half()
     ref = combine([partial(query, seg, None, 0.125, 0.0, 2)], dtype=torch.float32)
     tri = combine([_triton(query, seg, None, 0.0, 2)], dtype=torch.float32)
@@ -365,10 +364,9 @@ def _pre_rope_segment(inner: str, layout: str, first: int, dtype, head_dim: int,
     rotary pairs ``layout`` (half, interleaved, or partial: half the channels rotary): the segment, the keys after
     RoPE it stands for, and the generator (for the query)."""
     from hf_kvcache.formats import PreRopeSegment, RotatedCodec
-    from hf_kvcache.rope import RotarySpec, rotate_positions
+    from hf_kvcache.rope import rotate_positions
 
-    rot_dim = head_dim // 2 if layout == "partial" else head_dim
-    spec = RotarySpec(1.0 / 10000 ** (torch.arange(0, rot_dim, 2).float() / rot_dim), rot_dim, layout == "interleaved")
+    spec = rotary(head_dim, layout)
     g = torch.Generator().manual_seed(seed)
     k, v = torch.randn(2, 2, 96, head_dim, generator=g), torch.randn(2, 2, 96, head_dim, generator=g)
     pre = rotate_positions(k, first, spec, inverse=True)

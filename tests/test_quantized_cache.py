@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from models import prompt, tiny_model
+from models import prompt, rotary, tiny_model
 from transformers import DynamicCache, LlamaConfig
 
 from hf_kvcache import QuantizedKVCache, cache_nbytes, dynamic_bytes_per_token, make_cache, quant
@@ -451,15 +451,6 @@ def test_hadamard_is_orthonormal_symmetric_and_mixes_every_channel_of_its_block(
     assert (h[:block, block:] == 0).all()
 
 
-def _rotary(width: int, layout: str):
-    """A RoPE of ``width``-channel heads: every channel in the rotate_half layout ("half"), "interleaved" pairs, or
-    the first half of the channels only ("partial")."""
-    from hf_kvcache.rope import RotarySpec
-
-    rotary = width // 2 if layout == "partial" else width
-    return RotarySpec(1.0 / 10000 ** (torch.arange(0, rotary, 2).float() / rotary), rotary, layout == "interleaved")
-
-
 @pytest.mark.parametrize("width, layout", [(64, "half"), (64, None), (16, "half"), (96, "half"), (64, "interleaved"),
                                            (64, "partial"), (12, None)])  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -472,7 +463,7 @@ def test_rotating_back_equals_the_product_then_the_turn(width, layout, dtype):
     from hf_kvcache.rope import rotate_positions
 
     x = torch.randn(2, 3, 40, width, generator=torch.Generator().manual_seed(width)).to(dtype)
-    rope = None if layout is None else (_rotary(width, layout), 7)
+    rope = None if layout is None else (rotary(width, layout), 7)
     want = x.double() @ hadamard(width, torch.float64, x.device)
     if rope is not None:
         want = rotate_positions(want.float(), 7, rope[0]).double()
@@ -504,7 +495,7 @@ def test_a_codec_turns_pre_rope_keys_as_it_decodes(bits, rotate):
     parts = codec.encode(k, v)
     plain_k, plain_v, turned_k, turned_v = (torch.empty_like(k) for _ in range(4))
     codec.decode(parts, plain_k, plain_v)
-    rope = (_rotary(64, "half"), 5)
+    rope = (rotary(64, "half"), 5)
     codec.decode(parts, turned_k, turned_v, rope)
     torch.testing.assert_close(turned_k, rotate_positions(plain_k, 5, rope[0]), rtol=0, atol=2e-5)
     torch.testing.assert_close(turned_v, plain_v, rtol=0, atol=2e-5)
@@ -522,7 +513,7 @@ def test_a_codec_decodes_into_workspace_slices_what_it_decodes_into_whole_tensor
     codec = codec_for(bits, 16, rotate=rotate)
     k, v = _kv(32, head_dim=64, batch=2, dtype=dtype, seed=4)
     parts = codec.encode(k, v)
-    rope = (_rotary(64, "half"), 5)
+    rope = (rotary(64, "half"), 5)
     whole_k, whole_v = torch.empty_like(k), torch.empty_like(v)
     codec.decode(parts, whole_k, whole_v, rope)
     space_k, space_v = (torch.zeros(2, 2, 40, 64, dtype=dtype) for _ in range(2))

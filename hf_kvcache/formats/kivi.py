@@ -567,10 +567,15 @@ class KiviCodec:
         kg = out.view(b, h, t // self.group_size, self.group_size, dk)
         kg.mul_(scale.unsqueeze(3)).add_(zero.unsqueeze(3))
 
+    def _kernel_layout(self, rope: KeyTurn | None, key_dim: int) -> bool:
+        """Whether the CPU kernel reads these codes and keys: uniform levels, RoPE (if any) over the whole head in
+        ``rotate_half`` pairs."""
+        return self.codebook == "uniform" and (rope is None or _rope_whole_head(rope, key_dim))
+
     def reads_natively(self, dtype: torch.dtype, key_dim: int, value_dim: int, rope: KeyTurn | None,
                        rotate: bool = False) -> bool:  # fmt: skip
         """Whether :meth:`decode_native` serves a layer of ``dtype`` K/V of these widths (its CPU kernel built)."""
-        if self.codebook != "uniform" or (rope is not None and not _rope_whole_head(rope, key_dim)):
+        if not self._kernel_layout(rope, key_dim):
             return False
         if dtype != torch.float32 or kivi_scale_dtype(self.scale_dtype, dtype) != torch.float32:
             return False
@@ -582,7 +587,7 @@ class KiviCodec:
         """:meth:`decode` by the CPU kernel (:mod:`hf_kvcache.kernels.cpu_native`) in one pass per token, the
         Hadamard rotation undone where ``rotate`` (:class:`RotatedCodec`): True where it did, False (nothing
         written) where it cannot serve (a codebook, RoPE on part of the head or interleaved, not float32, ...)."""
-        if self.codebook != "uniform" or (rope is not None and not _rope_whole_head(rope, k_out.shape[-1])):
+        if not self._kernel_layout(rope, k_out.shape[-1]):
             return False
         table = None if rope is None else angle_table(rope[0].inv_freq, rope[1] + k_out.shape[-2])
         keys = (parts["k"], parts["ks"], parts["kz"], k_out, self.key_bits)

@@ -48,8 +48,8 @@ _WHY_NOT: list[str] = []  # why the library could not be built or loaded in this
 
 def status() -> str:
     """``"built: <library>"``, ``"disabled: ..."`` or ``"unavailable: <why>"`` (building it if not tried yet)."""
-    if NATIVE_CPU == "never":
-        return "disabled: HF_KVCACHE_NATIVE_CPU=never"
+    if not _switched_on():
+        return f"disabled: HF_KVCACHE_NATIVE_CPU={NATIVE_CPU}"
     lib = _library()
     return f"built: {lib._name}" if lib is not None else f"unavailable: {_WHY_NOT[-1]}"
 
@@ -140,10 +140,17 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, thread_name_prefix="hf_kvcache-native")
 
 
+def _switched_on() -> bool:
+    """Not ``HF_KVCACHE_NATIVE_CPU=never``, nor inside a graph being traced (which cannot call into a C library: the
+    torch path, fused)."""
+    if NATIVE_CPU not in NATIVE_CPU_CHOICES:
+        raise ValueError(f"HF_KVCACHE_NATIVE_CPU must be one of {', '.join(NATIVE_CPU_CHOICES)}, got {NATIVE_CPU!r}")
+    return NATIVE_CPU != "never" and not torch.compiler.is_compiling()
+
+
 def usable() -> bool:
-    """Whether the kernel is switched on and built (building it if not tried yet); never inside a graph being
-    traced, which takes the torch path."""
-    return NATIVE_CPU != "never" and not torch.compiler.is_compiling() and _library() is not None
+    """Whether the kernel is switched on and built (building it if not tried yet)."""
+    return _switched_on() and _library() is not None
 
 
 def width_served(width: int, rotate: bool) -> bool:
@@ -155,9 +162,7 @@ def serves(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out: to
            rotate: bool, angles: torch.Tensor | None) -> bool:  # fmt: skip
     """Whether :func:`decode_kivi` takes these tensors (before the library is built: a layout it cannot read never
     costs a compile)."""
-    if NATIVE_CPU == "never" or out.device.type != "cpu" or bits not in BITS or out.dim() != 4 or not out.numel():
-        return False
-    if torch.compiler.is_compiling():  # a graph being traced cannot call into a C library: the torch path, fused
+    if not _switched_on() or out.device.type != "cpu" or bits not in BITS or out.dim() != 4 or not out.numel():
         return False
     if codes.dtype != torch.uint8 or any(x.dtype != torch.float32 for x in (scale, zero, out)):
         return False

@@ -160,7 +160,7 @@ OVERRIDES: dict[str, dict] = {
     "dbrx": {
         "attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0, "kv_n_heads": 2},
         "hidden_size": DROP,
-        "d_model": 64,
+        "d_model": SHRINK["hidden_size"],
         "num_key_value_heads": DROP,
     },
     # its rotary module turns head_dim channels, which its checkpoints set to qk_rope_head_dim (64 both)
