@@ -2,9 +2,10 @@
 
 Under sdpa (and wherever a quantized layer hands attention dequantized K/V) every forward decodes the whole history
 of every layer. In pure torch that is ~15 passes over it for the int3 / int2 defaults (unpack two bit planes,
-dequantize, rotate back, turn pre-RoPE keys): one layer of SmolLM2 at 768 stored tokens took 1.4 ms for int3, where
-DynamicCache reads its tensors as they are. The kernel does the same work in one pass per token (3.4x faster there;
-int4's plain read 2x); its outputs equal the torch path's to float32 rounding (tests/test_cpu_native.py).
+dequantize, rotate back, turn pre-RoPE keys), where DynamicCache reads its tensors as they are. The kernel does the
+same work in one pass per token (SmolLM2's int3 decode step on one CPU thread 0.37x -> 0.88x DynamicCache's speed at
+4k tokens: benchmarks/bench_cpu.py, docs/results.md); its outputs equal the torch path's to float32 rounding
+(tests/test_cpu_native.py).
 
 Nothing is compiled where it cannot serve: float32 outputs and scales, uniform codes of 2, 3 or 4 bits, widths that
 are multiples of 8 (powers of two where rotated), RoPE in the ``rotate_half`` layout over the whole head. Anything
