@@ -1,6 +1,6 @@
-"""The CPU kernel that decodes KIVI codes in one pass (hf_kvcache/kernels/kivi_cpu.c) against the torch path it
-replaces: every layout it serves equals it to float32 rounding, every layout it does not serve falls back untouched,
-and a machine that cannot build it decodes in torch and says why.
+"""The CPU kernel that decodes and encodes KIVI codes in one pass (hf_kvcache/kernels/kivi_cpu.c) against the torch
+path it replaces: every layout it decodes equals it to float32 rounding, what it encodes equals it bit for bit, every
+layout it does not serve falls back untouched, and a machine that cannot build it runs torch and says why.
 
 Skipped where no C compiler is found, unless ``HF_KVCACHE_REQUIRE_NATIVE=1`` (CI sets it), which fails instead."""
 
@@ -11,6 +11,7 @@ import torch
 from models import rotary, tiny_model
 
 from hf_kvcache import make_cache
+from hf_kvcache.formats import kivi
 from hf_kvcache.formats.kivi import KiviCodec
 from hf_kvcache.formats.rotated import RotatedCodec
 from hf_kvcache.kernels import cpu_native
@@ -64,7 +65,10 @@ def test_the_kernel_equals_the_torch_decode(bits, rotate, key_axis, pre_rope, mo
     _assert_equal_to_rounding(native, reference)
 
 
-@pytest.mark.parametrize("width, group, rotate", [(128, 32, True), (96, 32, False), (32, 8, True), (256, 64, True)])
+@pytest.mark.parametrize(
+    "width, group, rotate",
+    [(128, 32, True), (96, 32, False), (32, 8, True), (256, 64, True), (16, 8, True), (8, 8, True)],
+)
 def test_other_head_widths_and_groups(width, group, rotate, monkeypatch):
     inner = KiviCodec(3, group, None)
     codec = RotatedCodec(inner) if rotate else inner
@@ -114,6 +118,89 @@ def test_tensors_that_do_not_cover_the_output_are_refused_not_read(monkeypatch):
     assert not cpu_native.decode_kivi(parts["k"], parts["ks"], parts["kz"], out, 4, 8, False)  # codes of 3 bits
 
 
+def _encode_both(k, v, key_bits, value_bits, group, per_token, monkeypatch, codebook="uniform"):
+    """KIVI storage written by the kernel (``auto``) and by the torch path (``never``) through the encode a layer
+    calls, each into views of longer tensors that must not be written past."""
+    codec = KiviCodec(value_bits, group, None, "token" if per_token else "channel", key_bits, codebook)
+    like = codec.like(k, v)
+    stored = []
+    for mode in ("auto", "never"):
+        monkeypatch.setattr(cpu_native, "NATIVE_CPU", mode)
+        rows = {n: k.shape[2] // codec.units[n] for n in like}
+        full = {n: torch.full((*x.shape[:2], rows[n] + 3, x.shape[3]), 7, dtype=x.dtype) for n, x in like.items()}
+        views = {n: full[n][:, :, : rows[n]] for n in like}
+        kivi._encode(k, v, *(views[n] for n in kivi._STORED), key_bits, value_bits, group, per_token, codebook)
+        assert all((full[n][:, :, rows[n] :] == 7).all() for n in like), "wrote past the view"
+        stored.append(views)
+    return stored
+
+
+def _values(kind: str, generator) -> torch.Tensor:
+    x = torch.randn(B, H, 32, 64, generator=generator) * torch.linspace(0.2, 6, 64)  # channels of unlike ranges
+    if kind == "ties":  # every value on a half step of its group's grid: rounding half to even decides
+        x = torch.randint(0, 13, x.shape, generator=generator).float() * 0.25
+    elif kind == "constant groups":
+        x[:, :, :8] = 1.5
+        x[..., :8] = -2.0
+    elif kind == "subnormal":  # spreads whose scale underflows: the smallest positive scale, stepped up to cover
+        x = x * 1e-44
+    elif kind == "huge":
+        x = x * 1e37
+    return x
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("key_axis", ["channel", "token"])
+@pytest.mark.parametrize("kind", ["normal", "ties", "constant groups", "subnormal", "huge"])
+def test_the_encoder_equals_the_torch_encode_bit_for_bit(bits, key_axis, kind, monkeypatch):
+    g = torch.Generator().manual_seed(bits)
+    k, v = _values(kind, g), _values(kind, g).flip(-1)
+    native, reference = _encode_both(k, v, bits, bits, 8, key_axis == "token", monkeypatch)
+    for name in kivi._STORED:
+        assert torch.equal(native[name], reference[name]), name
+
+
+def test_the_encoder_takes_other_widths_groups_and_mixed_bits(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    for width, group, key_bits, value_bits in [(128, 32, 4, 2), (96, 32, 3, 3), (32, 16, 2, 4)]:
+        k, v = (torch.randn(1, 2, 2 * group, width, generator=g) for _ in "kv")
+        native, reference = _encode_both(k, v, key_bits, value_bits, group, False, monkeypatch)
+        assert all(torch.equal(native[n], reference[n]) for n in kivi._STORED), (width, group)
+
+
+@pytest.mark.parametrize("case", ["nan", "inf", "lloyd codebook", "float16"])
+def test_what_the_encoder_does_not_take_is_encoded_in_torch(case, monkeypatch):
+    """Values that are not finite (the torch path masks them), codebooks and 16-bit K/V: the layer's storage is what
+    the torch path writes."""
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 2, 16, 64, generator=g), torch.randn(1, 2, 16, 64, generator=g)
+    if case in ("nan", "inf"):
+        v[0, 1, 5, 3] = float(case)
+    if case == "float16":
+        k, v = k.half(), v.half()
+    codebook = "lloyd" if case == "lloyd codebook" else "uniform"
+    native, reference = _encode_both(k, v, 2, 2, 8, False, monkeypatch, codebook)
+    assert all(torch.equal(native[n], reference[n]) for n in kivi._STORED)
+
+
+def test_the_encoder_declines_what_it_cannot_write():
+    """It checks no bounds itself: destinations of another shape, tokens that are not whole key groups, 16-bit
+    inputs and values that are not finite are declined (False) before or instead of a result."""
+    x = torch.randn(1, 2, 16, 64)
+    codes, per_token, per_group = (torch.empty(1, 2, 16, 16, dtype=torch.uint8), torch.empty(1, 2, 16, 8),
+                                   torch.empty(1, 2, 2, 64))  # fmt: skip
+    assert cpu_native.encode_kivi(x, codes, per_token, per_token.clone(), 2, 8, True)
+    assert cpu_native.encode_kivi(x, codes, per_group, per_group.clone(), 2, 8, False)
+    assert not cpu_native.encode_kivi(x, codes, per_group[:, :, :1], per_group, 2, 8, False)  # a key group short
+    assert not cpu_native.encode_kivi(x, codes[:, :, :8], per_token, per_token, 2, 8, True)
+    assert not cpu_native.encode_kivi(x, codes, per_token, per_token, 4, 8, True)  # codes 2 bits wide
+    assert not cpu_native.encode_kivi(x[:, :, :12], codes[:, :, :12], per_group[:, :, :1], per_group[:, :, :1], 2, 8,
+                                      False)  # 12 tokens: not whole groups of 8  # fmt: skip
+    assert not cpu_native.encode_kivi(x.half(), codes, per_token, per_token, 2, 8, True)
+    x[0, 0, 3, 3] = float("nan")
+    assert not cpu_native.encode_kivi(x, codes, per_token, per_token, 2, 8, True)
+
+
 def test_threads_split_the_tokens_and_agree(monkeypatch):
     codec = RotatedCodec(KiviCodec(3, 8, None))
     g = torch.Generator().manual_seed(1)
@@ -129,6 +216,19 @@ def test_threads_split_the_tokens_and_agree(monkeypatch):
         torch.set_num_threads(1)
     for a, b in zip(one, split):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # each token decoded by the same code, whichever thread
+
+
+def test_threads_split_the_encode_and_agree(monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    k, v = (torch.randn(B, H, 32, 64, generator=g) for _ in "kv")
+    one, _ = _encode_both(k, v, 3, 3, 8, False, monkeypatch)
+    monkeypatch.setattr(cpu_native, "PARALLEL_FLOATS", 1)
+    torch.set_num_threads(2)
+    try:
+        split, _ = _encode_both(k, v, 3, 3, 8, False, monkeypatch)
+    finally:
+        torch.set_num_threads(1)
+    assert all(torch.equal(one[n], split[n]) for n in kivi._STORED)
 
 
 def test_a_machine_that_cannot_build_it_decodes_in_torch_and_says_why(tmp_path, monkeypatch):

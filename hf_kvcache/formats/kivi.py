@@ -397,8 +397,14 @@ def _encode(
     """KIVI-encode ``k`` / ``v`` ``(B, H, n, D)`` into views of a layer's storage (packed codes, scales and zero
     points, as :meth:`KiviCodec.encode` returns them; the scale dtype the views'): one launch on CUDA
     (:func:`~hf_kvcache.kernels.triton_append.triton_kivi_encode`, bit-exact to this reference) where the geometry
-    packs whole bytes per channel group, the reference elsewhere."""
-    _encode_torch(k, v, (kp, ks, kz, vp, vs, vz), key_bits, value_bits, group, per_token_keys, codebook)
+    packs whole bytes per channel group; on CPU the native kernel where it reads the layout (uniform levels, float32
+    K/V and scales: :func:`~hf_kvcache.kernels.cpu_native.encode_kivi`, bit-exact too); the reference elsewhere."""
+    native = codebook == "uniform" and (
+        cpu_native.encode_kivi(k, kp, ks, kz, key_bits, group, per_token_keys)
+        and cpu_native.encode_kivi(v, vp, vs, vz, value_bits, group, True)
+    )
+    if not native:
+        _encode_torch(k, v, (kp, ks, kz, vp, vs, vz), key_bits, value_bits, group, per_token_keys, codebook)
 
 
 _ENCODE_OP = torch.library.custom_op("hf_kvcache::encode_kivi", mutates_args=("kp", "ks", "kz", "vp", "vs", "vz"))(

@@ -1,11 +1,14 @@
-"""KIVI codes decoded on the CPU by a small C kernel (``kivi_cpu.c``), built at first use with the machine's compiler.
+"""KIVI codes decoded and encoded on the CPU by a small C kernel (``kivi_cpu.c``), built at first use with the
+machine's compiler.
 
 Under sdpa (and wherever a quantized layer hands attention dequantized K/V) every forward decodes the whole history
 of every layer. In pure torch that is ~15 passes over it for the int3 / int2 defaults (unpack two bit planes,
 dequantize, rotate back, turn pre-RoPE keys), where DynamicCache reads its tensors as they are. The kernel does the
 same work in one pass per token (SmolLM2's int3 decode step on one CPU thread 0.37x -> 0.88x DynamicCache's speed at
 4k tokens: benchmarks/bench_cpu.py, docs/results.md); its outputs equal the torch path's to float32 rounding
-(tests/test_cpu_native.py).
+(tests/test_cpu_native.py). Encoding (a group's range, scale, codes, packing: ~20 torch operations per tensor, each
+a pass or a small allocation) is one pass too, bit for bit equal to :func:`hf_kvcache.quant.quantize_asymmetric` and
+:func:`~hf_kvcache.quant.pack`.
 
 Nothing is compiled where it cannot serve: float32 outputs and scales, uniform codes of 2, 3 or 4 bits, widths that
 are multiples of 8 (powers of two where rotated), RoPE in the ``rotate_half`` layout over the whole head. Anything
@@ -32,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["BITS", "NATIVE_CPU_CHOICES", "decode_kivi", "serves", "status", "usable", "width_served"]
+__all__ = ["BITS", "NATIVE_CPU_CHOICES", "decode_kivi", "encode_kivi", "serves", "status", "usable", "width_served"]
 
 SOURCE = Path(__file__).with_name("kivi_cpu.c")
 NATIVE_CPU_CHOICES = ("auto", "never")
@@ -130,9 +133,10 @@ def _library() -> ctypes.CDLL | None:
             return None
     lib.kivi_cpu_init()
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.kivi_decode_f32.argtypes = [p, p, p, p, p, p, p, p, i64, i64, i64, i32, i64, i32, ctypes.c_float, i32, p, i64,
-                                    i64, i64]  # fmt: skip
+    lib.kivi_decode_f32.argtypes = [p, p, p, p, p, i64, i64, i64, i32, i64, i32, ctypes.c_float, i32, p, i64, i64, i64]
     lib.kivi_decode_f32.restype = None
+    lib.kivi_encode_f32.argtypes = [p, p, p, p, p, i64, i64, i64, i32, i64, i32, i64, i64]
+    lib.kivi_encode_f32.restype = i32
     return lib
 
 
@@ -186,6 +190,21 @@ def _shapes_agree(codes, scale, zero, out, bits, group, per_token, rope) -> bool
     return rope is None or (rope[0].shape[0] >= rope[1] + t and tuple(rope[0].shape[1:]) == (2, width // 2))
 
 
+def _strides(*tensors: torch.Tensor) -> ctypes.Array:
+    """The first three strides of each tensor, in order, as the kernel's int64 array (elements)."""
+    return (ctypes.c_int64 * (3 * len(tensors)))(*(n for x in tensors for n in x.stride()[:3]))
+
+
+def _over_rows(call, rows: int, floats: int) -> list:
+    """``call(r0, r1)`` over ``[0, rows)``: in one piece, or split over torch's intra-op thread count where there is
+    enough work (ctypes lets go of the GIL for the call, so each thread runs its own rows)."""
+    threads = min(torch.get_num_threads(), rows)
+    if threads <= 1 or floats < PARALLEL_FLOATS:
+        return [call(0, rows)]
+    step = -(-rows // threads)
+    return list(_pool(threads).map(lambda r0: call(r0, min(r0 + step, rows)), range(0, rows, step)))
+
+
 def decode_kivi(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out: torch.Tensor, bits: int,
                 group: int, per_token: bool, rotate: bool = False, rope: tuple[torch.Tensor, int] | None = None,
                 ) -> bool:  # fmt: skip
@@ -204,17 +223,39 @@ def decode_kivi(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, ou
     if lib is None:
         return False
     b, h, t, width = out.shape
-    strides = [torch.tensor(x.stride()[:3], dtype=torch.int64) for x in (codes, scale, zero, out)]
+    strides = _strides(codes, scale, zero, out)
     gain = 1 / math.sqrt(width) if rotate else 1.0
-    args = (codes.data_ptr(), strides[0].data_ptr(), scale.data_ptr(), strides[1].data_ptr(), zero.data_ptr(),
-            strides[2].data_ptr(), out.data_ptr(), strides[3].data_ptr(), h, t, width, bits, group, int(per_token),
-            gain, int(rotate), angles.data_ptr() if angles is not None else None, first)  # fmt: skip
-    rows = b * h * t
-    threads = min(torch.get_num_threads(), rows)
-    if threads <= 1 or out.numel() < PARALLEL_FLOATS:
-        lib.kivi_decode_f32(*args, 0, rows)
-        return True
-    # ctypes lets go of the GIL for the call: each thread decodes its own tokens, on torch's intra-op thread count
-    step = -(-rows // threads)
-    list(_pool(threads).map(lambda r0: lib.kivi_decode_f32(*args, r0, min(r0 + step, rows)), range(0, rows, step)))
+    args = (codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), strides, h, t, width, bits, group,
+            int(per_token), gain, int(rotate), angles.data_ptr() if angles is not None else None, first)  # fmt: skip
+    _over_rows(lambda r0, r1: lib.kivi_decode_f32(*args, r0, r1), b * h * t, out.numel())
     return True
+
+
+def encode_kivi(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+                group: int, per_token: bool) -> bool:  # fmt: skip
+    """KIVI-encode float32 ``x`` ``(B, H, T, D)`` into ``codes`` ``(B, H, T, D * bits / 8)`` and float32 ``scale`` /
+    ``zero``, ``(B, H, T, D / group)`` per token (``per_token``: groups of ``group`` channels), else
+    ``(B, H, T / group, D)`` per channel over key groups of ``group`` tokens: what
+    :func:`~hf_kvcache.quant.quantize_asymmetric` (uniform levels, float32 scales) and :func:`~hf_kvcache.quant.pack`
+    give, bit for bit. Any strides with a contiguous last dimension (views of a layer's storage). Returns False where
+    it did not encode (layouts it cannot read, a value that is not finite: what it wrote is then undefined, and the
+    caller encodes in torch, which masks such values)."""
+    if not _switched_on() or bits not in BITS or x.device.type != "cpu" or x.dim() != 4 or not x.numel():
+        return False
+    if codes.dtype != torch.uint8 or any(y.dtype != torch.float32 for y in (x, scale, zero)):
+        return False
+    b, h, t, width = x.shape
+    if width % 8 or width > MAX_WIDTH or (width if per_token else t) % group:
+        return False
+    params = (b, h, t, width // group) if per_token else (b, h, t // group, width)
+    tensors = (x, codes, scale, zero)
+    if tuple(codes.shape) != (b, h, t, width * bits // 8) or any(tuple(p.shape) != params for p in (scale, zero)):
+        return False
+    if any(y.device.type != "cpu" or y.stride(-1) != 1 for y in tensors):
+        return False
+    lib = _library()
+    if lib is None:
+        return False
+    args = (*(y.data_ptr() for y in tensors), _strides(*tensors), h, t, width, bits, group, int(per_token))
+    rows = b * h * params[2]
+    return not any(_over_rows(lambda r0, r1: lib.kivi_encode_f32(*args, r0, r1), rows, x.numel()))
