@@ -6,6 +6,9 @@ Skipped where no C compiler is found, unless ``HF_KVCACHE_REQUIRE_NATIVE=1`` (CI
 
 from __future__ import annotations
 
+import platform
+import shlex
+
 import pytest
 import torch
 from models import rotary, tiny_model
@@ -15,6 +18,7 @@ from hf_kvcache.formats import kivi
 from hf_kvcache.formats.kivi import KiviCodec
 from hf_kvcache.formats.rotated import RotatedCodec
 from hf_kvcache.kernels import cpu_native
+from hf_kvcache.kernels.append import append_kv
 
 B, H, T = 2, 3, 40  # T: a whole number of key groups (8)
 
@@ -201,6 +205,39 @@ def test_the_encoder_declines_what_it_cannot_write():
     assert not cpu_native.encode_kivi(x, codes, per_token, per_token, 2, 8, True)
 
 
+def _append_both(k, v, group, monkeypatch):
+    """int8 codes and scales stored by the append op with the kernel (``auto``) and in torch (``never``), each into
+    views of longer token buffers that must not be written past."""
+    stored = []
+    for mode in ("auto", "never"):
+        monkeypatch.setattr(cpu_native, "NATIVE_CPU", mode)
+        b, h, n, d = k.shape
+        full = [torch.full((b, h, n + 3, d), 7, dtype=torch.int8) for _ in "kv"]
+        full += [torch.full((b, h, n + 3, d // group), 7.0) for _ in "kv"]
+        views = [x[:, :, :n] for x in full]
+        append_kv(k, v, *views, None, 0, 1)
+        assert all((x[:, :, n:] == 7).all() for x in full), "wrote past the view"
+        stored.append(views)
+    return stored
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "constant groups", "subnormal", "huge", "nan"])
+@pytest.mark.parametrize("group", [64, 16])
+def test_the_int8_encoder_equals_the_torch_encode_bit_for_bit(kind, group, monkeypatch):
+    g = torch.Generator().manual_seed(group)
+    k, v = _values(kind if kind != "nan" else "normal", g), _values(kind if kind != "nan" else "normal", g)
+    if kind == "ties":  # each group's largest value 127 steps of 0.25: the rest on half steps, rounded half to even
+        k = torch.randint(-254, 255, k.shape, generator=g).float() * 0.125
+        k[..., ::group] = 31.75
+    if kind == "nan":  # not finite: the kernel declines and torch encodes it (NaN stored as 0)
+        v[1, 2, 7, 5] = float("nan")
+        assert not cpu_native.encode_int8(
+            v, torch.empty(v.shape, dtype=torch.int8), torch.empty(*v.shape[:3], 64 // group), group
+        )
+    native, reference = _append_both(k, v, group, monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(native, reference))
+
+
 def test_threads_split_the_tokens_and_agree(monkeypatch):
     codec = RotatedCodec(KiviCodec(3, 8, None))
     g = torch.Generator().manual_seed(1)
@@ -229,6 +266,31 @@ def test_threads_split_the_encode_and_agree(monkeypatch):
     finally:
         torch.set_num_threads(1)
     assert all(torch.equal(one[n], split[n]) for n in kivi._STORED)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set flags")
+@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx -mno-avx2 -mno-fma -mno-avx512f"], ids=["avx2", "sse"])
+def test_narrower_vector_builds_agree(flags, tmp_path, monkeypatch):
+    """The library built for 8-lane vectors (AVX2) and for SSE's 4-lane registers (what another machine's -march
+    gives) decodes like the torch path and encodes the same bytes."""
+    monkeypatch.setenv("CC", f"{shlex.join(cpu_native._compiler())} {flags}")
+    monkeypatch.setenv("HF_KVCACHE_CACHE", str(tmp_path))
+    cpu_native._library.cache_clear()
+    try:
+        assert cpu_native.status().startswith("built: ")
+        g = torch.Generator().manual_seed(4)
+        for width, group, bits in [(64, 16, 3), (128, 32, 2), (96, 32, 4), (8, 8, 3)]:
+            codec = RotatedCodec(KiviCodec(bits, group, None)) if width != 96 else KiviCodec(bits, group, None)
+            k, v = (torch.randn(B, H, 2 * group, width, generator=g) for _ in "kv")
+            native, reference, served = _decode_both(codec, codec.encode(k, v), width, (rotary(width), 1), monkeypatch)
+            assert served
+            _assert_equal_to_rounding(native, reference)
+            native, reference = _encode_both(k, v, bits, bits, group, False, monkeypatch)
+            assert all(torch.equal(native[n], reference[n]) for n in kivi._STORED)
+            native, reference = _append_both(k, v, group, monkeypatch)
+            assert all(torch.equal(a, b) for a, b in zip(native, reference))
+    finally:
+        cpu_native._library.cache_clear()
 
 
 def test_a_machine_that_cannot_build_it_decodes_in_torch_and_says_why(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .. import quant
+from . import cpu_native
 from ._available import guarded, triton_available
 from ._eager import eager
 
@@ -37,6 +38,11 @@ def _append_torch(
     block_size: int,
 ) -> None:
     paged = table is not None
+    if not paged and k_scales is not None and v_scales is not None and k_out.dtype == torch.int8:
+        # int8 token buffers on CPU: the native encoder writes codes and scales in place, bit for bit these
+        if all(cpu_native.encode_int8(x, out, s, x.shape[-1] // s.shape[-1])
+               for x, out, s in ((k, k_out, k_scales), (v, v_out, v_scales))):  # fmt: skip
+            return
     alike = (
         k_scales is not None
         and v_scales is not None

@@ -35,7 +35,17 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["BITS", "NATIVE_CPU_CHOICES", "decode_kivi", "encode_kivi", "serves", "status", "usable", "width_served"]
+__all__ = [
+    "BITS",
+    "NATIVE_CPU_CHOICES",
+    "decode_kivi",
+    "encode_int8",
+    "encode_kivi",
+    "serves",
+    "status",
+    "usable",
+    "width_served",
+]
 
 SOURCE = Path(__file__).with_name("kivi_cpu.c")
 NATIVE_CPU_CHOICES = ("auto", "never")
@@ -137,6 +147,8 @@ def _library() -> ctypes.CDLL | None:
     lib.kivi_decode_f32.restype = None
     lib.kivi_encode_f32.argtypes = [p, p, p, p, p, i64, i64, i64, i32, i64, i32, i64, i64]
     lib.kivi_encode_f32.restype = i32
+    lib.int8_encode_f32.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i64]
+    lib.int8_encode_f32.restype = i32
     return lib
 
 
@@ -259,3 +271,25 @@ def encode_kivi(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero:
     args = (*(y.data_ptr() for y in tensors), _strides(*tensors), h, t, width, bits, group, int(per_token))
     rows = b * h * params[2]
     return not any(_over_rows(lambda r0, r1: lib.kivi_encode_f32(*args, r0, r1), rows, x.numel()))
+
+
+def encode_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, group: int) -> bool:
+    """Symmetric int8 codes of float32 ``x`` ``(B, H, T, D)`` into int8 ``codes`` of its shape and float32 ``scale``
+    ``(B, H, T, D / group)``: what :func:`~hf_kvcache.quant.quantize_symmetric` gives, bit for bit. Any strides with
+    a contiguous last dimension. False where it did not encode (another layout, a value that is not finite): the
+    caller encodes in torch then."""
+    if not _switched_on() or x.device.type != "cpu" or x.dim() != 4 or not x.numel() or x.shape[-1] % group:
+        return False
+    if x.dtype != torch.float32 or codes.dtype != torch.int8 or scale.dtype != torch.float32:
+        return False
+    b, h, t, width = x.shape
+    tensors = (x, codes, scale)
+    if tuple(codes.shape) != tuple(x.shape) or tuple(scale.shape) != (b, h, t, width // group):
+        return False
+    if any(y.device.type != "cpu" or y.stride(-1) != 1 for y in tensors):
+        return False
+    lib = _library()
+    if lib is None:
+        return False
+    args = (*(y.data_ptr() for y in tensors), _strides(*tensors), h, t, width, group)
+    return not any(_over_rows(lambda r0, r1: lib.int8_encode_f32(*args, r0, r1), b * h * t, x.numel()))

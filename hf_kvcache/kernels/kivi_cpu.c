@@ -7,7 +7,8 @@
  *
  * Encode: a group's minimum and maximum, its scale and zero point, codes and packing, bit for bit as
  * quantize_asymmetric() and pack() in hf_kvcache/quant.py compute them for float32 scales (the same IEEE operations
- * in the same order: divisions and subtractions only, so no contraction into fused multiply-adds can change a bit).
+ * in the same order: divisions and subtractions only, so no contraction into fused multiply-adds can change a bit);
+ * int8's symmetric codes (quantize_symmetric()) the same way.
  *
  * Built at first use by hf_kvcache/kernels/cpu_native.py with the machine's C compiler; plain C11 plus GCC / Clang
  * vector extensions, no Python, torch or libm. */
@@ -400,6 +401,39 @@ int kivi_encode_f32(const float *x, uint8_t *codes, float *scale, float *zero, c
                 const float *xt = xg + t * st[2];
                 for (int64_t d = 0; d < D; d++) c[d] = code_of(xt[d], sc[d], mn[d], top);
                 pack_row(c, cb + (row * G + t) * st[5], D, bits);
+            }
+        }
+    }
+    return 0;
+}
+
+/* quantize_symmetric() (hf_kvcache/quant.py) of rows [r0, r1) of x (B, H, T, D) float32, groups of G channels a token:
+ * int8 codes (B, H, T, D) in [-127, 127] and float32 scales (B, H, T, D / G), the same operations in the same order,
+ * bit for bit. Strides as kivi_encode_f32's, for x, codes and scale. Returns 0, or 1 where a value is not finite. */
+int int8_encode_f32(const float *x, int8_t *codes, float *scale, const int64_t *st, int64_t H, int64_t T, int64_t D,
+                    int64_t G, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t bh = r / T, t = r % T, b = bh / H, h = bh % H;
+        const float *xt = x + b * st[0] + h * st[1] + t * st[2];
+        int8_t *c = codes + b * st[3] + h * st[4] + t * st[5];
+        float *s = scale + b * st[6] + h * st[7] + t * st[8];
+        if (!all_finite(xt, D)) return 1;
+        for (int64_t g = 0; g < D / G; g++) {
+            float absmax = 0.0f;
+            for (int64_t j = g * G; j < (g + 1) * G; j++) {
+                const float a = xt[j] < 0 ? -xt[j] : xt[j];
+                absmax = a > absmax ? a : absmax;
+            }
+            float sv = absmax / 127.0f;
+            if (absmax > 0 && sv == 0) sv = 1.401298464324817e-45f; /* _nonzero_scale */
+            if (absmax / (sv > 0 ? sv : 1.0f) > 127.0f) sv = step_up(sv); /* _cover */
+            s[g] = sv;
+            const float safe = sv > 0 ? sv : 1.0f;
+            for (int64_t j = g * G; j < (g + 1) * G; j++) {
+                float p = xt[j] / safe;
+                p = p < -128.0f ? -128.0f : (p > 128.0f ? 128.0f : p);
+                p = round_even(p);
+                c[j] = (int8_t)(p < -127.0f ? -127.0f : (p > 127.0f ? 127.0f : p));
             }
         }
     }
