@@ -32,9 +32,9 @@ def test_the_recorded_kv_are_what_the_cache_encodes():
     it found it."""
     model, tokenizer = load_reference_model()
     ids = torch.randint(0, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
-    encode = codebook_errors.kivi.KiviCodec.encode
+    encode_into = codebook_errors.kivi.KiviCodec.encode_into
     seen, bits, group = codebook_errors.stored_kv(model, ids, "int3")
-    assert codebook_errors.kivi.KiviCodec.encode is encode
+    assert codebook_errors.kivi.KiviCodec.encode_into is encode_into
     assert bits == 3 and len(seen) == model.config.num_hidden_layers
     assert sum(k.shape[2] for k, _ in seen) == 128 * model.config.num_hidden_layers
 

@@ -36,18 +36,19 @@ def stored_kv(model, ids: torch.Tensor, spec: str) -> tuple[list[tuple[torch.Ten
     check_kivi_spec(spec)
     cache = make_cache(spec, model, residual_length=0)
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
-    encode = kivi.KiviCodec.encode
+    # encode_into is what a layer calls (the CPU kernel or the torch encode then run inside it)
+    encode_into = kivi.KiviCodec.encode_into
 
-    def recording(codec, k, v):
+    def recording(codec, k, v, out):
         seen.append((k.detach().float().clone(), v.detach().float().clone()))
-        return encode(codec, k, v)
+        return encode_into(codec, k, v, out)
 
-    kivi.KiviCodec.encode = recording
+    kivi.KiviCodec.encode_into = recording
     try:
         with torch.no_grad():
             model(ids, past_key_values=cache)
     finally:
-        kivi.KiviCodec.encode = encode
+        kivi.KiviCodec.encode_into = encode_into
     return seen, cache.bits, cache.group_size
 
 
