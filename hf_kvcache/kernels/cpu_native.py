@@ -260,17 +260,10 @@ def encode_kivi(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero:
     if width % 8 or width > MAX_WIDTH or (width if per_token else t) % group:
         return False
     params = (b, h, t, width // group) if per_token else (b, h, t // group, width)
-    tensors = (x, codes, scale, zero)
     if tuple(codes.shape) != (b, h, t, width * bits // 8) or any(tuple(p.shape) != params for p in (scale, zero)):
         return False
-    if any(y.device.type != "cpu" or y.stride(-1) != 1 for y in tensors):
-        return False
-    lib = _library()
-    if lib is None:
-        return False
-    args = (*(y.data_ptr() for y in tensors), _strides(*tensors), h, t, width, bits, group, int(per_token))
-    rows = b * h * params[2]
-    return not any(_over_rows(lambda r0, r1: lib.kivi_encode_f32(*args, r0, r1), rows, x.numel()))
+    tensors = (x, codes, scale, zero)
+    return _encode("kivi_encode_f32", tensors, b * h * params[2], h, t, width, bits, group, int(per_token))
 
 
 def encode_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, group: int) -> bool:
@@ -283,13 +276,20 @@ def encode_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, group
     if x.dtype != torch.float32 or codes.dtype != torch.int8 or scale.dtype != torch.float32:
         return False
     b, h, t, width = x.shape
-    tensors = (x, codes, scale)
     if tuple(codes.shape) != tuple(x.shape) or tuple(scale.shape) != (b, h, t, width // group):
         return False
+    return _encode("int8_encode_f32", (x, codes, scale), b * h * t, h, t, width, group)
+
+
+def _encode(name: str, tensors: tuple[torch.Tensor, ...], rows: int, *sizes: int) -> bool:
+    """The library's encoder ``name`` over ``rows`` rows of ``tensors`` (the input first, then its outputs, shapes
+    checked by the caller): False where a tensor is not on the CPU with a contiguous last dimension, the library is
+    not built, or a value is not finite."""
     if any(y.device.type != "cpu" or y.stride(-1) != 1 for y in tensors):
         return False
     lib = _library()
     if lib is None:
         return False
-    args = (*(y.data_ptr() for y in tensors), _strides(*tensors), h, t, width, group)
-    return not any(_over_rows(lambda r0, r1: lib.int8_encode_f32(*args, r0, r1), b * h * t, x.numel()))
+    encoder = getattr(lib, name)
+    args = (*(y.data_ptr() for y in tensors), _strides(*tensors), *sizes)
+    return not any(_over_rows(lambda r0, r1: encoder(*args, r0, r1), rows, tensors[0].numel()))

@@ -182,6 +182,7 @@ static void decode_generic(const uint8_t *codes, const float *scale, const float
  * memory (the generic path writes the token to a buffer between steps, and wide loads of narrower stores stall).
  * Taken where every vector lies in one scale group and the RoPE halves are whole vectors: D a multiple of 2 VL and,
  * per token, G a multiple of VL. */
+
 static inline uint32_t load_bytes(const uint8_t *p, int n) {
     uint32_t w = 0;
     memcpy(&w, p, n); /* little-endian: the first byte lowest, as pack() orders codes */
@@ -269,8 +270,8 @@ void kivi_decode_f32(const uint8_t *codes, const float *scale, const float *zero
                      const float *angles, int64_t first, int64_t r0, int64_t r1) {
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
     if (D % (2 * VL) == 0 && (!per_token || G % VL == 0)) {
-        const float *a = angles;
-#define REGS(n) decode_regs(codes, scale, zero, out, st, H, T, bits, G, per_token, gain, rotate, a, first, r0, r1, n)
+#define REGS(n) \
+    decode_regs(codes, scale, zero, out, st, H, T, bits, G, per_token, gain, rotate, angles, first, r0, r1, n)
         switch (D / VL) {
         case 2: REGS(2); return;
         case 4: REGS(4); return;
