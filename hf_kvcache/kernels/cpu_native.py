@@ -1,14 +1,15 @@
 """KIVI codes decoded and encoded on the CPU by a small C kernel (``kivi_cpu.c``), built at first use with the
-machine's compiler.
+machine's compiler; int8 token buffers' codes encoded by it too.
 
 Under sdpa (and wherever a quantized layer hands attention dequantized K/V) every forward decodes the whole history
 of every layer. In pure torch that is ~15 passes over it for the int3 / int2 defaults (unpack two bit planes,
 dequantize, rotate back, turn pre-RoPE keys), where DynamicCache reads its tensors as they are. The kernel does the
-same work in one pass per token (SmolLM2's int3 decode step on one CPU thread 0.37x -> 0.88x DynamicCache's speed at
-4k tokens: benchmarks/bench_cpu.py, docs/results.md); its outputs equal the torch path's to float32 rounding
-(tests/test_cpu_native.py). Encoding (a group's range, scale, codes, packing: ~20 torch operations per tensor, each
-a pass or a small allocation) is one pass too, bit for bit equal to :func:`hf_kvcache.quant.quantize_asymmetric` and
-:func:`~hf_kvcache.quant.pack`.
+same work in one pass per token, the token held in vector registers (SmolLM2's int3 decode step on one CPU thread:
+0.37x DynamicCache's speed at 4k tokens in torch, 1.08x with the kernel: benchmarks/bench_cpu.py, docs/results.md);
+its outputs equal the torch path's to float32 rounding (tests/test_cpu_native.py). Encoding (a group's range, scale,
+codes, packing: ~20 torch operations per tensor, each a pass or a small allocation) is one pass too, bit for bit
+equal to :func:`hf_kvcache.quant.quantize_asymmetric` and :func:`~hf_kvcache.quant.pack`, and int8's to
+:func:`~hf_kvcache.quant.quantize_symmetric`.
 
 Nothing is compiled where it cannot serve: float32 outputs and scales, uniform codes of 2, 3 or 4 bits, widths that
 are multiples of 8 (powers of two where rotated), RoPE in the ``rotate_half`` layout over the whole head. Anything
