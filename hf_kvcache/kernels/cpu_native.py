@@ -253,12 +253,12 @@ def encode_kivi(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero:
     give, bit for bit. Any strides with a contiguous last dimension (views of a layer's storage). Returns False where
     it did not encode (layouts it cannot read, a value that is not finite: what it wrote is then undefined, and the
     caller encodes in torch, which masks such values)."""
-    if not _switched_on() or bits not in BITS or x.device.type != "cpu" or x.dim() != 4 or not x.numel():
+    if not _switched_on() or bits not in BITS or x.dim() != 4 or not x.numel():
         return False
     if codes.dtype != torch.uint8 or any(y.dtype != torch.float32 for y in (x, scale, zero)):
         return False
     b, h, t, width = x.shape
-    if width % 8 or width > MAX_WIDTH or (width if per_token else t) % group:
+    if not width_served(width, rotate=False) or (width if per_token else t) % group:
         return False
     params = (b, h, t, width // group) if per_token else (b, h, t // group, width)
     if tuple(codes.shape) != (b, h, t, width * bits // 8) or any(tuple(p.shape) != params for p in (scale, zero)):
@@ -272,7 +272,7 @@ def encode_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, group
     ``(B, H, T, D / group)``: what :func:`~hf_kvcache.quant.quantize_symmetric` gives, bit for bit. Any strides with
     a contiguous last dimension. False where it did not encode (another layout, a value that is not finite): the
     caller encodes in torch then."""
-    if not _switched_on() or x.device.type != "cpu" or x.dim() != 4 or not x.numel() or x.shape[-1] % group:
+    if not _switched_on() or x.dim() != 4 or not x.numel() or x.shape[-1] % group:
         return False
     if x.dtype != torch.float32 or codes.dtype != torch.int8 or scale.dtype != torch.float32:
         return False
@@ -284,8 +284,8 @@ def encode_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, group
 
 def _encode(name: str, tensors: tuple[torch.Tensor, ...], rows: int, *sizes: int) -> bool:
     """The library's encoder ``name`` over ``rows`` rows of ``tensors`` (the input first, then its outputs, shapes
-    checked by the caller): False where a tensor is not on the CPU with a contiguous last dimension, the library is
-    not built, or a value is not finite."""
+    checked by the caller): False where a tensor is not on the CPU with a contiguous last dimension (checked here
+    for all of them), the library is not built, or a value is not finite."""
     if any(y.device.type != "cpu" or y.stride(-1) != 1 for y in tensors):
         return False
     lib = _library()
