@@ -6,12 +6,13 @@ subclasses that model (every usual ``model_args`` works: ``pretrained``, ``dtype
 ``device_map`` / ``parallelize``, ``load_in_8bit`` / ``load_in_4bit``, ...) and adds two:
 
 * ``cache``: a :func:`hf_kvcache.make_cache` spec (default ``dynamic``), e.g. ``cache=int4:group_size=32``;
-* ``chunk``: continuation tokens per forward when scoring (default 1: pure decode).
+* ``chunk``: continuation tokens per forward when scoring (default 1: decoding's logits, in as many tokens per
+  forward as the cache gives them exactly, :mod:`hf_kvcache.scoring`; ``stepwise=True``: one token per forward).
 
 ``loglikelihood`` and ``loglikelihood_rolling`` are scored *through* the cache, the protocol of the harness's
 ``perplexity`` task: per batch of requests, the contexts (left-padded) go into a fresh cache with one forward
-(``prefill_chunk`` tokens at a time when long), then the continuations go through that cache ``chunk`` tokens per
-forward, each scored from the logits of the position before it. ``generate_until`` passes a fresh cache of the spec
+(``prefill_chunk`` tokens at a time when long), then the continuations go through that cache, each token scored from
+the logits of the position before it. ``generate_until`` passes a fresh cache of the spec
 to every ``generate()`` call. With ``cache=dynamic`` the scores equal lm-eval's ``hf`` model's to float rounding
 (``tests/test_lmeval.py``).
 
@@ -38,6 +39,7 @@ from lm_eval.models.huggingface import HFLM
 
 from ._validate import check_int
 from .registry import check_spec, make_cache
+from .scoring import decode_equivalent_tokens
 
 __all__ = ["HFKVCacheLM", "MODEL_NAME", "main", "write_passkey_task"]
 
@@ -48,16 +50,27 @@ MODEL_NAME = "hf-kvcache"
 class HFKVCacheLM(HFLM):
     """lm-eval's Hugging Face causal LM, with every request scored or generated through a cache of ``cache``."""
 
-    def __init__(self, *args, cache: str = "dynamic", chunk: int = 1, prefill_chunk: int = 4096, **kwargs):
+    def __init__(
+        self,
+        *args,
+        cache: str = "dynamic",
+        chunk: int = 1,
+        prefill_chunk: int = 4096,
+        stepwise: bool = False,
+        **kwargs,
+    ):
         check_spec(str(cache))  # a bad spec fails before the model loads
         check_int("chunk", chunk, 1)
         check_int("prefill_chunk", prefill_chunk, 1)
+        if not isinstance(stepwise, bool):
+            raise ValueError(f"stepwise must be True or False, got {stepwise!r}")
         super().__init__(*args, **kwargs)
         if self.backend != "causal":
             raise ValueError(
                 f"{MODEL_NAME} scores causal LMs through a KV cache; this model's backend is {self.backend}"
             )
         self.cache_spec, self.chunk, self.prefill_chunk = str(cache), chunk, prefill_chunk
+        self.per_forward = chunk if chunk > 1 or stepwise else None  # None: what the cache allows
         make_cache(self.cache_spec, self.model)  # option values checked against the model's config now
 
     def _fresh_cache(self):
@@ -123,8 +136,9 @@ class HFKVCacheLM(HFLM):
         targets, valid = targets.to(device), valid.to(device)
         predicted = [last]
         done = 0
-        while done < steps - 1:  # the continuations, through the cache, `chunk` tokens per forward
-            n = min(self.chunk, steps - 1 - done)
+        while done < steps - 1:  # the continuations, through the cache
+            left = steps - 1 - done
+            n = min(self.per_forward, left) if self.per_forward else decode_equivalent_tokens(cache, left)
             mask = torch.cat([mask, torch.ones((rows, n), dtype=mask.dtype, device=device)], dim=1)
             predicted.append(self._forward(targets[:, done : done + n], mask, cache))
             done += n

@@ -218,3 +218,32 @@ def test_passkey_table_gives_each_rate_its_interval():
     assert 0.23 < low < 0.24 and 0.76 < high < 0.77 and wilson(10, 10)[1] == 1.0 and wilson(0, 10)[0] == 0.0
     with pytest.raises(ValueError, match="n must be at least 1"):
         wilson(0, 0)
+
+
+def test_scoring_tasks_give_the_same_numbers_stepwise_in_fewer_forwards(reference, monkeypatch):
+    """perplexity, repeat and stream feed their scored tokens in the forwards each cache allows
+    (:mod:`hf_kvcache.scoring`): every number as with one token per forward, to float rounding, in fewer forwards
+    for the caches that allow more than one token."""
+    from hf_kvcache import scoring
+
+    model, tokenizer = reference
+    caches = ("dynamic", "int8", "int2", "sink:window=128:sinks=4", "paged:block_size=16")
+    config = EvalConfig(task=("perplexity", "repeat", "stream"), caches=caches, max_tokens=512, context=256,
+                        prefill=64, distances=(0, 200), passage=48, samples=2, stream_tokens=600, bucket=200,
+                        quiet=True)  # fmt: skip
+    sizes = []
+    original = scoring.decode_equivalent_tokens
+    monkeypatch.setattr(scoring, "decode_equivalent_tokens", lambda c, n: sizes.append(original(c, n)) or sizes[-1])
+    merged = run_eval(config, model, tokenizer)
+    assert max(sizes) > 64 and sizes.count(1) < len(sizes)
+    sizes.clear()
+    stepwise = run_eval(config.replace(stepwise=True), model, tokenizer)
+    assert not sizes and stepwise["config"]["stepwise"] is True
+    for a, b in zip(merged["results"], stepwise["results"]):
+        assert a["perplexity"]["tokens_scored"] == b["perplexity"]["tokens_scored"]
+        assert a["perplexity"]["cache_bytes"] == b["perplexity"]["cache_bytes"]
+        assert a["perplexity"]["nll"] == pytest.approx(b["perplexity"]["nll"], rel=1e-5)
+        for x, y in zip(a["repeat"]["cells"], b["repeat"]["cells"]):
+            assert x["second_copy_perplexity"] == pytest.approx(y["second_copy_perplexity"], rel=1e-5)
+        assert a["stream"]["cache_bytes"] == b["stream"]["cache_bytes"]  # read after each bucket's last token
+        assert a["stream"]["nll"] == pytest.approx(b["stream"]["nll"], rel=1e-5)

@@ -72,6 +72,18 @@ def test_lossy_caches_change_the_scores_within_bounds(hf):
     assert 0 < drift8 < drift2  # the cache is really read: a forward over context + continuation would give 0
 
 
+@pytest.mark.parametrize("cache", ["int2:residual_length=16:group_size=16", "sink:window=64:sinks=4", "int8"])
+def test_scores_are_decodings_in_the_forwards_each_cache_allows(cache):
+    """Continuations go through the cache in the forwards :mod:`hf_kvcache.scoring` allows (left-padded rows
+    included): the scores of one token per forward, to rounding."""
+    requests = _requests("loglikelihood", PAIRS)
+    merged = _lm(cache=cache).loglikelihood(requests)
+    stepwise = _lm(cache=cache, stepwise=True).loglikelihood(requests)
+    for (a, greedy_a), (b, greedy_b) in zip(merged, stepwise):
+        assert a == pytest.approx(b, abs=1e-3, rel=1e-5)
+        assert greedy_a == greedy_b
+
+
 def test_generate_until_passes_a_fresh_cache_each_call(monkeypatch, hf):
     made = []
     real = lmeval.make_cache
@@ -96,6 +108,7 @@ def test_generate_until_passes_a_fresh_cache_each_call(monkeypatch, hf):
         ({"cache": "int5"}, "int5"),
         ({"chunk": 0}, "chunk"),
         ({"prefill_chunk": 0}, "prefill_chunk"),
+        ({"stepwise": "yes"}, "stepwise"),
         ({"cache": "int4:group_size=7"}, "group_size"),
     ],
 )

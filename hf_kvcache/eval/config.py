@@ -115,6 +115,13 @@ class RunOptions:
             "K/V go to every cache: the same cache states, one forward instead of one per cache)"
         },
     )
+    stepwise: bool = field(
+        default=False,
+        metadata={
+            "help": "score one token per forward (by default perplexity and repeat take as many tokens per forward "
+            "as each cache says give decoding's logits exactly: the same numbers to float rounding, fewer forwards)"
+        },
+    )
 
     def validate_run(self) -> None:
         from ..registry import check_spec

@@ -198,6 +198,12 @@ class KVLayer(BatchOpsMixin, CacheLayerMixin):
         read to skip inherit this one."""
         self.update(key_states, value_states)
 
+    def decode_equivalent_tokens(self, limit: int) -> int:
+        """How many of the next tokens (at most ``limit``) one forward can take and give the logits and stored state
+        of one forward per token (:mod:`hf_kvcache.scoring`). One unless a layer knows better: a forward reads its
+        own tokens exactly, so any layer that reads a token back in another form, or evicts, differs past it."""
+        return 1
+
     def _begin_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)

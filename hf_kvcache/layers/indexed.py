@@ -50,6 +50,11 @@ class IndexedAttention(AttentionInside):
         shape = (self.indexer_keys.shape[0], self.spec.num_kv_heads, self.get_seq_length(), self.spec.passed_key_dim)
         return torch.empty(shape, device="meta")
 
+    def decode_equivalent_tokens(self, limit: int) -> int:
+        """One token per forward (:mod:`hf_kvcache.scoring`): whether the indexer's top-k over a longer forward picks
+        what decoding picks is not checked."""
+        return 1
+
     @property
     def is_indexer_initialized(self) -> bool:
         return self._held is not None

@@ -441,6 +441,12 @@ class PagedLayer(KVLayer):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.state.tables.num_tokens + query_length, 0
 
+    def decode_equivalent_tokens(self, limit: int) -> int:
+        """How many of the next tokens (at most ``limit``) one forward can take with the logits and stored state of
+        one forward per token (:mod:`hf_kvcache.scoring`): any number in exact pages; int8 pages are read back rounded
+        by the next token (a forward reads its own exact), so one."""
+        return limit if self.state.bits is None else 1
+
     def get_max_length(self) -> int:
         return -1
 

@@ -36,24 +36,31 @@ def encoded_split(tokens: int, residual_length: int, unit: int) -> tuple[int, in
     return encoded, tokens - encoded
 
 
+def sliding_forward(q: int, r: int, n: int, residual_length: int, unit: int, window: int) -> tuple[int, int, int]:
+    """(encoded, residual, newly encoded) tokens of a sliding layer holding ``q`` encoded and ``r`` residual tokens
+    after a forward of ``n``: :meth:`QuantizedLayer._append`, then :meth:`QuantizedSlidingWindowLayer._evict` down to
+    ``window - 1`` tokens, encoded ones only in whole units."""
+    encoded = max(r + n - residual_length, 0) // unit * unit
+    q, r = q + encoded, r + n - encoded
+    excess = q + r - (window - 1)
+    if excess > 0:
+        if excess >= q:
+            q, r = 0, r - (excess - q)
+        else:
+            q -= excess // unit * unit
+    return q, r, encoded
+
+
 def sliding_encoded_split(tokens: int, prompt: int, residual_length: int, unit: int, window: int) -> tuple[int, int]:
     """(encoded, residual) tokens a sliding layer stores after a ``prompt``-token forward and one token per forward
-    up to ``tokens``: :meth:`QuantizedLayer._append`, then :meth:`QuantizedSlidingWindowLayer._evict` down to
-    ``window - 1`` tokens, encoded ones only in whole units. The state is periodic once the window is full, so whole
-    periods are skipped."""
+    up to ``tokens`` (:func:`sliding_forward`). The state is periodic once the window is full, so whole periods are
+    skipped."""
     first = min(prompt, tokens)
     q = r = 0
     seen: dict[tuple[int, int], int] = {}
     step, n = 0, first
     while True:
-        encoded = max(r + n - residual_length, 0) // unit * unit
-        q, r = q + encoded, r + n - encoded
-        excess = q + r - (window - 1)
-        if excess > 0:
-            if excess >= q:
-                q, r = 0, r - (excess - q)
-            else:
-                q -= excess // unit * unit
+        q, r, _ = sliding_forward(q, r, n, residual_length, unit, window)
         if first + step >= tokens:
             return q, r
         if (q, r) in seen:
@@ -159,6 +166,17 @@ class QuantizedLayer(KVLayer):
 
     def get_max_length(self) -> int:
         return -1
+
+    def decode_equivalent_tokens(self, limit: int) -> int:
+        """How many of the next tokens (at most ``limit``) one forward can take with the logits and stored state of
+        one forward per token (:mod:`hf_kvcache.scoring`). A forward reads its own tokens and an exact residual
+        exactly, as decoding does; they differ once decoding would have encoded a unit after one of the chunk's
+        tokens, which :meth:`_append` does when the residual passes ``residual_length + unit - 1`` tokens. An int8
+        residual is read back rounded at the next token: one token per forward then."""
+        if not self._exact_residual:
+            return 1
+        held = self.residual.length if self.is_initialized else 0
+        return max(1, min(limit, self.residual_length + self.codec.unit - held))
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens (``tokens_to_remove <= 0``, as ``generate()`` calls it).
@@ -448,6 +466,25 @@ class QuantizedSlidingWindowLayer(QuantizedLayer):
 
     def _planned_split(self, tokens: int, prompt: int) -> tuple[int, int]:
         return sliding_encoded_split(tokens, prompt, self.residual_length, self.codec.unit, self.sliding_window)
+
+    def decode_equivalent_tokens(self, limit: int) -> int:
+        """The full layer's rule, and one more: the forward must leave the state decoding leaves. A longer forward
+        encodes residual tokens that decoding would have evicted first (and then keeps up to a unit of them past the
+        window, read by the next forward), so each length is checked against decoding's steps (:func:`sliding_forward`)
+        up to the first step at which decoding encodes."""
+        allowed = super().decode_equivalent_tokens(limit)
+        if allowed == 1 or self.record_past or not self.is_initialized:
+            return 1 if self.record_past else allowed
+        q, r = self.store.length, self.residual.length
+        shape = (self.residual_length, self.codec.unit, self.sliding_window)
+        best, dq, dr = 1, q, r
+        for n in range(1, allowed + 1):
+            dq, dr, encoded = sliding_forward(dq, dr, 1, *shape)
+            if sliding_forward(q, r, n, *shape)[:2] == (dq, dr):
+                best = n
+            if encoded:  # the next token would read this step's codes: decoding's forwards differ from here
+                break
+        return best
 
     def _visible_past(self) -> int:
         return min(self.cumulative_length, self.sliding_window - 1)

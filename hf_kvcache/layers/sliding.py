@@ -142,6 +142,15 @@ class SinkWindowLayer(KVLayer):
     def get_max_length(self) -> int:
         return -1  # the position can grow without bound; the storage cannot
 
+    def decode_equivalent_tokens(self, limit: int) -> int:
+        """How many of the next tokens (at most ``limit``) one forward can take with the logits and stored state of
+        one forward per token (:mod:`hf_kvcache.scoring`): until the window would evict after one of them (a
+        decoding query never sees what was evicted before it; a chunk's queries would). Quantized slots are read back
+        in their stored form by the next token: one token per forward then."""
+        if not isinstance(self.codec, IdentityCodec):
+            return 1
+        return max(1, min(limit, self.capacity - self.stored_tokens + 1))
+
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens, then evict down to ``sinks + window``.
 

@@ -45,6 +45,11 @@ class StateLayer(LinearAttentionLayer):
                 f"{states.dtype} on {states.device}. Call cache.reset() (or build a new cache) before another batch"
             )
 
+    def decode_equivalent_tokens(self, limit: int) -> int:
+        """Any number (:mod:`hf_kvcache.scoring`): the states are exact, and a longer forward runs the model's chunked
+        form of the same recurrence (equal to rounding), as with ``DynamicCache``."""
+        return limit
+
     def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, *args, **kwargs) -> torch.Tensor:
         self._check(conv_states, "convolution")
         return super().update_conv_state(conv_states, state_idx, *args, **kwargs)
@@ -132,6 +137,9 @@ class EmptyLayer(DummyLayer):
         return 0
 
     stored_tokens = nbytes = reserved_nbytes = 0
+
+    def decode_equivalent_tokens(self, limit: int) -> int:
+        return limit  # nothing stored, nothing read back
 
     def planned_nbytes(self, tokens: int, dtype: torch.dtype, prompt: int | None = None) -> int:
         return 0

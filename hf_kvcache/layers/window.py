@@ -35,6 +35,11 @@ class ModelSlidingWindowLayer(DynamicSlidingWindowLayer):
             check_same_state(self, key_states)
         return super().update(key_states, value_states, *args, **kwargs)
 
+    def decode_equivalent_tokens(self, limit: int) -> int:
+        """Any number (:mod:`hf_kvcache.scoring`): tokens are stored as they come, and a longer forward's mask gives
+        each query its own window, as transformers' layer does."""
+        return limit
+
     def batch_select_indices(self, indices) -> None:
         if self.get_seq_length() > 0:
             index = as_index(indices, self.keys.device)

@@ -35,11 +35,13 @@ __all__ = [
     "Task",
     "cache_for",
     "check_lengths_fit",
+    "describe_forwards",
     "get_task",
     "model_context",
     "option_fields",
     "option_owners",
     "register_task",
+    "tokens_per_forward",
     "wilson",
 ]
 
@@ -162,6 +164,21 @@ TASKS: dict[str, Task] = {}
 # Names the harness itself uses: the shared options of EvalConfig (added by hf_kvcache.eval.config), its attributes,
 # and the CLI's own destinations. No task option may take one.
 RESERVED: dict[str, str] = {"output": "the CLI", "command": "the CLI", "func": "the CLI"}
+
+
+def tokens_per_forward(chunk: int, stepwise: bool) -> int | None:
+    """What a scoring task passes :func:`hf_kvcache.scoring.teacher_forced`: ``chunk`` above 1 (chunked scoring),
+    1 with ``--stepwise``, else None (decoding's logits in as few forwards as each cache gives them exactly)."""
+    return chunk if chunk > 1 or stepwise else None
+
+
+def describe_forwards(chunk: int, stepwise: bool) -> str:
+    """How a scoring task feeds its scored tokens, for its ``describe``."""
+    if chunk > 1:
+        return f"{chunk} tokens per forward (chunked)"
+    if stepwise:
+        return "one token per forward"
+    return "at decoding's logits, in as many tokens per forward as each cache gives them exactly"
 
 
 def option_fields(cls: type | None) -> list[dataclasses.Field]:

@@ -6,9 +6,13 @@ Here the text goes through the cache the way generation does.
 Window protocol (:func:`window_perplexity`): the token stream is cut into consecutive windows of ``context`` tokens
 (a last partial window is kept if it has a token to score). Per window a fresh cache is made; the first ``prefill``
 tokens go in with one forward and are not scored; the window's remaining tokens (positions ``prefill .. context-1``,
-each predicted from everything before it in the window) are fed ``chunk`` tokens per forward through the cache and
-scored. Perplexity = exp(total NLL / scored tokens). With ``DynamicCache`` this equals a plain full forward over each
-window scoring the same positions (tested to float tolerance).
+each predicted from everything before it in the window) are fed through the cache and scored. Perplexity = exp(total
+NLL / scored tokens). With ``chunk=1`` (the default) every token gets the logits of decoding, one token per forward;
+the forwards themselves take as many tokens as the cache says give those logits exactly
+(:func:`hf_kvcache.scoring.teacher_forced`; ``stepwise=True``: one token per forward, to time decoding or for a
+cache that cannot say). ``chunk > 1`` feeds that many tokens per forward whatever the cache: chunked scoring, which
+reads a chunk's own tokens exactly and so hides part of a lossy cache's cost. With ``DynamicCache`` every protocol
+equals a plain full forward over each window scoring the same positions (tested to float tolerance).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from transformers.cache_utils import Cache
 
 from ..._validate import check_int
 from ...compare import synchronize
-from .base import EvalData, Task, model_context, register_task
+from .base import EvalData, Task, describe_forwards, model_context, register_task, tokens_per_forward
 
 __all__ = ["PerplexityOptions", "PerplexityResult", "window_perplexity", "windows"]
 
@@ -37,7 +41,13 @@ class PerplexityOptions:
     max_tokens: int = field(default=2048, metadata={"help": "cut the text to this many tokens"})
     context: int = field(default=1024, metadata={"help": "tokens per window"})
     prefill: int = field(default=512, metadata={"help": "unscored tokens per window, one forward"})
-    chunk: int = field(default=1, metadata={"help": "tokens per scored forward (1: pure decode)"})
+    chunk: int = field(
+        default=1,
+        metadata={
+            "help": "tokens per scored forward (1: decoding's logits, in as few forwards as give them exactly; see "
+            "--stepwise)"
+        },
+    )
     batch_size: int = field(default=8, metadata={"help": "windows scored together"})
 
     def validate(self) -> None:
@@ -57,7 +67,7 @@ class PerplexityResult:
     nll: float  # summed negative log-likelihood, nats
     tokens_scored: int
     windows: int
-    decode_seconds: float  # time spent in the scored (cached) forwards
+    decode_seconds: float  # time spent in the scored (cached) forwards (decoding time only when stepwise)
     cache_bytes: int  # cache_nbytes() of the first batch's cache after its last forward
     cached_tokens: int  # tokens that cache had taken in (rows x tokens)
     seconds: float = 0.0
@@ -125,15 +135,19 @@ def window_perplexity(
     chunk: int = 1,
     batch_size: int = 8,
     progress: Callable[[int], None] | None = None,
+    stepwise: bool = False,
 ) -> PerplexityResult:
     """Perplexity of a 1-D token stream through caches from ``make_cache`` (see the module docstring).
 
     ``batch_size`` windows go through one cache together (each row is its own window). ``progress(n)`` is called
-    with the number of windows done after each batch.
+    with the number of windows done after each batch. ``stepwise``: with ``chunk=1``, one token per forward instead
+    of the forwards :func:`~hf_kvcache.scoring.decode_equivalent_tokens` allows (the same numbers to rounding).
     """
     from ...memory import cache_nbytes
+    from ...scoring import teacher_forced
 
     check_int("chunk", chunk, 1)
+    per_forward = tokens_per_forward(chunk, stepwise)
     device = next(model.parameters()).device
     total, count, n_windows, decode_s, first_bytes, first_tokens = 0.0, 0, 0, 0.0, 0, 0
     started = time.perf_counter()
@@ -147,11 +161,10 @@ def window_perplexity(
         count += b
         synchronize(device)
         t0 = time.perf_counter()
-        for start in range(prefill, length - 1, chunk):
-            stop = min(start + chunk, length - 1)
-            logits = model(input_ids=batch[:, start:stop], attention_mask=mask[:, :stop], past_key_values=cache).logits
-            total += token_nll(logits, batch[:, start + 1 : stop + 1]).sum().item()
-            count += b * (stop - start)
+        for start, logits in teacher_forced(model, cache, batch[:, prefill:-1], prefill, per_forward):
+            targets = batch[:, prefill + start + 1 : prefill + start + 1 + logits.shape[1]]
+            total += token_nll(logits, targets).sum().item()
+            count += targets.numel()
         synchronize(device)
         decode_s += time.perf_counter() - t0
         if not first_tokens:
@@ -201,8 +214,9 @@ class PerplexityTask(Task):
 
     def describe(self, config) -> str:
         return (
-            f"perplexity: windows of {config.context} tokens, {config.prefill} prefilled, then scored {config.chunk} "
-            f"token(s) per forward through the cache; text cut to {config.max_tokens} tokens."
+            f"perplexity: windows of {config.context} tokens, {config.prefill} prefilled, then scored "
+            f"{describe_forwards(config.chunk, config.stepwise)} through the cache; text cut to {config.max_tokens} "
+            "tokens."
         )
 
     def merge(self, parts: list[dict]) -> dict:
@@ -243,6 +257,7 @@ class PerplexityTask(Task):
             chunk=config.chunk,
             batch_size=config.batch_size,
             progress=progress,
+            stepwise=config.stepwise,
         )
         return {
             "task": self.name,
@@ -281,7 +296,7 @@ class PerplexityTask(Task):
             "cache bytes",
             "bytes/token",
             "x baseline",
-            "decode tok/s",
+            "scored tok/s",
             "peak memory",
         ]
         return markdown_table(headers, rows)

@@ -7,7 +7,9 @@ cache kept of the first.
 Protocol, per distance ``d`` and sample: a ``passage``-token passage ``P`` and ``d`` tokens of other text ``G``, both
 from the dataset. ``P + G`` goes into a fresh cache with one forward (the first copy is scored from those logits: no
 cache is read yet; that forward runs once for every cache, its K/V handed to each, unless ``--separate-prefill``);
-then the second ``P`` is fed ``chunk`` tokens per forward through the cache and scored. Positions
+then the second ``P`` goes through the cache and is scored: with ``chunk=1`` (the default) at decoding's logits, in
+as many tokens per forward as the cache gives them exactly (:mod:`hf_kvcache.scoring`; ``--stepwise``: one token
+per forward), else ``chunk`` tokens per forward. Positions
 ``1 .. passage-1`` of each copy are scored (a copy's first token cannot be predicted from the other copy).
 Reported per distance: first- and second-copy perplexity and their ratio; the summary pools every distance.
 """
@@ -21,7 +23,15 @@ import torch
 
 from ..._validate import check_int
 from ...prefill import SharedPrefill
-from .base import DocumentTask, EvalData, cache_for, model_context, register_task
+from .base import (
+    DocumentTask,
+    EvalData,
+    cache_for,
+    describe_forwards,
+    model_context,
+    register_task,
+    tokens_per_forward,
+)
 from .perplexity import token_nll
 
 __all__ = ["RepeatOptions", "repeat_nll"]
@@ -36,7 +46,9 @@ class RepeatOptions:
     )
     passage: int = field(default=128, metadata={"help": "tokens per copy of the passage"})
     samples: int = field(default=2, metadata={"help": "passages per distance"})
-    repeat_chunk: int = field(default=1, metadata={"help": "second-copy tokens per forward (1: pure decode)"})
+    repeat_chunk: int = field(
+        default=1, metadata={"help": "second-copy tokens per forward (1: decoding's logits; see --stepwise)"}
+    )
 
     def validate(self) -> None:
         for distance in self.distances:
@@ -48,11 +60,20 @@ class RepeatOptions:
 
 @torch.inference_mode()
 def repeat_nll(
-    model, passages: torch.Tensor, gaps: torch.Tensor, cache, chunk: int = 1, prefill: SharedPrefill | None = None
+    model,
+    passages: torch.Tensor,
+    gaps: torch.Tensor,
+    cache,
+    chunk: int = 1,
+    prefill: SharedPrefill | None = None,
+    stepwise: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token NLL ``(first copy, second copy)``, each ``(B, passage - 1)``, for rows ``P + G + P`` with the second
     copy scored through ``cache`` after ``P + G`` went into it (see the module docstring). ``prefill``: ``P + G``'s
-    prefill (:func:`repeat_prefill`), already stored in ``cache``, whose logits give the first copy's NLL."""
+    prefill (:func:`repeat_prefill`), already stored in ``cache``, whose logits give the first copy's NLL.
+    ``stepwise``: with ``chunk=1``, one token per forward (the same numbers to rounding, more forwards)."""
+    from ...scoring import teacher_forced
+
     device = next(model.parameters()).device
     passages, gaps = passages.to(device), gaps.to(device)
     prefix = torch.cat([passages, gaps], dim=1)  # (B, P + G)
@@ -63,11 +84,9 @@ def repeat_nll(
     n = passages.shape[1]
     first = token_nll(logits[:, : n - 1], passages[:, 1:])
     second = []
-    for start in range(0, n - 1, chunk):
-        stop = min(start + chunk, n - 1)
-        mask = torch.ones(prefix.shape[0], prefix.shape[1] + stop, dtype=torch.long, device=device)
-        step = model(input_ids=passages[:, start:stop], attention_mask=mask, past_key_values=cache).logits
-        second.append(token_nll(step, passages[:, start + 1 : stop + 1]))
+    per_forward = tokens_per_forward(chunk, stepwise)
+    for start, step in teacher_forced(model, cache, passages[:, : n - 1], prefix.shape[1], per_forward):
+        second.append(token_nll(step, passages[:, start + 1 : start + 1 + step.shape[1]]))
     return first.cpu(), torch.cat(second, dim=1).cpu()
 
 
@@ -102,7 +121,7 @@ class RepeatTask(DocumentTask):
     def describe(self, config) -> str:
         return (
             f"repeat: {config.samples} passages of {config.passage} tokens per distance, the second copy scored "
-            f"{config.repeat_chunk} token(s) per forward through the cache."
+            f"{describe_forwards(config.repeat_chunk, config.stepwise)} through the cache."
         )
 
     def tokens_needed(self, config) -> int:
@@ -130,7 +149,13 @@ class RepeatTask(DocumentTask):
             for spec, (cells, first_all, second_all) in zip(specs, runs):
                 cache, prefilled = cache_for(spec, data.model, shared)
                 first, second = repeat_nll(
-                    data.model, passages, gaps, cache, config.repeat_chunk, shared if prefilled else None
+                    data.model,
+                    passages,
+                    gaps,
+                    cache,
+                    config.repeat_chunk,
+                    shared if prefilled else None,
+                    config.stepwise,
                 )
                 first_all.append(first)
                 second_all.append(second)

@@ -1,7 +1,9 @@
 """``stream``: one cache over a stream far longer than its window, perplexity per bucket of positions.
 
-After a short prefill every later token is scored through the same cache, one forward per ``chunk`` tokens; the NLL is
-reported per bucket of ``bucket`` positions, with the cache's bytes at the end of each bucket (flat for a window).
+After a short prefill every later token is scored through the same cache: with ``chunk=1`` (the default) at
+decoding's logits, in as many tokens per forward as the cache gives them exactly (:mod:`hf_kvcache.scoring`;
+``--stepwise``: one token per forward), else ``chunk`` tokens per forward. The NLL is reported per bucket of
+``bucket`` positions, with the cache's bytes at the end of each bucket (flat for a window).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..._validate import check_int
-from .base import EvalData, Task, register_task
+from .base import EvalData, Task, describe_forwards, register_task, tokens_per_forward
 from .perplexity import token_nll
 
 __all__ = ["StreamOptions", "StreamResult", "stream_perplexity"]
@@ -29,7 +31,7 @@ class StreamOptions:
     stream_tokens: int = field(default=4096, metadata={"help": "tokens scored through one cache"})
     bucket: int = field(default=512, metadata={"help": "positions per perplexity bucket"})
     stream_chunk: int = field(
-        default=1, metadata={"help": "tokens per forward (1: pure decode; more: faster, each chunk exact)"}
+        default=1, metadata={"help": "tokens per forward (1: decoding's logits, see --stepwise; more: chunked)"}
     )
 
     def validate(self) -> None:
@@ -66,9 +68,12 @@ def stream_perplexity(
     chunk: int = 1,
     bucket_size: int = 512,
     progress: Callable[[int], None] | None = None,
+    stepwise: bool = False,
 ) -> StreamResult:
-    """Score a long 1-D stream through one cache; NLL per bucket of ``bucket_size`` positions."""
+    """Score a long 1-D stream through one cache; NLL per bucket of ``bucket_size`` positions. ``stepwise``: with
+    ``chunk=1``, one token per forward instead of the forwards the cache allows (the same numbers to rounding)."""
     from ...memory import cache_nbytes
+    from ...scoring import decode_equivalent_tokens
 
     if input_ids.dim() != 1 or input_ids.numel() <= prefill:
         raise ValueError(f"input_ids must be a 1-D stream longer than prefill={prefill}")
@@ -85,12 +90,19 @@ def stream_perplexity(
     bytes_by_bucket: dict[int, int] = {}
     logits = model(input_ids=ids[:, :prefill], past_key_values=cache).logits
     add(prefill, logits[:, -1:])
-    for start in range(prefill, n - 1, chunk):
-        stop = min(start + chunk, n - 1)
+    per_forward = tokens_per_forward(chunk, stepwise)
+    start = prefill
+    while start < n - 1:
+        if per_forward is None:  # a bucket's bytes are read after its last token: no forward runs past it
+            edge = -(-(start + 2) // bucket_size) * bucket_size - 1
+            stop = start + decode_equivalent_tokens(cache, min(edge, n - 1) - start)
+        else:
+            stop = min(start + per_forward, n - 1)
         add(start + 1, model(input_ids=ids[:, start:stop], past_key_values=cache).logits)
         bytes_by_bucket[stop // bucket_size] = cache_nbytes(cache)  # the last forward of a bucket wins
         if progress is not None:
             progress(stop - start)
+        start = stop
     for b in range(0, n, bucket_size):
         lo, hi = max(b, prefill), min(b + bucket_size, n)
         if hi > lo:
@@ -113,7 +125,10 @@ class StreamTask(Task):
         return config.stream_tokens
 
     def describe(self, config) -> str:
-        return f"stream: {config.stream_tokens} tokens through one cache, buckets of {config.bucket}."
+        return (
+            f"stream: {config.stream_tokens} tokens through one cache, scored "
+            f"{describe_forwards(config.stream_chunk, config.stepwise)}, buckets of {config.bucket}."
+        )
 
     def tokens_needed(self, config) -> int:
         return config.stream_tokens
@@ -133,6 +148,7 @@ class StreamTask(Task):
             chunk=config.stream_chunk,
             bucket_size=config.bucket,
             progress=progress,
+            stepwise=config.stepwise,
         )
         return {"task": self.name, **result.as_dict(), "summary": {"overall_perplexity": result.overall}}
 
