@@ -29,7 +29,7 @@ __all__ = [
     "default_tasks",
 ]
 
-# Sized for the real model on 2 CPU cores (about 10 minutes with every default); the paged cache, lossless, is in
+# Sized for the real model on one CPU thread (about 4 minutes with every default); the paged cache, lossless, is in
 # the demo and the bench rather than here.
 DEFAULT_CACHES = ("dynamic", "int8", "int4", "int2", "sink:window=256:sinks=4")
 
