@@ -10,7 +10,13 @@ import torch
 
 from hf_kvcache.cli import main
 from hf_kvcache.eval import EvalConfig, run_eval
-from hf_kvcache.eval.tasks.ruler import RULER_TASKS, build_ruler_document, interval, string_match_all
+from hf_kvcache.eval.tasks.ruler import (
+    RULER_TASKS,
+    build_ruler_document,
+    interval,
+    paired_difference,
+    string_match_all,
+)
 
 torch.set_num_threads(1)
 
@@ -95,6 +101,27 @@ def test_intervals_are_wilson_for_all_or_nothing_scores_and_narrow_with_samples(
     assert interval([1.0] * 10)[1] == 1.0 and interval([1.0] * 10)[0] < 0.75  # 10 of 10 still carries doubt
     wide, narrow = interval([0.5, 0.25, 0.75, 1.0]), interval([0.5, 0.25, 0.75, 1.0] * 25)
     assert narrow[1] - narrow[0] < (wide[1] - wide[0]) / 4
+
+
+def _cells(*per_cell: list[float]) -> list[dict]:
+    return [{"task": "t", "length": 100 * i, "scores": scores} for i, scores in enumerate(per_cell)]
+
+
+def test_a_cache_against_the_baseline_is_measured_document_by_document():
+    base = _cells([1.0, 0.0, 1.0, 0.0] * 5, [0.5, 1.0] * 10)
+    # the same scores: no difference, and the rule of three's +-3/N where no document disagrees
+    assert paired_difference(base, base) == pytest.approx((0.0, -7.5, 7.5))
+    # one cell loses every document it found (10 of 20), the other keeps all: -25 points, paired normal interval
+    lost = _cells([0.0] * 20, [0.5, 1.0] * 10)
+    difference, low, high = paired_difference(lost, base)
+    spread = (0.5 * 0.5 * 20 / 19) ** 0.5  # the first cell's per-document differences: -1 or 0, half each
+    assert difference == pytest.approx(-25.0)
+    assert high - difference == pytest.approx(100 * 1.96 * spread / 20**0.5 / 2)
+    assert low < difference < high < 0
+    # the cells' own intervals overlap (0-16% against 30-70%) yet the paired difference is clear: the same documents
+    assert interval([0.0] * 20)[1] > 0.15
+    with pytest.raises(ValueError):
+        paired_difference(base, _cells([1.0] * 20, [0.5] * 19))  # not the same documents
 
 
 def test_the_suite_scores_every_cache_on_the_same_documents_with_one_prefill(reference):

@@ -40,7 +40,14 @@ from ..._validate import check_int
 from .base import DocumentTask, EvalData, cache_for, check_lengths_fit, register_task, wilson
 from .passkey import _encode, chat_parts, passkey_answer
 
-__all__ = ["RULER_TASKS", "RulerDocument", "RulerOptions", "build_ruler_document", "string_match_all"]
+__all__ = [
+    "RULER_TASKS",
+    "RulerDocument",
+    "RulerOptions",
+    "build_ruler_document",
+    "paired_difference",
+    "string_match_all",
+]
 
 # (needles with distinct keys, values per key, keys asked for, answer tokens); vt is built apart
 NIAH = {
@@ -360,6 +367,31 @@ def interval(scores: list[float], z: float = 1.96) -> tuple[float, float]:
     return max(0.0, mean - z * sd / math.sqrt(n)), min(1.0, mean + z * sd / math.sqrt(n))
 
 
+def paired_difference(cells: list[dict], base_cells: list[dict], z: float = 1.96) -> tuple[float, float, float]:
+    """A cache's average score minus the baseline's, in points, with its 95% interval: ``(difference, low, high)``.
+
+    Every cache reads the same documents, so the difference is measured document by document (paired): the spread
+    of the documents' own difficulty, which makes each cell's interval wide, cancels. The interval is the normal one
+    of the average of the cells' mean per-document differences, never narrower than 3/N either way (N documents:
+    where none of them disagrees, the share that would is below 3/N at 95%, the rule of three)."""
+    diffs = [[a - b for a, b in zip(c["scores"], r["scores"], strict=True)] for c, r in zip(cells, base_cells)]
+    count = sum(len(d) for d in diffs)
+    if not count:
+        raise ValueError("paired_difference needs the cells' per-document scores")
+    mean = sum(sum(d) / len(d) for d in diffs) / len(diffs)
+    variance = sum(_variance(d) / len(d) for d in diffs) / len(diffs) ** 2
+    half = max(z * math.sqrt(variance), 3 / count)
+    return 100 * mean, 100 * max(mean - half, -1.0), 100 * min(mean + half, 1.0)
+
+
+def _variance(values: list[float]) -> float:
+    """Sample variance; 1 (the most a difference in [-1, 1] can have, about) for a single value."""
+    if len(values) < 2:
+        return 1.0
+    mean = sum(values) / len(values)
+    return sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+
+
 @register_task
 class RulerTask(DocumentTask):
     name = "ruler"
@@ -436,15 +468,17 @@ class RulerTask(DocumentTask):
         rows = []
         for entry in entries:
             mine = entry[self.name]
+            difference, low, high = paired_difference(mine["cells"], cells)
+            versus = "" if entry is entries[0] else f"{difference:+.1f} [{low:+.1f}, {high:+.1f}]"
             rows.append(
-                [entry["cache"], f"{100 * mine['summary']['score']:.1f}",
-                 f"{mine['summary'].get('points_vs_first', 0.0):+.1f}"]
+                [entry["cache"], f"{100 * mine['summary']['score']:.1f}", versus]
                 + [f"{100 * c['score']:.0f} [{100 * c['low']:.0f}-{100 * c['high']:.0f}]" for c in mine["cells"]]
             )  # fmt: skip
         n = cells[0]["samples"] if cells else 0
         note = (
-            f"\n\n{n} documents per cell; brackets: the cell's 95% interval. The first cache is the baseline: read a "
-            "cache's loss against it only where the intervals do not overlap."
+            f"\n\n{n} documents per cell; brackets: the cell's 95% interval. vs first: points of the average against "
+            "the first cache (the baseline) over the same documents, with the 95% interval of the per-document "
+            "differences (paired); a cache is within n points of the baseline only where that interval is."
         )
         return markdown_table(headers, rows) + note
 
