@@ -31,8 +31,11 @@ import torch
 from transformers.cache_utils import (
     Cache,
     DummyLayer,
+    DynamicCache,
     DynamicLayer,
     DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
     LinearAttentionLayer,
 )
 
@@ -40,7 +43,14 @@ __all__ = ["decode_equivalent_tokens", "layer_decode_equivalent_tokens", "teache
 
 # transformers' layers that store what they are given and read it back unchanged (its quantized layers subclass
 # DynamicLayer and re-quantize: matched by exact type, not isinstance)
-_EXACT_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer, DummyLayer)
+_EXACT_LAYERS = (
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    DummyLayer,
+)
 
 
 def layer_decode_equivalent_tokens(layer, limit: int) -> int:
@@ -65,7 +75,7 @@ def decode_equivalent_tokens(cache: Cache, limit: int) -> int:
         raise ValueError(f"limit must be a positive number of tokens, got {limit!r}")
     layers = getattr(cache, "layers", None)
     if not layers:
-        return limit if type(cache).__name__ == "DynamicCache" else 1
+        return limit if type(cache) is DynamicCache else 1  # its layers come with the first forward
     return max(1, min(layer_decode_equivalent_tokens(layer, limit) for layer in layers))
 
 

@@ -119,8 +119,9 @@ def test_a_forward_one_token_longer_than_allowed_is_caught(family, spec):
 
 
 @pytest.mark.parametrize("spec", ["dynamic", "int4:residual_length=4:group_size=8", "paged:block_size=4"])
-def test_hybrid_recurrent_layers_score_alike(spec):
-    model = config_model("qwen3_next")
+@pytest.mark.parametrize("model_type", ["qwen3_next", "falcon_h1"])
+def test_hybrid_recurrent_layers_score_alike(model_type, spec):
+    model = config_model(model_type)
     ids = _rows()
     stepwise, _, one = _score(model, spec, ids, 1)
     merged, sizes, other = _score(model, spec, ids, None)
@@ -143,3 +144,14 @@ def test_a_cache_we_cannot_read_takes_one_token_per_forward():
     model = tiny_model("llama")
     cache = StaticCache(config=model.config, max_cache_len=128)
     assert decode_equivalent_tokens(cache, 64) == 1
+
+
+@pytest.mark.parametrize("model_type, longer", [("falcon_h1", True), ("deepseek_v32", False)])
+def test_layers_beside_attention_answer_for_their_attention_layer(model_type, longer):
+    """Falcon-H1's layers keep recurrent states beside attention (the attention layer answers); DeepSeek-V3.2's keep
+    an indexer whose top-k over a longer forward is not checked against decoding's (one token per forward)."""
+    model = config_model(model_type)
+    cache = make_cache("int4", model)
+    with torch.inference_mode():
+        model(input_ids=_rows()[:, :PREFILL], past_key_values=cache)
+    assert (decode_equivalent_tokens(cache, 64) > 1) is longer

@@ -61,9 +61,7 @@ class AttentionInside(CacheLayerMixin):
 
     def decode_equivalent_tokens(self, limit: int) -> int:
         """The attention layer's (:mod:`hf_kvcache.scoring`): what is kept beside it is computed from exact keys."""
-        from ..scoring import layer_decode_equivalent_tokens
-
-        return layer_decode_equivalent_tokens(self.attention, limit)
+        return self.attention.decode_equivalent_tokens(limit)
 
     def planned_nbytes(self, tokens: int, dtype: torch.dtype, prompt: int | None = None) -> int:
         return self.attention.planned_nbytes(tokens, dtype, prompt)

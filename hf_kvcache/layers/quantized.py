@@ -471,11 +471,12 @@ class QuantizedSlidingWindowLayer(QuantizedLayer):
         """The full layer's rule, and one more: the forward must leave the state decoding leaves. A longer forward
         encodes residual tokens that decoding would have evicted first (and then keeps up to a unit of them past the
         window, read by the next forward), so each length is checked against decoding's steps (:func:`sliding_forward`)
-        up to the first step at which decoding encodes."""
+        up to the first step at which decoding encodes. While ``generate()`` records the past (eviction waits for
+        ``crop``), one."""
+        if self.record_past:
+            return 1
         allowed = super().decode_equivalent_tokens(limit)
-        if allowed == 1 or self.record_past or not self.is_initialized:
-            return 1 if self.record_past else allowed
-        q, r = self.store.length, self.residual.length
+        q, r = (self.store.length, self.residual.length) if self.is_initialized else (0, 0)
         shape = (self.residual_length, self.codec.unit, self.sliding_window)
         best, dq, dr = 1, q, r
         for n in range(1, allowed + 1):
