@@ -101,6 +101,8 @@ def test_intervals_are_wilson_for_all_or_nothing_scores_and_narrow_with_samples(
     assert interval([1.0] * 10)[1] == 1.0 and interval([1.0] * 10)[0] < 0.75  # 10 of 10 still carries doubt
     wide, narrow = interval([0.5, 0.25, 0.75, 1.0]), interval([0.5, 0.25, 0.75, 1.0] * 25)
     assert narrow[1] - narrow[0] < (wide[1] - wide[0]) / 4
+    low, high = interval([0.5, 0.5])  # two equal fractions: no spread seen, yet two documents prove little
+    assert low < 0.15 and high > 0.85 and (low, high) == pytest.approx(interval([1.0, 0.0]))
 
 
 def _cells(*per_cell: list[float]) -> list[dict]:

@@ -151,6 +151,15 @@ RUNS: dict[str, list[str]] = {
         *"--task ruler --chat-template --ruler-lengths 8000 --ruler-samples 5".split(),
         *["--caches", "dynamic,int8,int4,int3,int2,int2:key_bits=3"],
     ],
+    # The four needle tasks at 1k with enough documents (50 a task) for the paired interval to tell int4 and int3
+    # from DynamicCache within a couple of points.
+    "eval-ruler-paired": [
+        "eval",
+        *REAL,
+        *"--task ruler --chat-template --ruler-lengths 1024 --ruler-samples 50".split(),
+        *"--ruler-tasks niah_single,niah_multikey,niah_multivalue,niah_multiquery".split(),
+        *["--caches", "dynamic,int4,int3"],
+    ],
     # Frequent-words extraction (fwe, the task added after the RULER runs above) at their lengths and sample count,
     # every default width and 3-bit keys beside int2.
     "eval-ruler-fwe": [

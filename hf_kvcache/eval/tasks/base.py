@@ -263,7 +263,7 @@ def get_task(name: str) -> Task:
     return TASKS[name]
 
 
-def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
     """Wilson's 95% interval (``z`` = 1.96) of a success rate from ``successes`` of ``n`` all-or-nothing trials: the
     interval a retrieval cell of a few documents can carry (2 of 2 found: 34-100%)."""
     if n <= 0:

@@ -358,12 +358,15 @@ def _sentence_ends(tokenizer, fill: list[int], needed: int) -> list[int]:
 
 def interval(scores: list[float], z: float = 1.96) -> tuple[float, float]:
     """95% interval of the mean of ``scores``: Wilson's for all-or-nothing scores, else the normal interval of the
-    mean (clipped to [0, 1])."""
+    mean (clipped to [0, 1]); where every score is the same fraction, Wilson's at that rate (a score in [0, 1] varies
+    at most as an all-or-nothing one of its mean: a few equal documents still carry doubt)."""
     n = len(scores)
     mean = sum(scores) / n
     if all(s in (0.0, 1.0) for s in scores):
         return wilson(round(sum(scores)), n, z)
-    sd = math.sqrt(sum((s - mean) ** 2 for s in scores) / (n - 1)) if n > 1 else 0.5
+    sd = math.sqrt(sum((s - mean) ** 2 for s in scores) / (n - 1)) if n > 1 else 0.0
+    if sd == 0.0:
+        return wilson(sum(scores), n, z)
     return max(0.0, mean - z * sd / math.sqrt(n)), min(1.0, mean + z * sd / math.sqrt(n))
 
 
