@@ -10,13 +10,8 @@ import torch
 
 from hf_kvcache.cli import main
 from hf_kvcache.eval import EvalConfig, run_eval
-from hf_kvcache.eval.tasks.ruler import (
-    RULER_TASKS,
-    build_ruler_document,
-    interval,
-    paired_difference,
-    string_match_all,
-)
+from hf_kvcache.eval.tasks.base import paired_difference
+from hf_kvcache.eval.tasks.ruler import RULER_TASKS, build_ruler_document, interval, string_match_all
 
 torch.set_num_threads(1)
 

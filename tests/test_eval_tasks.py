@@ -247,3 +247,23 @@ def test_scoring_tasks_give_the_same_numbers_stepwise_in_fewer_forwards(referenc
             assert x["second_copy_perplexity"] == pytest.approx(y["second_copy_perplexity"], rel=1e-5)
         assert a["stream"]["cache_bytes"] == b["stream"]["cache_bytes"]  # read after each bucket's last token
         assert a["stream"]["nll"] == pytest.approx(b["stream"]["nll"], rel=1e-5)
+
+
+def test_passkey_table_compares_caches_document_by_document_when_it_has_their_answers():
+    """Runs keep each document's answer (1 or 0), so the table adds each cache's accuracy against the first cache's
+    over the same documents with the paired interval; runs saved without them keep the table they had."""
+    from hf_kvcache.eval.tasks.passkey import PasskeyTask
+
+    def cache(name, scores):
+        cells = [{"length": 512, "depth": 0.5, "correct": int(sum(scores)), "samples": len(scores), "scores": scores}]
+        return {"cache": name, "passkey": {"cells": cells}}
+
+    base = [1.0] * 10 + [0.0] * 10
+    lost = [1.0] * 5 + [0.0] * 15  # five documents the baseline found, this cache did not
+    table = PasskeyTask().table({"results": [cache("dynamic", base), cache("int2", lost), cache("int8", base)]})
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()
+            if line.startswith("| ")}  # fmt: skip
+    assert rows["cache"][:3] == ["cache", "accuracy", "vs first"]
+    assert rows["dynamic"][2] == "" and rows["int8"][2] == "+0 [-15, +15]"  # the same answers: 3/N = 15 points
+    assert rows["int2"][2].startswith("-25 [-")
+    assert "paired" in table

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..._validate import check_int
-from .base import DocumentTask, EvalData, cache_for, check_lengths_fit, register_task, wilson
+from .base import DocumentTask, EvalData, cache_for, check_lengths_fit, paired_difference, register_task, wilson
 
 __all__ = ["PasskeyOptions", "build_passkey_document"]
 
@@ -199,7 +199,7 @@ class PasskeyTask(DocumentTask):
         cells: list[list[dict]] = [[] for _ in specs]
         for length in config.lengths:
             for depth in config.depths:
-                correct = [0] * len(specs)
+                found: list[list[float]] = [[] for _ in specs]  # per cache, 1 or 0 per document
                 for sample in range(config.samples):
                     # The same keys and filler for every cache: the cell's documents depend on the seed only.
                     generator.manual_seed(config.seed + 1000 * length + 10 * round(100 * depth) + sample)
@@ -211,13 +211,12 @@ class PasskeyTask(DocumentTask):
                         data.tokenizer, data.ids[start:], length, depth, key, chat=config.chat_template
                     )
                     for i, answer in enumerate(_answers(data, doc, specs, config.separate_prefill)):
-                        correct[i] += _answer_key(answer) == key
+                        found[i].append(float(_answer_key(answer) == key))
                         if progress is not None:
                             progress(1)
                 for i in range(len(specs)):
-                    cells[i].append(
-                        {"length": length, "depth": depth, "correct": correct[i], "samples": config.samples}
-                    )
+                    cells[i].append({"length": length, "depth": depth, "correct": round(sum(found[i])),
+                                     "samples": config.samples, "scores": found[i]})  # fmt: skip
         out = []
         for mine in cells:
             accuracy = sum(c["correct"] for c in mine) / sum(c["samples"] for c in mine)
@@ -230,7 +229,9 @@ class PasskeyTask(DocumentTask):
         entries = results["results"]
         cells = entries[0][self.name]["cells"]
         lengths = list(dict.fromkeys(c["length"] for c in cells))
-        headers = ["cache", "accuracy", *(f"{n} tok" for n in lengths)]
+        # runs saved before the per-document answers were kept have no paired column
+        paired = all("scores" in c for e in entries for c in e[self.name]["cells"])
+        headers = ["cache", "accuracy", *(["vs first"] if paired else []), *(f"{n} tok" for n in lengths)]
         rows = []
         for entry in entries:
             by_length = {n: [0, 0] for n in lengths}
@@ -239,12 +240,20 @@ class PasskeyTask(DocumentTask):
                 by_length[c["length"]][1] += c["samples"]
             found = sum(ok for ok, _ in by_length.values())
             total = sum(n for _, n in by_length.values())
-            rows.append([entry["cache"], _rate(found, total), *(_rate(ok, n) for ok, n in by_length.values())])
+            versus = []
+            if paired:
+                difference, low, high = paired_difference(entry[self.name]["cells"], cells)
+                versus = ["" if entry is entries[0] else f"{difference:+.0f} [{low:+.0f}, {high:+.0f}]"]
+            rows.append([entry["cache"], _rate(found, total), *versus, *(_rate(ok, n) for ok, n in by_length.values())])
         per_length = sum(c["samples"] for c in cells if c["length"] == lengths[0])
-        note = (
-            f"\n\n{per_length} documents per length; brackets: the 95% interval (Wilson's). Read a difference between "
-            "caches only where their intervals do not overlap."
-        )
+        note = f"\n\n{per_length} documents per length; brackets: the 95% interval (Wilson's)."
+        if paired:
+            note += (
+                " vs first: points against the first cache over the same documents, with the 95% interval of the "
+                "per-document differences (paired)."
+            )
+        else:
+            note += " Read a difference between caches only where their intervals do not overlap."
         return markdown_table(headers, rows) + note
 
     def plots(self, results: dict, out) -> list[str]:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..._validate import check_int
-from .base import DocumentTask, EvalData, cache_for, check_lengths_fit, register_task, wilson
+from .base import DocumentTask, EvalData, cache_for, check_lengths_fit, paired_difference, register_task, wilson
 from .passkey import _encode, chat_parts, passkey_answer
 
 __all__ = [
@@ -45,7 +45,6 @@ __all__ = [
     "RulerDocument",
     "RulerOptions",
     "build_ruler_document",
-    "paired_difference",
     "string_match_all",
 ]
 
@@ -368,31 +367,6 @@ def interval(scores: list[float], z: float = 1.96) -> tuple[float, float]:
     if sd == 0.0:
         return wilson(sum(scores), n, z)
     return max(0.0, mean - z * sd / math.sqrt(n)), min(1.0, mean + z * sd / math.sqrt(n))
-
-
-def paired_difference(cells: list[dict], base_cells: list[dict], z: float = 1.96) -> tuple[float, float, float]:
-    """A cache's average score minus the baseline's, in points, with its 95% interval: ``(difference, low, high)``.
-
-    Every cache reads the same documents, so the difference is measured document by document (paired): the spread
-    of the documents' own difficulty, which makes each cell's interval wide, cancels. The interval is the normal one
-    of the average of the cells' mean per-document differences, never narrower than 3/N either way (N documents:
-    where none of them disagrees, the share that would is below 3/N at 95%, the rule of three)."""
-    diffs = [[a - b for a, b in zip(c["scores"], r["scores"], strict=True)] for c, r in zip(cells, base_cells)]
-    count = sum(len(d) for d in diffs)
-    if not count:
-        raise ValueError("paired_difference needs the cells' per-document scores")
-    mean = sum(sum(d) / len(d) for d in diffs) / len(diffs)
-    variance = sum(_variance(d) / len(d) for d in diffs) / len(diffs) ** 2
-    half = max(z * math.sqrt(variance), 3 / count)
-    return 100 * mean, 100 * max(mean - half, -1.0), 100 * min(mean + half, 1.0)
-
-
-def _variance(values: list[float]) -> float:
-    """Sample variance; 1 (the most a difference in [-1, 1] can have, about) for a single value."""
-    if len(values) < 2:
-        return 1.0
-    mean = sum(values) / len(values)
-    return sum((v - mean) ** 2 for v in values) / (len(values) - 1)
 
 
 @register_task
