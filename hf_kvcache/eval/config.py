@@ -118,8 +118,9 @@ class RunOptions:
     stepwise: bool = field(
         default=False,
         metadata={
-            "help": "score one token per forward (by default perplexity and repeat take as many tokens per forward "
-            "as each cache says give decoding's logits exactly: the same numbers to float rounding, fewer forwards)"
+            "help": "score one token per forward (by default perplexity, repeat and stream take as many tokens per "
+            "forward as each cache says give decoding's logits exactly: the same numbers to float rounding, fewer "
+            "forwards)"
         },
     )
 
