@@ -20,9 +20,10 @@ The first row (``dynamic``, through the cache) is the baseline of the change col
     python benchmarks/kivi_ablation.py --model smollm2 --threads 2 --json docs/results/kivi-ablation.json
 
 Defaults: 2,048 tokens of the held-out text in 1,024-token windows, 256 unscored prefill tokens per window (1,536
-tokens scored), fed through the caches 4 tokens per forward (``--chunk 1``: one per forward, about 4x slower). A
-query then sees at most 3 more tokens exact than in pure decoding, out of a history of 256 to 1,023 whose last 128
-are exact anyway (the residual).
+tokens scored), fed through the caches 4 tokens per forward. A query then sees at most 3 more tokens exact than in
+decoding, out of a history of 256 to 1,023 whose last 128 are exact anyway (the residual). ``--chunk 1`` gives
+decoding's logits exactly (:mod:`hf_kvcache.scoring`: the per-channel rows in forwards of up to a group, the
+per-token-key rows, which encode every token, one token per forward: slower overall).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--context", type=int, default=1024, help="tokens per window")
     parser.add_argument("--prefill", type=int, default=256, help="unscored tokens per window")
     parser.add_argument(
-        "--chunk", type=int, default=4, help="tokens per scored forward through the caches (1: pure decode)"
+        "--chunk", type=int, default=4, help="tokens per scored forward through the caches (1: decoding's logits)"
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None, help="write the rows and the settings here")
