@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvcache.cli import main
-from hf_kvcache.eval import EvalConfig, build_passkey_document, repeat_nll, run_eval
+from hf_kvcache.eval import EvalConfig, build_passkey_document, format_eval_table, repeat_nll, run_eval
 from hf_kvcache.eval.tasks.passkey import needle
 
 torch.set_num_threads(1)
@@ -239,6 +239,9 @@ def test_scoring_tasks_give_the_same_numbers_stepwise_in_fewer_forwards(referenc
     sizes.clear()
     stepwise = run_eval(config.replace(stepwise=True), model, tokenizer)
     assert not sizes and stepwise["config"]["stepwise"] is True
+    assert list(merged["seconds"]) == ["perplexity", "repeat", "stream"]  # each task's wall time, every cache
+    assert all(s >= 0 for s in merged["seconds"].values())
+    assert "Wall time" in format_eval_table(merged)
     for a, b in zip(merged["results"], stepwise["results"]):
         assert a["perplexity"]["tokens_scored"] == b["perplexity"]["tokens_scored"]
         assert a["perplexity"]["cache_bytes"] == b["perplexity"]["cache_bytes"]

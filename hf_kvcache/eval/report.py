@@ -62,6 +62,10 @@ def format_eval_table(results: dict) -> str:
     blocks = []
     for task in _tasks(results):
         blocks.append(f"**{task.title or task.name}**\n\n{task.table(results)}")
+    seconds = results.get("seconds")  # runs saved before the harness timed its tasks have none
+    if seconds:
+        each = ", ".join(f"{name} {s:.0f} s" for name, s in seconds.items())
+        blocks.append(f"Wall time {sum(seconds.values()):.0f} s: {each} (every cache, on {results['device']}).")
     return "\n\n".join(blocks)
 
 

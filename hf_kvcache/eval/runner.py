@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import platform
+import time
 
 import torch
 
@@ -161,7 +162,9 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, shard: tuple[int, i
     text = load_text(config.dataset)
     data = EvalData(model, tokenizer, tokenize(tokenizer, text[: 16 * limit])[:limit])
     entries = [{"cache": spec} for spec in config.caches]
+    seconds = {}  # each task's wall time over every cache, documents and model forwards included
     for task in tasks:
+        started = time.perf_counter()
         units = task.units(config)
         label = f"{task.name} x {len(entries)} caches"
         update, close = _progress(units * len(entries) if units is not None else None, label, config.quiet)
@@ -170,12 +173,14 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, shard: tuple[int, i
             entry[task.name] = result
         close()
         task.finish([entry[task.name] for entry in entries])
+        seconds[task.name] = round(time.perf_counter() - started, 1)
     results = {
         "config": config.as_dict()
         | {"model": config.model or default_model(), "dataset": config.dataset or "reference"}
         | {"task": [t.name for t in tasks]},
         "device": str(data.device),
         "versions": _versions(),
+        "seconds": seconds,
         "results": entries,
     }
     bad = _non_finite(results)
