@@ -283,7 +283,8 @@ def paired_difference(cells: list[dict], base_cells: list[dict], z: float = 1.96
     spread of the documents' own difficulty, which makes each cell's interval wide, cancels. The interval is the
     normal one of the average of the cells' mean per-document differences, never narrower than 3/N either way (N
     documents: where none of them disagrees, the share that would is below 3/N at 95%, the rule of three)."""
-    diffs = [[a - b for a, b in zip(c["scores"], r["scores"], strict=True)] for c, r in zip(cells, base_cells)]
+    pairs = zip(cells, base_cells, strict=True)  # the same cells, then the same documents in each
+    diffs = [[a - b for a, b in zip(c["scores"], r["scores"], strict=True)] for c, r in pairs]
     count = sum(len(d) for d in diffs)
     if not count:
         raise ValueError("paired_difference needs the cells' per-document scores")
