@@ -37,9 +37,9 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from ._validate import check_int
+from ._validate import check_bool, check_int
 from .registry import check_spec, make_cache
-from .scoring import decode_equivalent_tokens
+from .scoring import decode_equivalent_tokens, tokens_per_forward
 
 __all__ = ["HFKVCacheLM", "MODEL_NAME", "main", "write_passkey_task"]
 
@@ -62,15 +62,14 @@ class HFKVCacheLM(HFLM):
         check_spec(str(cache))  # a bad spec fails before the model loads
         check_int("chunk", chunk, 1)
         check_int("prefill_chunk", prefill_chunk, 1)
-        if not isinstance(stepwise, bool):
-            raise ValueError(f"stepwise must be True or False, got {stepwise!r}")
+        check_bool("stepwise", stepwise)
         super().__init__(*args, **kwargs)
         if self.backend != "causal":
             raise ValueError(
                 f"{MODEL_NAME} scores causal LMs through a KV cache; this model's backend is {self.backend}"
             )
         self.cache_spec, self.chunk, self.prefill_chunk = str(cache), chunk, prefill_chunk
-        self.per_forward = chunk if chunk > 1 or stepwise else None  # None: what the cache allows
+        self.per_forward = tokens_per_forward(chunk, stepwise)  # None: what the cache allows
         make_cache(self.cache_spec, self.model)  # option values checked against the model's config now
 
     def _fresh_cache(self):

@@ -39,7 +39,9 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
-__all__ = ["decode_equivalent_tokens", "layer_decode_equivalent_tokens", "teacher_forced"]
+from ._validate import check_int
+
+__all__ = ["decode_equivalent_tokens", "teacher_forced", "tokens_per_forward"]
 
 # transformers' layers that store what they are given and read it back unchanged (its quantized layers subclass
 # DynamicLayer and re-quantize: matched by exact type, not isinstance)
@@ -53,7 +55,7 @@ _EXACT_LAYERS = (
 )
 
 
-def layer_decode_equivalent_tokens(layer, limit: int) -> int:
+def _layer_tokens(layer, limit: int) -> int:
     """How many of the next tokens, at most ``limit``, one forward can take through ``layer`` with the logits and
     stored state of one forward per token: the layer's own answer, ``limit`` for transformers' exact layers, else 1."""
     own = getattr(layer, "decode_equivalent_tokens", None)
@@ -71,12 +73,17 @@ def decode_equivalent_tokens(cache: Cache, limit: int) -> int:
     >>> decode_equivalent_tokens(DynamicCache(), 100)
     100
     """
-    if limit < 1:
-        raise ValueError(f"limit must be a positive number of tokens, got {limit!r}")
+    check_int("limit", limit, 1)
     layers = getattr(cache, "layers", None)
     if not layers:
         return limit if type(cache) is DynamicCache else 1  # its layers come with the first forward
-    return max(1, min(layer_decode_equivalent_tokens(layer, limit) for layer in layers))
+    return max(1, min(_layer_tokens(layer, limit) for layer in layers))
+
+
+def tokens_per_forward(chunk: int, stepwise: bool) -> int | None:
+    """What :func:`teacher_forced` is passed for a ``chunk`` option and a ``stepwise`` switch: ``chunk`` above 1
+    (chunked scoring), 1 when ``stepwise``, else None (decoding's logits in as few forwards as the cache allows)."""
+    return chunk if chunk > 1 or stepwise else None
 
 
 @torch.inference_mode()
@@ -87,8 +94,8 @@ def teacher_forced(
     padding), and yield ``(start, logits)`` per forward: the logits ``(B, m, V)`` of ``input_ids[:, start:start +
     m]``. ``chunk``: tokens per forward (1: decoding; larger: chunked scoring, another protocol); None (the default):
     as many as :func:`decode_equivalent_tokens` allows, which gives decoding's logits in fewer forwards."""
-    if chunk is not None and chunk < 1:
-        raise ValueError(f"chunk must be None or a positive number of tokens, got {chunk!r}")
+    if chunk is not None:
+        check_int("chunk", chunk, 1)
     b, n = input_ids.shape
     start = 0
     while start < n:

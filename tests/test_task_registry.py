@@ -194,3 +194,11 @@ def test_the_config_reads_every_registered_task_and_refuses_unknown_keywords(myt
     assert EvalConfig.from_dict(config.as_dict() | {"no_such_option": 1}).as_dict() == config.as_dict()
     with pytest.raises(TypeError, match="unknown option"):
         EvalConfig(my_opton=5)
+
+
+@pytest.mark.parametrize("flag", ["stepwise", "separate_prefill"])
+def test_the_run_switches_refuse_anything_but_true_or_false(flag):
+    for value in (True, False):
+        EvalConfig(**{flag: value}).validate()
+    with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} must be True or False, got 'yes'"):
+        EvalConfig(**{flag: "yes"}).validate()

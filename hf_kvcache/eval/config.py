@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._validate import DTYPES, check_int
+from .._validate import DTYPES, check_bool, check_int
 from .data import DATASET_HELP, check_dataset
 from .tasks import TASKS, get_task
 from .tasks.base import option_fields, reserve
@@ -137,6 +137,8 @@ class RunOptions:
         for spec in self.caches:
             check_spec(spec)
         check_dataset(self.dataset)
+        check_bool("--separate-prefill", self.separate_prefill)
+        check_bool("--stepwise", self.stepwise)
 
 
 def _as_tuple(value):

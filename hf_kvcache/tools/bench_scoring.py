@@ -19,6 +19,7 @@ import time
 import torch
 
 from hf_kvcache import make_cache
+from hf_kvcache._validate import check_int
 from hf_kvcache.eval import window_perplexity
 from hf_kvcache.registry import check_spec
 
@@ -100,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         for spec in specs:
             check_spec(spec)
         for name in ("tokens", "context", "prefill", "rounds", "threads"):
-            if getattr(args, name) < 1:
-                raise ValueError(f"--{name} must be a positive integer, got {getattr(args, name)}")
+            check_int(f"--{name}", getattr(args, name), 1)
         if args.prefill >= args.context or args.tokens <= args.prefill:
             raise ValueError("--prefill must be below --context and --tokens above --prefill")
         torch.set_num_threads(args.threads)

@@ -42,7 +42,6 @@ __all__ = [
     "option_owners",
     "paired_difference",
     "register_task",
-    "tokens_per_forward",
     "wilson",
 ]
 
@@ -165,12 +164,6 @@ TASKS: dict[str, Task] = {}
 # Names the harness itself uses: the shared options of EvalConfig (added by hf_kvcache.eval.config), its attributes,
 # and the CLI's own destinations. No task option may take one.
 RESERVED: dict[str, str] = {"output": "the CLI", "command": "the CLI", "func": "the CLI"}
-
-
-def tokens_per_forward(chunk: int, stepwise: bool) -> int | None:
-    """What a scoring task passes :func:`hf_kvcache.scoring.teacher_forced`: ``chunk`` above 1 (chunked scoring),
-    1 with ``--stepwise``, else None (decoding's logits in as few forwards as each cache gives them exactly)."""
-    return chunk if chunk > 1 or stepwise else None
 
 
 def describe_forwards(chunk: int, stepwise: bool) -> str:

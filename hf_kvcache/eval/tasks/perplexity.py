@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache
 
 from ..._validate import check_int
 from ...compare import synchronize
-from .base import EvalData, Task, describe_forwards, model_context, register_task, tokens_per_forward
+from .base import EvalData, Task, describe_forwards, model_context, register_task
 
 __all__ = ["PerplexityOptions", "PerplexityResult", "window_perplexity", "windows"]
 
@@ -144,7 +144,7 @@ def window_perplexity(
     of the forwards :func:`~hf_kvcache.scoring.decode_equivalent_tokens` allows (the same numbers to rounding).
     """
     from ...memory import cache_nbytes
-    from ...scoring import teacher_forced
+    from ...scoring import teacher_forced, tokens_per_forward
 
     check_int("chunk", chunk, 1)
     per_forward = tokens_per_forward(chunk, stepwise)
@@ -155,8 +155,8 @@ def window_perplexity(
         batch = batch.to(device)
         b, length = batch.shape
         cache = make_cache()
-        mask = torch.ones_like(batch)
-        logits = model(input_ids=batch[:, :prefill], attention_mask=mask[:, :prefill], past_key_values=cache).logits
+        prompt = batch[:, :prefill]
+        logits = model(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache).logits
         total += token_nll(logits[:, -1:], batch[:, prefill : prefill + 1]).sum().item()
         count += b
         synchronize(device)

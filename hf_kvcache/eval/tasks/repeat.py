@@ -23,15 +23,7 @@ import torch
 
 from ..._validate import check_int
 from ...prefill import SharedPrefill
-from .base import (
-    DocumentTask,
-    EvalData,
-    cache_for,
-    describe_forwards,
-    model_context,
-    register_task,
-    tokens_per_forward,
-)
+from .base import DocumentTask, EvalData, cache_for, describe_forwards, model_context, register_task
 from .perplexity import token_nll
 
 __all__ = ["RepeatOptions", "repeat_nll"]
@@ -72,7 +64,7 @@ def repeat_nll(
     copy scored through ``cache`` after ``P + G`` went into it (see the module docstring). ``prefill``: ``P + G``'s
     prefill (:func:`repeat_prefill`), already stored in ``cache``, whose logits give the first copy's NLL.
     ``stepwise``: with ``chunk=1``, one token per forward (the same numbers to rounding, more forwards)."""
-    from ...scoring import teacher_forced
+    from ...scoring import teacher_forced, tokens_per_forward
 
     device = next(model.parameters()).device
     passages, gaps = passages.to(device), gaps.to(device)

@@ -40,13 +40,7 @@ from ..._validate import check_int
 from .base import DocumentTask, EvalData, cache_for, check_lengths_fit, paired_difference, register_task, wilson
 from .passkey import _encode, chat_parts, passkey_answer
 
-__all__ = [
-    "RULER_TASKS",
-    "RulerDocument",
-    "RulerOptions",
-    "build_ruler_document",
-    "string_match_all",
-]
+__all__ = ["RULER_TASKS", "RulerDocument", "RulerOptions", "build_ruler_document", "string_match_all"]
 
 # (needles with distinct keys, values per key, keys asked for, answer tokens); vt is built apart
 NIAH = {

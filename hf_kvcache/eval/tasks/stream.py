@@ -16,7 +16,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..._validate import check_int
-from .base import EvalData, Task, describe_forwards, register_task, tokens_per_forward
+from .base import EvalData, Task, describe_forwards, register_task
 from .perplexity import token_nll
 
 __all__ = ["StreamOptions", "StreamResult", "stream_perplexity"]
@@ -73,7 +73,7 @@ def stream_perplexity(
     """Score a long 1-D stream through one cache; NLL per bucket of ``bucket_size`` positions. ``stepwise``: with
     ``chunk=1``, one token per forward instead of the forwards the cache allows (the same numbers to rounding)."""
     from ...memory import cache_nbytes
-    from ...scoring import decode_equivalent_tokens
+    from ...scoring import decode_equivalent_tokens, tokens_per_forward
 
     if input_ids.dim() != 1 or input_ids.numel() <= prefill:
         raise ValueError(f"input_ids must be a 1-D stream longer than prefill={prefill}")
