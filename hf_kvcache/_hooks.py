@@ -2,8 +2,9 @@
 
 transformers hands a cache layer keys and values only. Caches that need more of a forward (the attention mask, to
 know each row's left padding) are told by this hook: it runs before every forward of the model and, when the forward
-is passed one of our caches as ``past_key_values``, calls that cache's ``before_forward(kwargs)``. Forwards with any
-other cache (or none) cost one dictionary lookup.
+is passed one of our caches (as ``cache``, or as ``past_key_values``: transformers before 5.24, remote code, a
+caller's deprecated spelling), calls that cache's ``before_forward(kwargs)``. Forwards with any other cache (or none)
+cost two dictionary lookups.
 
 The hook holds no reference to any cache. It is registered when the first cache is built from a model and removed
 when the last such cache is garbage collected, so a thousand live caches still mean one hook.
@@ -14,6 +15,8 @@ from __future__ import annotations
 import weakref
 
 import torch
+
+from ._compat import passed_cache
 
 __all__ = ["ForwardObserver", "hook_count", "observe_forwards"]
 
@@ -35,7 +38,7 @@ _HOOKS: weakref.WeakKeyDictionary[torch.nn.Module, _ModelHook] = weakref.WeakKey
 
 
 def _before_forward(module, args, kwargs):
-    cache = kwargs.get("past_key_values")
+    cache = passed_cache(kwargs)
     if isinstance(cache, ForwardObserver):
         cache.before_forward(kwargs)
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ._compat import with_cache
 from ._validate import check_choice, check_int
 from .caches.quantized import QuantizedKVCache
 from .layer_widths import KEY_WIDTHS, LayerKeyWidths, check_budget
@@ -105,7 +106,7 @@ def search_key_bits(
     tail = input_ids[:, context:]
 
     def log_probs(cache) -> torch.Tensor:
-        logits = model(input_ids=tail, past_key_values=prefill.into(cache)).logits
+        logits = model(input_ids=tail, **with_cache(model, prefill.into(cache))).logits
         return torch.log_softmax(logits.float(), dim=-1)
 
     exact = log_probs(every_token_cache(model))

@@ -19,6 +19,7 @@ from transformers import (
 )
 from transformers.cache_utils import Cache
 
+from ._compat import with_cache
 from .memory import cache_nbytes
 from .registry import make_cache
 
@@ -81,7 +82,7 @@ def timed_generate(model, inputs, cache: Cache, max_new_tokens: int, **generate_
     synchronize(model.device)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, **generate_kwargs)
+        out = model.generate(**inputs, **with_cache(model, cache), max_new_tokens=max_new_tokens, **generate_kwargs)
     synchronize(model.device)
     return out, time.perf_counter() - start
 
@@ -175,7 +176,7 @@ def time_decode_interleaved(
             with torch.inference_mode():
                 out = model.generate(
                     **inputs,
-                    past_key_values=cache,
+                    **with_cache(model, cache),
                     max_new_tokens=new_tokens,
                     **(generate_kwargs | {"stopping_criteria": criteria}),
                 )
@@ -201,7 +202,7 @@ def generation_peak_bytes(model, inputs: dict, make_cache: Callable[[], Cache], 
     kwargs = {"do_sample": False, "min_new_tokens": new_tokens} | kwargs
     cache = make_cache()
     with PeakTensorBytes() as tracker, torch.inference_mode():
-        model.generate(**inputs, past_key_values=cache, max_new_tokens=new_tokens, **kwargs)
+        model.generate(**inputs, **with_cache(model, cache), max_new_tokens=new_tokens, **kwargs)
     return model_nbytes(model) + tracker.peak_bytes
 
 

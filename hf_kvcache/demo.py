@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import StoppingCriteriaList
 
+from ._compat import with_cache
 from ._validate import check_int, dtype_name
 from .compare import LOGIT_BOUNDS, StepClock, synchronize
 from .memory import cache_nbytes, dynamic_bytes_per_token
@@ -96,7 +97,7 @@ def _generate(model, tokenizer, prompts: list[str], spec: str, new_tokens: int):
     with torch.inference_mode():
         out = model.generate(
             **batch,
-            past_key_values=cache,
+            **with_cache(model, cache),
             max_new_tokens=new_tokens,
             do_sample=False,
             stopping_criteria=StoppingCriteriaList([clock]),

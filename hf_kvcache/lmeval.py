@@ -37,6 +37,7 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
+from ._compat import with_cache
 from ._validate import check_bool, check_int
 from .registry import check_spec, make_cache
 from .scoring import decode_equivalent_tokens, tokens_per_forward
@@ -150,14 +151,14 @@ class HFKVCacheLM(HFLM):
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
         positions = (mask.cumsum(-1) - 1).clamp_min(0)[:, -ids.shape[1] :]
         out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+            input_ids=ids, attention_mask=mask, position_ids=positions, **with_cache(self.model, cache), use_cache=True
         )
         return out.logits
 
     # -- generation through the cache ---------------------------------------------------------------------------
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
-        generation_kwargs["past_key_values"] = self._fresh_cache()
+        generation_kwargs.update(with_cache(self.model, self._fresh_cache()))
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
 

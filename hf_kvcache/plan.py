@@ -34,9 +34,11 @@ from pathlib import Path
 
 import torch
 
+from ._compat import with_cache
 from ._config import LayerSpec, has_state_layers, layer_specs, model_type, resolve_config
 from ._validate import check_int, dtype_from_name
 from .attention import ATTENTION
+from .layers._common import check_takes_a_cache
 from .layers.window import dynamic_layer_nbytes
 from .registry import check_spec, make_cache, parse_spec
 
@@ -148,6 +150,8 @@ def kv_bytes(
     check_int("batch", batch, 1)
     check_int("tp", tp, 1)
     model = config if isinstance(config, torch.nn.Module) else None  # its attention modules may override widths
+    if model is not None:
+        check_takes_a_cache(model, resolve_config(config))
     layer_specs(resolve_config(config), "plan", tp)  # the degree must divide every layer's KV heads
     if tp > 1:
         return kv_bytes(spec, config, tokens, batch, dtype, prompt) // tp
@@ -222,7 +226,7 @@ def _measure_states(config, dtype: torch.dtype) -> int:
     cache = DynamicCache(config=model.config)
     ids = torch.zeros((1, 4), dtype=torch.long, device="meta")
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, **with_cache(model, cache), use_cache=True)
     return recurrent_state_bytes(cache)
 
 

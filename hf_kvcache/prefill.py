@@ -32,6 +32,7 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
+from ._compat import with_cache
 from ._config import has_indexed_layers, has_state_layers, resolve_config
 from .layers._common import KVLayer
 from .layers.inside import AttentionInside
@@ -183,12 +184,13 @@ class SharedPrefill:
         if input_ids.ndim != 2 or input_ids.shape[1] < 1:
             raise ValueError(f"input_ids must be (batch, tokens) with at least one token, got {tuple(input_ids.shape)}")
         once = every_token_cache(model)
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "past_key_values": once}
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, **with_cache(model, once)}
         with torch.no_grad():
             try:  # the last positions' logits only: a long prompt's full logits can take more memory than its K/V
                 logits = model(**inputs, logits_to_keep=logits_to_keep).logits
             except TypeError:  # a model whose forward has no logits_to_keep
-                once = inputs["past_key_values"] = every_token_cache(model)
+                once = every_token_cache(model)
+                inputs.update(with_cache(model, once))
                 logits = model(**inputs).logits[:, -logits_to_keep:]
         self.logits = logits
         # per layer its K/V, or the layer itself where store_prefill copies more: a hybrid model's recurrent states,

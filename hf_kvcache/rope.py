@@ -259,7 +259,9 @@ def rotary_spec(
         )
     if module is None and declines_rope(config):
         return None
-    if module is None:
+    # GPT-J / CodeGen rotate by a sinusoidal table: in their attention modules before transformers 5.24, in a
+    # rotary module with no inverse frequencies since
+    if module is None or getattr(config, "model_type", None) in _SINUSOIDAL_TABLE_MODELS:
         spec = _table_spec(model_or_config, config, way_out)
         if spec is None and any(getattr(config, hint, None) for hint in _ROPE_HINTS):
             hints = [hint for hint in _ROPE_HINTS if getattr(config, hint, None)]

@@ -39,6 +39,7 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
+from ._compat import with_cache
 from ._validate import check_int
 
 __all__ = ["decode_equivalent_tokens", "teacher_forced", "tokens_per_forward"]
@@ -102,6 +103,6 @@ def teacher_forced(
         size = chunk if chunk is not None else decode_equivalent_tokens(cache, n - start)
         stop = min(start + size, n)
         mask = torch.ones(b, past_tokens + stop, dtype=torch.long, device=input_ids.device)
-        logits = model(input_ids=input_ids[:, start:stop], attention_mask=mask, past_key_values=cache).logits
+        logits = model(input_ids=input_ids[:, start:stop], attention_mask=mask, **with_cache(model, cache)).logits
         yield start, logits
         start = stop

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import hf_kvcache  # noqa: F401  (registers the hf_kvcache attention implementation)
+from hf_kvcache._compat import CACHE_ARG
 from hf_kvcache.tools.tiny import TINY_FAMILIES, TINY_VOCAB
 
 VOCAB = TINY_VOCAB
@@ -183,7 +184,7 @@ def generate(model, cache, inputs: dict, new: int = 8, **kwargs):
     torch.manual_seed(1234)
     with torch.no_grad():
         return model.generate(
-            **inputs, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, output_logits=True,
+            **inputs, **{CACHE_ARG: cache}, max_new_tokens=new, min_new_tokens=new, output_logits=True,
             return_dict_in_generate=True, **({"do_sample": False} | kwargs),
         )  # fmt: skip
 

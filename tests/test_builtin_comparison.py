@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, QuantizedCache
 from transformers.cache_utils import Cache
 
 from hf_kvcache import PagedKVCache, QuantizedKVCache, SlidingWindowKVCache
+from hf_kvcache._compat import with_cache
 
 # The observations are the ones benchmarks/compare_builtin.py prints, so the table and these assertions cannot differ.
 from hf_kvcache.tools.peers import count_quantized, crop_observables, random_kv, row0_error
@@ -90,7 +91,16 @@ SPECULATIVE = {
 @pytest.mark.parametrize("backend", MODULES)
 @pytest.mark.parametrize("mode", SPECULATIVE)
 def test_builtin_breaks_speculative_decoding_in_crop(mode, backend):
+    """transformers 5.23 lets speculative decoding crop a quantized cache and fails inside ``crop``; 5.24 asks the
+    cache first (``is_croppable``, False for its quantized layers) and refuses before the first draft."""
     model = tiny_model("llama")
+    probe = builtin(backend, model)
+    with torch.no_grad():
+        model(**repetitive_prompt(), **with_cache(model, probe))
+    if not probe.is_croppable:
+        with pytest.raises(ValueError, match="requires a cache that can be cropped"):
+            generate(model, repetitive_prompt(), builtin(backend, model), **SPECULATIVE[mode]())
+        return
     with pytest.raises(IndexError, match="too many indices") as info:
         generate(model, repetitive_prompt(), builtin(backend, model), **SPECULATIVE[mode]())
     assert info.traceback[-1].name == "crop"  # rejected candidates: DynamicLayer.crop on an empty residual

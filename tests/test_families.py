@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from models import EXTRA_FAMILIES, VOCAB, extra_model, prompt, tiny_model
+from models import EXTRA_FAMILIES, PAD, VOCAB, extra_model, prompt, tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from hf_kvcache import PagedKVCache, QuantizedKVCache, SlidingWindowKVCache, make_cache
@@ -215,11 +215,23 @@ def test_softcap_and_sinks_change_the_outputs_of_these_models(family, attribute)
 def test_hf_kvcache_attention_is_refused_where_the_model_bypasses_attention_interface(family, spec):
     """BLOOM and CodeGen run their own attention code (``_supports_attention_backend = False``): loaded with the
     ``hf_kvcache`` attention (transformers accepts it), they would be handed a storage handle they cannot read.
-    Every cache built from such a model refuses it in one line; under eager the same model is served."""
+    Every cache built from such a model refuses it in one line; under eager the same model is served. CodeGen calls
+    the AttentionInterface since transformers 5.24: there the hf_kvcache attention serves it, as eager does."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        # its own model: the refusal branch below switches its attention (extra_model's are shared)
+        torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(EXTRA_FAMILIES[family](), attn_implementation="hf_kvcache").eval()
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = PAD, None
     assert model.config._attn_implementation == "hf_kvcache"
+    if getattr(type(model), "_supports_attention_backend", False):
+        out = _generate(model, make_cache(spec, model), "padded")
+        eager = extra_model(family, "eager")  # the same seed: the same weights
+        ref = _generate(eager, make_cache(spec, eager), "padded")
+        torch.testing.assert_close(out.sequences, ref.sequences, rtol=0, atol=0)
+        for got, want in zip(out.logits, ref.logits):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        return
     with pytest.raises(ValueError, match=rf"model_type '{family}'.*AttentionInterface.*'sdpa' or 'eager'") as err:
         make_cache(spec, model)
     assert "\n" not in str(err.value)
@@ -271,7 +283,7 @@ def test_models_without_a_kv_cache_are_refused_by_name():
         make_cache("int8", RwkvConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2))
     model = OpenAIGPTLMHeadModel(OpenAIGPTConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4))
     for spec in ("int8", "paged", "sink:window=64"):
-        with pytest.raises(ValueError, match=r"model_type 'openai-gpt'\) takes no past_key_values"):
+        with pytest.raises(ValueError, match=r"model_type 'openai-gpt'\) takes no cache argument"):
             make_cache(spec, model)
 
 

@@ -12,6 +12,7 @@ from models import prompt, tiny_model
 from transformers import DynamicCache
 
 from hf_kvcache import make_cache
+from hf_kvcache._compat import CACHE_ARG, returned_cache
 
 NEW_TOKENS = 16
 
@@ -24,7 +25,7 @@ def _generate(family, attn, batch, mode, cache, max_new_tokens=NEW_TOKENS, input
     torch.manual_seed(1234)
     return model.generate(
         **(inputs or prompt(batch)),
-        past_key_values=cache,
+        **{CACHE_ARG: cache},  # the name this transformers release takes (past_key_values before 5.24)
         max_new_tokens=max_new_tokens,
         min_new_tokens=max_new_tokens,
         output_logits=True,
@@ -58,7 +59,7 @@ def test_generate_matches_dynamic_cache(case, family, attn, batch, mode):
     out = _generate(family, cache_attn, batch, mode, cache)
 
     assert out.sequences.shape == ref.sequences.shape
-    assert out.past_key_values is cache
+    assert returned_cache(out) is cache
     if case.lossless:
         torch.testing.assert_close(out.sequences, ref.sequences, rtol=0, atol=0)
         for got, want in zip(out.logits, ref.logits):

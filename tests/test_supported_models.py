@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
+import transformers
 
 ROOT = Path(__file__).resolve().parent.parent
 from hf_kvcache.tools import supported_models  # noqa: E402
@@ -16,13 +17,26 @@ from hf_kvcache.tools import supported_models  # noqa: E402
 SAVED = json.loads(supported_models.SAVED.read_text())
 
 
-def test_the_results_cover_every_causal_lm_type_of_the_installed_transformers():
-    import transformers
+def _minor(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".")[:2])
 
+
+# The page records one release (the newest supported: what CI installs). Under an older supported minor its cells
+# are another release's (which models route attention through the AttentionInterface, which exist), so the checks
+# that re-run models against it are skipped there; a patch release of the page's minor must re-run the matrix.
+OTHER_MINOR = pytest.mark.skipif(
+    _minor(transformers.__version__) != _minor(SAVED["transformers"]),
+    reason=f"docs/supported-models.md records transformers {SAVED['transformers']}; this is {transformers.__version__}",
+)
+
+
+@OTHER_MINOR
+def test_the_results_cover_every_causal_lm_type_of_the_installed_transformers():
     assert SAVED["transformers"] == transformers.__version__, "re-run scripts/supported_models.py --run"
     assert sorted(SAVED["families"]) == sorted(supported_models.rows())
 
 
+@OTHER_MINOR  # the render groups refusals by taking out the installed release's model type names
 def test_the_page_is_rendered_from_the_results():
     assert supported_models.PAGE.read_text() == supported_models.render(SAVED), (
         "docs/supported-models.md is stale: python scripts/supported_models.py --write"
@@ -48,6 +62,7 @@ def test_refusals_are_one_line_and_name_the_model_type():
                     assert "\n" not in cell["detail"] and "'" in cell["detail"], (model_type, column, cell)
 
 
+@OTHER_MINOR
 @pytest.mark.parametrize("model_type", supported_models.SPREAD)
 def test_a_spread_of_the_matrix_reproduces_its_saved_cells(model_type):
     """Statuses and refusal reasons equal the saved ones; lossy errors agree to rounding (same torch build)."""

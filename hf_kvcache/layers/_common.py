@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from .._compat import CACHE_NAMES
 from .._config import LayerSpec, has_state_layers
 from ..attention import MAX_DECODE_QUERY, is_hf_kvcache_attention
 
@@ -82,13 +83,23 @@ class BatchOpsMixin:
         self._map_batch(lambda t: t.index_select(0, index.to(t.device)), len(index))
 
 
+def check_takes_a_cache(model, config) -> None:
+    """Refuse a model whose forward takes no cache argument (it keeps its own state, or none): no cache, and no plan
+    of one, can serve it."""
+    if not _takes_a_cache(model):
+        raise ValueError(
+            f"{type(model).__name__} (model_type {getattr(config, 'model_type', None)!r}) takes no cache argument "
+            "(neither cache nor past_key_values: it keeps its own state or none), so no KV cache can serve it"
+        )
+
+
 def _takes_a_cache(model) -> bool:
     forward = getattr(model, "forward", None)
     try:
         parameters = inspect.signature(forward).parameters
     except (TypeError, ValueError):
         return True  # nothing to read: let the first forward decide
-    return "past_key_values" in parameters  # every causal LM of transformers that takes a cache names it
+    return any(name in parameters for name in CACHE_NAMES)  # every causal LM of transformers that takes one
 
 
 def _hybrid_routing_attention(model, config) -> bool:
@@ -110,11 +121,8 @@ class AttentionMode:
         self.config = config
         self.fusable = fusable
         self.refusal = None
-        if model is not None and not _takes_a_cache(model):
-            raise ValueError(
-                f"{type(model).__name__} (model_type {self.model_type!r}) takes no "
-                "past_key_values (it keeps its own state or no cache), so no KV cache can serve it"
-            )
+        if model is not None:
+            check_takes_a_cache(model, config)
         if (
             model is not None
             and getattr(type(model), "_supports_attention_backend", True) is False

@@ -30,6 +30,10 @@ class ModelSlidingWindowLayer(DynamicSlidingWindowLayer):
     def batch_size(self) -> int | None:
         return self.keys.shape[0] if self.is_initialized and self.keys.numel() else None
 
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.dtype = key_states.dtype  # what check_same_state reads; transformers records it before 5.24 only
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.batch_size is not None:
             check_same_state(self, key_states)

@@ -30,6 +30,7 @@ from tabulate import tabulate
 from transformers import DynamicCache, QuantizedCache
 
 from hf_kvcache import load_model, make_cache, reference_text
+from hf_kvcache._compat import with_cache
 from hf_kvcache.eval.runner import tokenize
 from hf_kvcache.eval.tasks.perplexity import token_nll
 from hf_kvcache.prefill import store_prefill
@@ -50,7 +51,7 @@ def _prefill(model, ids: torch.Tensor) -> tuple[list, torch.Tensor]:
     """Every layer's K/V of one forward over ``ids`` (a cache that keeps every token), and its logits."""
     every = DynamicCache()
     with torch.inference_mode():
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=every).logits
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **with_cache(model, every)).logits
     return [(layer.keys, layer.values) for layer in every.layers], logits
 
 
@@ -68,7 +69,7 @@ def decode_cell(model, context: int, rows: int, runs: list[tuple[str, str]], ste
             with torch.inference_mode():
                 for step in range(steps + 1):
                     start = time.perf_counter()
-                    out = model(input_ids=token, attention_mask=mask, past_key_values=cache).logits
+                    out = model(input_ids=token, attention_mask=mask, **with_cache(model, cache)).logits
                     if step:  # the first step pays one-off allocations
                         times[(name, attn)].append(time.perf_counter() - start)
                     token, mask = out[:, -1:].argmax(-1), torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype)], 1)
@@ -101,7 +102,7 @@ def chunk_protocol(model, tokenizer, names: list[str], windows: int, rounds: int
                 with torch.inference_mode():
                     for a in range(512, 1023, chunk):
                         b = min(a + chunk, 1023)
-                        logits = model(input_ids=window[:, a:b], past_key_values=cache).logits
+                        logits = model(input_ids=window[:, a:b], **with_cache(model, cache)).logits
                         total += token_nll(logits, window[:, a + 1 : b + 1]).sum().item()
                 seconds[name][r] += time.perf_counter() - start
                 if r == 0:

@@ -20,6 +20,7 @@ import sys
 import torch
 
 from hf_kvcache import make_cache, quant
+from hf_kvcache._compat import with_cache
 from hf_kvcache.formats import kivi
 from hf_kvcache.registry import parse_spec
 
@@ -46,7 +47,7 @@ def stored_kv(model, ids: torch.Tensor, spec: str) -> tuple[list[tuple[torch.Ten
     kivi.KiviCodec.encode_into = recording
     try:
         with torch.no_grad():
-            model(ids, past_key_values=cache)
+            model(ids, **with_cache(model, cache))
     finally:
         kivi.KiviCodec.encode_into = encode_into
     return seen, cache.bits, cache.group_size

@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, QuantizedCache
 from transformers.cache_utils import Cache
 
 from hf_kvcache import PagedKVCache, QuantizedKVCache, SlidingWindowKVCache
+from hf_kvcache._compat import with_cache
 from hf_kvcache.tools.tiny import TINY_FAMILIES, TINY_VOCAB, tiny_llama
 
 # The behaviour rows: head_dim 16, so one quantization group of 16 spans a head; a residual of 16 tokens fills
@@ -82,7 +83,7 @@ def repetitive_inputs() -> dict:
 def generate(model, inputs: dict, cache: Cache | None, new_tokens: int, **kwargs) -> torch.Tensor:
     kwargs.setdefault("do_sample", False)
     with torch.inference_mode():
-        return model.generate(**inputs, past_key_values=cache, max_new_tokens=new_tokens, **kwargs)
+        return model.generate(**inputs, **with_cache(model, cache), max_new_tokens=new_tokens, **kwargs)
 
 
 def compare_tokens(out: torch.Tensor, ref: torch.Tensor, prompt_len: int) -> str:
@@ -279,7 +280,7 @@ def probe_prompt_precision(factory):
     model, inputs = small_model(), make_inputs()
     cache = factory(model)
     with torch.inference_mode():
-        model(**inputs, past_key_values=cache, use_cache=True)
+        model(**inputs, **with_cache(model, cache), use_cache=True)
     n = inputs["input_ids"].shape[1]
     return f"{full_precision_tokens(cache.layers[0])} of the {n} prompt tokens kept in full precision"
 
@@ -366,10 +367,10 @@ def teacher_forced_logits(model, ids: torch.Tensor, cache: Cache, prompt: int) -
     """Logits of every position after the prompt, one token per forward, through ``cache``."""
     steps = []
     with torch.inference_mode():
-        out = model(input_ids=ids[:, :prompt], past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids[:, :prompt], **with_cache(model, cache), use_cache=True)
         steps.append(out.logits[:, -1])
         for t in range(prompt, ids.shape[1] - 1):
-            steps.append(model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+            steps.append(model(input_ids=ids[:, t : t + 1], **with_cache(model, cache), use_cache=True).logits[:, -1])
     return torch.stack(steps, 1)
 
 

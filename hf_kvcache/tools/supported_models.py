@@ -314,7 +314,9 @@ def _prompt(vocab: int) -> dict:
 
 
 def _generate(model, cache):
-    kwargs = {} if cache is None else {"past_key_values": cache}
+    from hf_kvcache._compat import with_cache
+
+    kwargs = {} if cache is None else with_cache(model, cache)
     with torch.no_grad():
         return model.generate(
             **_prompt(model.config.get_text_config().vocab_size or VOCAB),
@@ -346,17 +348,24 @@ def _compare(ref, out, lossless: bool, rows=slice(None)) -> tuple[str | None, fl
     prompt_len = ref.sequences.shape[1] - NEW_TOKENS
     differ = (got != want).any(0).nonzero()
     last = int(differ[0]) - prompt_len if len(differ) else NEW_TOKENS - 1
-    ratio = max(
-        float(((out.logits[step] - ref.logits[step]).abs().amax(-1) / ref.logits[step].std(-1)).max())
-        for step in range(last + 1)
-    )
+    ratio = max(float(_relative_error(out.logits[step], ref.logits[step]).max()) for step in range(last + 1))
     return None, ratio
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Per row, max |logit error| / std of the baseline's logits; where the baseline's logits are all equal (a tiny
+    random XLM's are), 0 for no error and inf for any, rather than 0 / 0."""
+    error, spread = (got - want).abs().amax(-1), want.std(-1)
+    flat = torch.where(error == 0, 0.0, float("inf"))
+    return torch.where(spread > 0, error / spread.clamp_min(torch.finfo(spread.dtype).tiny), flat)
 
 
 def attends_to_padding(model) -> bool:
     """Whether the model's outputs depend on what its left-padding tokens are (GIT widens a text-only mask by its
     image tokens, so the mask no longer lines up): caches that store no padding cannot match such a model there."""
     from transformers import DynamicCache
+
+    from hf_kvcache._compat import with_cache
 
     prompt = _prompt(VOCAB)
     other = dict(prompt, input_ids=prompt["input_ids"].where(prompt["attention_mask"].bool(), 5))
@@ -365,7 +374,7 @@ def attends_to_padding(model) -> bool:
         with torch.no_grad():
             out = model.generate(
                 **inputs,
-                past_key_values=DynamicCache(config=model.config),
+                **with_cache(model, DynamicCache(config=model.config)),
                 max_new_tokens=2,
                 do_sample=False,
                 output_logits=True,
@@ -413,6 +422,7 @@ def _ragged_cell(model, model_type: str) -> dict:
     """A batch of a short and a long row, left-padded, through ``RAGGED_SPEC`` (int2's defaults: sinks, rotation,
     pre-RoPE keys where the model has RoPE): the cache must hold what ``kv_bytes`` plans for two long rows."""
     from hf_kvcache import make_cache
+    from hf_kvcache._compat import with_cache
     from hf_kvcache.plan import kv_bytes
 
     short, long = RAGGED
@@ -423,7 +433,7 @@ def _ragged_cell(model, model_type: str) -> dict:
     try:
         cache = make_cache(RAGGED_SPEC, model)
         with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+            model(input_ids=ids, attention_mask=mask, **with_cache(model, cache))
         held = cache.nbytes - cache.state_nbytes  # a hybrid's recurrent states: not per-token K/V, not planned
         planned = kv_bytes(RAGGED_SPEC, model, tokens=max(long, cache.get_seq_length()), batch=2, dtype=model.dtype)
     except Exception as error:  # noqa: BLE001
@@ -438,6 +448,7 @@ def _plan_cell(model, model_type: str) -> dict:
     and ``state_bytes`` against the recurrent states it holds (a hybrid model's; none for the others)."""
     from transformers import DynamicCache
 
+    from hf_kvcache._compat import with_cache
     from hf_kvcache.memory import recurrent_state_bytes
     from hf_kvcache.plan import kv_bytes, state_bytes
 
@@ -445,14 +456,16 @@ def _plan_cell(model, model_type: str) -> dict:
     cache = DynamicCache(config=model.config)
     try:
         with torch.no_grad():
-            model(**inputs, past_key_values=cache)
+            model(**inputs, **with_cache(model, cache))
     except Exception as error:  # noqa: BLE001  (the generate above ran: a failure here is the model's, recorded)
         return {"status": "n/a", "detail": "prefill: " + _line(error)}
     layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]  # not linear attention
     held = sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
     held += sum(t.nbytes for layer in layers if (t := getattr(layer, "indexer_keys", None)) is not None)
-    # The tokens the cache holds: a model may add its own before the prompt (CPM-Ant's 32 prompt-tuning tokens).
-    batch, tokens = inputs["input_ids"].shape[0], max(inputs["input_ids"].shape[1], cache.get_seq_length())
+    # The tokens the cache holds: a model may add its own before the prompt (CPM-Ant's 32 prompt-tuning tokens). A
+    # cache of recurrent states only (Mamba, since transformers 5.24 gives it a DynamicCache) counts none.
+    seen = cache.get_seq_length() if layers else 0
+    batch, tokens = inputs["input_ids"].shape[0], max(inputs["input_ids"].shape[1], seen)
     held_states = recurrent_state_bytes(cache)
     try:
         planned = kv_bytes("dynamic", model, tokens=tokens, batch=batch, dtype=model.dtype)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..._compat import with_cache
 from ..._validate import check_int
 from .base import DocumentTask, EvalData, cache_for, check_lengths_fit, paired_difference, register_task, wilson
 
@@ -139,12 +140,12 @@ def passkey_answer(
     device = next(model.parameters()).device
     if not prefilled:
         context = torch.tensor([document.context], device=device)
-        model(input_ids=context, attention_mask=torch.ones_like(context), past_key_values=cache)
+        model(input_ids=context, attention_mask=torch.ones_like(context), **with_cache(model, cache))
     full = torch.tensor([document.context + document.question], device=device)
     out = model.generate(
         input_ids=full,
         attention_mask=torch.ones_like(full),
-        past_key_values=cache,
+        **with_cache(model, cache),
         max_new_tokens=answer_tokens,
         do_sample=False,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,

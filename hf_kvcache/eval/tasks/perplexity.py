@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers.cache_utils import Cache
 
+from ..._compat import with_cache
 from ..._validate import check_int
 from ...compare import synchronize
 from .base import EvalData, Task, describe_forwards, model_context, register_task
@@ -156,7 +157,7 @@ def window_perplexity(
         b, length = batch.shape
         cache = make_cache()
         prompt = batch[:, :prefill]
-        logits = model(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache).logits
+        logits = model(input_ids=prompt, attention_mask=torch.ones_like(prompt), **with_cache(model, cache)).logits
         total += token_nll(logits[:, -1:], batch[:, prefill : prefill + 1]).sum().item()
         count += b
         synchronize(device)

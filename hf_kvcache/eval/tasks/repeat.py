@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..._compat import with_cache
 from ..._validate import check_int
 from ...prefill import SharedPrefill
 from .base import DocumentTask, EvalData, cache_for, describe_forwards, model_context, register_task
@@ -70,7 +71,7 @@ def repeat_nll(
     passages, gaps = passages.to(device), gaps.to(device)
     prefix = torch.cat([passages, gaps], dim=1)  # (B, P + G)
     if prefill is None:
-        logits = model(input_ids=prefix, attention_mask=torch.ones_like(prefix), past_key_values=cache).logits
+        logits = model(input_ids=prefix, attention_mask=torch.ones_like(prefix), **with_cache(model, cache)).logits
     else:
         logits = prefill.logits
     n = passages.shape[1]

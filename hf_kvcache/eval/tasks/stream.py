@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers.cache_utils import Cache
 
+from ..._compat import with_cache
 from ..._validate import check_int
 from .base import EvalData, Task, describe_forwards, register_task
 from .perplexity import token_nll
@@ -88,7 +89,7 @@ def stream_perplexity(
         position_nll[first_target : first_target + len(targets)] = token_nll(logits[0], targets).cpu()
 
     bytes_by_bucket: dict[int, int] = {}
-    logits = model(input_ids=ids[:, :prefill], past_key_values=cache).logits
+    logits = model(input_ids=ids[:, :prefill], **with_cache(model, cache)).logits
     add(prefill, logits[:, -1:])
     per_forward = tokens_per_forward(chunk, stepwise)
     start = prefill
@@ -98,7 +99,7 @@ def stream_perplexity(
             stop = start + decode_equivalent_tokens(cache, min(edge, n - 1) - start)
         else:
             stop = min(start + per_forward, n - 1)
-        add(start + 1, model(input_ids=ids[:, start:stop], past_key_values=cache).logits)
+        add(start + 1, model(input_ids=ids[:, start:stop], **with_cache(model, cache)).logits)
         bytes_by_bucket[stop // bucket_size] = cache_nbytes(cache)  # the last forward of a bucket wins
         if progress is not None:
             progress(stop - start)

@@ -156,20 +156,22 @@ def _mask(batch: int, total: int, pads: list[int]) -> torch.Tensor:
 def capture_steps(model, spec: str, prompt: int, pads: list[int], q_len: int, steps: int) -> list[list]:
     """Launches of each of ``steps`` decode forwards (``q_len`` new tokens each) after a ``prompt``-token prefill."""
     from hf_kvcache import make_cache
+    from hf_kvcache._compat import with_cache
 
     batch = len(pads)
     cache = make_cache(spec, model)
     ids = torch.randint(3, 128, (batch, prompt))
     out = []
     with torch.inference_mode():
-        model(input_ids=ids, attention_mask=_mask(batch, prompt, pads), past_key_values=cache, use_cache=True)
+        model(input_ids=ids, attention_mask=_mask(batch, prompt, pads), **with_cache(model, cache), use_cache=True)
         total = prompt
         for _ in range(steps):
             total += q_len
             new = torch.randint(3, 128, (batch, q_len))
             launches: list = []
             with _intercepted(launches):
-                model(input_ids=new, attention_mask=_mask(batch, total, pads), past_key_values=cache, use_cache=True)
+                mask = _mask(batch, total, pads)
+                model(input_ids=new, attention_mask=mask, **with_cache(model, cache), use_cache=True)
             out.append(launches)
     return out
 
@@ -500,6 +502,7 @@ def count_launches(spec: str, padded: bool, steps: int, layers: int = 2) -> dict
     """Per decode step (median and max over ``steps``): launches per decoder layer, outside the layers, host syncs;
     and the median host time per layer-step (one thread, this CPU)."""
     from hf_kvcache import make_cache
+    from hf_kvcache._compat import with_cache
 
     model = _model(16, layers=layers, heads=(4, 2), hidden=64)
     if spec == "dynamic":
@@ -511,7 +514,7 @@ def count_launches(spec: str, padded: bool, steps: int, layers: int = 2) -> dict
     per_layer, outside, syncs, seconds, ops = [], [], [], [], {}
     with torch.inference_mode():
         model(input_ids=torch.randint(3, 128, (batch, prompt)), attention_mask=_mask(batch, prompt, pads),
-              past_key_values=cache)  # fmt: skip
+              **with_cache(model, cache))  # fmt: skip
         total = prompt
         for step in range(2 * steps):
             total += 1
@@ -519,7 +522,7 @@ def count_launches(spec: str, padded: bool, steps: int, layers: int = 2) -> dict
             if step % 2:  # alternate: a timed step, a counted step
                 counter = LaunchCounter(model)
                 with counter.count():
-                    model(**kwargs, past_key_values=cache)
+                    model(**kwargs, **with_cache(model, cache))
                 per_layer.append(sum(v for k, v in counter.launches.items() if k != "outside") / layers)
                 outside.append(counter.launches.get("outside", 0))
                 syncs.append(counter.syncs)
@@ -527,7 +530,7 @@ def count_launches(spec: str, padded: bool, steps: int, layers: int = 2) -> dict
                     ops[k] = max(ops.get(k, 0), v)
             else:
                 start = time.perf_counter()
-                model(**kwargs, past_key_values=cache)
+                model(**kwargs, **with_cache(model, cache))
                 seconds.append(time.perf_counter() - start)
     return {
         "launches_per_layer": statistics.median(per_layer),

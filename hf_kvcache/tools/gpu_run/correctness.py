@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaForCausalLM
 
+from ..._compat import with_cache
 from ...formats import KVHandle, codec_for, decode_attention
 from ...kernels import torch_decode
 from ...registry import make_cache
@@ -142,9 +143,9 @@ def _teacher_forced(model, spec: str, attn: str, ids: torch.Tensor, prompt: int)
     cache = make_cache(spec, model)
     mask = torch.ones_like(ids)
     with torch.inference_mode():
-        model(input_ids=ids[:, :prompt], attention_mask=mask[:, :prompt], past_key_values=cache)
+        model(input_ids=ids[:, :prompt], attention_mask=mask[:, :prompt], **with_cache(model, cache))
         steps = [
-            model(input_ids=ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache).logits
+            model(input_ids=ids[:, t : t + 1], attention_mask=mask[:, : t + 1], **with_cache(model, cache)).logits
             for t in range(prompt, ids.shape[1])
         ]
     return torch.cat(steps, 1).float()

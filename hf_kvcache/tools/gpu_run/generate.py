@@ -29,6 +29,7 @@ import time
 import torch
 from transformers import LlamaForCausalLM, StoppingCriteriaList
 
+from ..._compat import with_cache
 from ...compare import StepClock
 from ...memory import cache_nbytes, model_nbytes
 from ...prefill import write_tokens
@@ -110,7 +111,7 @@ def _continue(model, cache, batch: int, context: int, new_tokens: int) -> list[f
     clock = StepClock(model.device)
     with torch.inference_mode():
         model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new_tokens,
+            input_ids=ids, attention_mask=torch.ones_like(ids), **with_cache(model, cache), max_new_tokens=new_tokens,
             min_new_tokens=new_tokens, do_sample=False, stopping_criteria=StoppingCriteriaList([clock]),
         )  # fmt: skip
     return clock.times
@@ -258,7 +259,7 @@ def _ttft(model, label, spec, attn, context, batch, gen) -> dict:
     _reset_peak(device)
     start = time.perf_counter()
     with torch.inference_mode():
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=1,
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **with_cache(model, cache), max_new_tokens=1,
                        do_sample=False)  # fmt: skip
     if device.type == "cuda":
         torch.cuda.synchronize(device)
