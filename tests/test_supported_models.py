@@ -77,3 +77,17 @@ def test_a_spread_of_the_matrix_reproduces_its_saved_cells(model_type):
                 assert math.isclose(mine["error"], cell["error"], rel_tol=0.05, abs_tol=1e-3), where
             elif cell["status"] in ("refused", "equal"):
                 assert mine["detail"] == cell["detail"], where
+
+
+def test_a_lossy_cells_error_over_constant_logits_is_zero_or_infinite_never_nan():
+    """A tiny random XLM's logits are all equal (std 0): its lossy cells must read 0 where nothing differs."""
+    import torch
+
+    flat = torch.zeros(2, 5)
+    assert supported_models._relative_error(flat, flat).tolist() == [0.0, 0.0]
+    moved = flat.clone()
+    moved[1, 0] = 1e-3
+    assert supported_models._relative_error(moved, flat).tolist() == [0.0, float("inf")]
+    want = torch.tensor([[0.0, 2.0, 4.0]])
+    got = want + torch.tensor([[0.0, 0.5, 0.0]])
+    assert supported_models._relative_error(got, want).tolist() == [0.25]  # 0.5 / std 2
