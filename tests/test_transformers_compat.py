@@ -94,8 +94,9 @@ def test_each_accepted_name_reaches_the_padding_hook(name):
 )
 @pytest.mark.parametrize("name", ACCEPTED)
 def test_generate_gives_the_same_tokens_under_every_accepted_name(spec, name):
-    """Left-padded greedy generation through our caches: the same tokens and logits whichever name the cache is
-    passed by; lossless kinds equal DynamicCache's."""
+    """Left-padded greedy generation through our caches: whichever name the cache is passed by, the tokens and logits
+    of a cache told the padding directly (built from the config, ``padding.observe``: no hook involved); lossless
+    kinds equal DynamicCache's."""
     torch.set_num_threads(1)
     model = tiny_model("llama", "sdpa")
     inputs = prompt("padded")
@@ -104,7 +105,9 @@ def test_generate_gives_the_same_tokens_under_every_accepted_name(spec, name):
             **inputs, **{name: make_cache(spec, model)}, max_new_tokens=8, min_new_tokens=8, do_sample=False,
             output_logits=True, return_dict_in_generate=True,
         )  # fmt: skip
-    want = generate(model, make_cache(spec, model), inputs)  # the release's name
+    told = make_cache(spec, model.config)
+    told.padding.observe(inputs["attention_mask"])
+    want = generate(model, told, inputs)
     torch.testing.assert_close(got.sequences, want.sequences, rtol=0, atol=0)
     for a, b in zip(got.logits, want.logits):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
