@@ -1,5 +1,10 @@
 """hf_kvcache: KV caches for Hugging Face transformers' ``generate()``, and the evidence to choose between them."""
 
+import warnings as _warnings
+
+import transformers as _transformers
+
+from ._compat import untested_release as _untested_release
 from .attention import ATTENTION, register_attention
 from .caches import PagedKVCache, QuantizedKVCache, SlidingWindowKVCache
 from .memory import cache_nbytes, dynamic_bytes_per_token
@@ -10,6 +15,9 @@ from .registry import available_caches, make_cache, parse_spec, register_cache
 __version__ = "0.1.0"
 
 register_attention()  # attn_implementation="hf_kvcache" works once hf_kvcache is imported
+
+if (_message := _untested_release(_transformers.__version__)) is not None:
+    _warnings.warn(_message, UserWarning, stacklevel=2)
 
 __all__ = [
     "ATTENTION",

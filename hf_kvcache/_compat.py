@@ -16,7 +16,20 @@ from typing import Any
 import transformers
 from packaging.version import Version
 
-__all__ = ["CACHE_ARG", "CACHE_NAMES", "cache_arg", "passed_cache", "returned_cache", "with_cache"]
+__all__ = [
+    "CACHE_ARG",
+    "CACHE_NAMES",
+    "TESTED_MINORS",
+    "cache_arg",
+    "passed_cache",
+    "returned_cache",
+    "untested_release",
+    "with_cache",
+]
+
+# The transformers minors the test suite passes on (pyproject.toml's range says the same). Another minor may move the
+# cache API under us: 5.24's rename, unhandled, would have placed sinks on left padding without an error.
+TESTED_MINORS = ((5, 23), (5, 24))
 
 # The name transformers' own models and ``generate`` take a cache by in the installed release.
 CACHE_ARG = "cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values"
@@ -60,3 +73,15 @@ def returned_cache(outputs) -> Any:
     """The cache a forward's or ``generate``'s output carries, under either name (None when none)."""
     cache = getattr(outputs, "cache", None)
     return cache if cache is not None else getattr(outputs, "past_key_values", None)
+
+
+def untested_release(version: str) -> str | None:
+    """A one-line warning when transformers ``version`` is not a minor the suite passes on, else None."""
+    if Version(version).release[:2] in TESTED_MINORS:
+        return None
+    tested = " and ".join(".".join(map(str, minor)) for minor in TESTED_MINORS)
+    return (
+        f"hf_kvcache is tested with transformers {tested}; this is {version}. The cache API moves between minor "
+        "releases, and a move can give wrong outputs without an error: install a tested release, or run the suite "
+        f"on this one first (scripts/test-transformers.sh {version} in a clone of hf_kvcache)"
+    )

@@ -5,6 +5,10 @@ cache's padding hook and give the same tokens; the package's own calls use the n
 from __future__ import annotations
 
 import inspect
+import re
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +17,16 @@ from models import generate, prompt, tiny_model
 from transformers import DynamicCache, LlamaForCausalLM
 
 from hf_kvcache import make_cache
-from hf_kvcache._compat import CACHE_ARG, CACHE_NAMES, cache_arg, passed_cache, returned_cache, with_cache
+from hf_kvcache._compat import (
+    CACHE_ARG,
+    CACHE_NAMES,
+    TESTED_MINORS,
+    cache_arg,
+    passed_cache,
+    returned_cache,
+    untested_release,
+    with_cache,
+)
 from hf_kvcache.layers._common import AttentionMode
 from hf_kvcache.plan import kv_bytes
 
@@ -114,3 +127,32 @@ def test_generate_gives_the_same_tokens_under_every_accepted_name(spec, name):
     if spec.startswith("paged"):
         ref = generate(model, DynamicCache(config=model.config), inputs)
         torch.testing.assert_close(got.sequences, ref.sequences, rtol=0, atol=0)
+
+
+def test_untested_minors_are_named_and_tested_ones_pass():
+    assert untested_release("5.23.0") is None and untested_release("5.24.1") is None
+    for version in ("5.22.2", "5.25.0", "5.25.0.dev0", "6.0.0"):
+        message = untested_release(version)
+        assert f"tested with transformers 5.23 and 5.24; this is {version}." in message and "\n" not in message
+
+
+def test_the_tested_minors_are_pyprojects_range():
+    text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    low, high = re.search(r'"transformers>=(\d+\.\d+),<(\d+\.\d+)"', text).groups()
+    first, last = TESTED_MINORS[0], TESTED_MINORS[-1]
+    assert low == f"{first[0]}.{first[1]}" and high == f"{last[0]}.{last[1] + 1}"
+    assert [minor[1] for minor in TESTED_MINORS] == list(range(first[1], last[1] + 1))
+
+
+@pytest.mark.slow
+def test_importing_under_an_untested_minor_warns_once():
+    code = (
+        "import warnings, transformers\n"
+        "transformers.__version__ = '5.25.0'\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always', UserWarning)\n"
+        "    import hf_kvcache\n"
+        "print([str(w.message) for w in seen if 'tested with transformers' in str(w.message)])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "this is 5.25.0." in out.stdout and out.stdout.count("tested with transformers") == 1, out.stderr[-2000:]
