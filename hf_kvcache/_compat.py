@@ -21,6 +21,7 @@ __all__ = [
     "CACHE_NAMES",
     "TESTED_MINORS",
     "cache_arg",
+    "forward_parameters",
     "passed_cache",
     "returned_cache",
     "untested_release",
@@ -38,23 +39,28 @@ CACHE_ARG = "cache" if Version(transformers.__version__).release >= (5, 24) else
 CACHE_NAMES = ("cache", "past_key_values")
 
 
-def cache_arg(model) -> str | None:
-    """The name ``model.forward`` takes its cache by, or None when it takes none (or its signature cannot be read)."""
+def forward_parameters(model) -> frozenset[str] | None:
+    """The parameter names of ``model.forward``, or None where its signature cannot be read."""
     forward = getattr(model, "forward", None)
     function = getattr(forward, "__func__", forward)  # a bound method is a new object at every access
     try:
-        return _cache_arg_of(function)
+        return _parameters_of(function)
     except TypeError:  # unhashable: read it each time
-        return _cache_arg_of.__wrapped__(function)
+        return _parameters_of.__wrapped__(function)
 
 
 @functools.lru_cache(maxsize=256)
-def _cache_arg_of(function) -> str | None:
+def _parameters_of(function) -> frozenset[str] | None:
     # read once per forward function: a signature costs ~25 us, which a timed decode step would pay
     try:
-        parameters = inspect.signature(function).parameters
+        return frozenset(inspect.signature(function).parameters)
     except (TypeError, ValueError):
         return None
+
+
+def cache_arg(model) -> str | None:
+    """The name ``model.forward`` takes its cache by, or None when it takes none (or its signature cannot be read)."""
+    parameters = forward_parameters(model) or ()
     return next((name for name in CACHE_NAMES if name in parameters), None)
 
 

@@ -14,7 +14,6 @@ Lifecycle contract (every layer, every cache kind):
 
 from __future__ import annotations
 
-import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .._compat import CACHE_NAMES
+from .._compat import cache_arg, forward_parameters
 from .._config import LayerSpec, has_state_layers
 from ..attention import MAX_DECODE_QUERY, is_hf_kvcache_attention
 
@@ -94,12 +93,10 @@ def check_takes_a_cache(model, config) -> None:
 
 
 def _takes_a_cache(model) -> bool:
-    forward = getattr(model, "forward", None)
-    try:
-        parameters = inspect.signature(forward).parameters
-    except (TypeError, ValueError):
+    parameters = forward_parameters(model)
+    if parameters is None:
         return True  # nothing to read: let the first forward decide
-    return any(name in parameters for name in CACHE_NAMES)  # every causal LM of transformers that takes one
+    return cache_arg(model) is not None  # every causal LM of transformers that takes one names it so
 
 
 def _hybrid_routing_attention(model, config) -> bool:
