@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from models import EXTRA_FAMILIES, PAD, VOCAB, extra_model, prompt, tiny_model
+from models import EXTRA_FAMILIES, VOCAB, extra_model, prompt, tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from hf_kvcache import PagedKVCache, QuantizedKVCache, SlidingWindowKVCache, make_cache
@@ -219,10 +219,8 @@ def test_hf_kvcache_attention_is_refused_where_the_model_bypasses_attention_inte
     the AttentionInterface since transformers 5.24: there the hf_kvcache attention serves it, as eager does."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        # its own model: the refusal branch below switches its attention (extra_model's are shared)
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(EXTRA_FAMILIES[family](), attn_implementation="hf_kvcache").eval()
-    model.generation_config.pad_token_id, model.generation_config.eos_token_id = PAD, None
+        # its own model (extra_model's are shared): the refusal branch below switches its attention
+        model = extra_model.__wrapped__(family, "hf_kvcache")
     assert model.config._attn_implementation == "hf_kvcache"
     if getattr(type(model), "_supports_attention_backend", False):
         out = _generate(model, make_cache(spec, model), "padded")
