@@ -25,6 +25,7 @@ import torch
 
 from ..kernels import torch_decode
 from ..kernels._available import fall_back, fell_back
+from ..kernels._define import custom_op
 from ..kernels._eager import eager
 from ..kernels.storage import MIN_ROWS, KernelStorage, LaunchPlan, block
 from ..rope import RotarySpec, rotate_positions
@@ -199,7 +200,7 @@ def register_partial(name: str, schema_fn, to_segment, heads_and_dim):
     giving ``torch.compile`` the output shapes (``heads_and_dim`` of the arguments), so a compiled decode step treats
     the op as one opaque node. Returns what a segment calls: the implementations directly in eager code, the op
     under ``torch.compile`` (:func:`~hf_kvcache.kernels._eager.eager`)."""
-    op = torch.library.custom_op(f"hf_kvcache::{name}", mutates_args=())(schema_fn)
+    op = custom_op(f"hf_kvcache::{name}", schema_fn)
 
     @op.register_fake
     def _(*args):

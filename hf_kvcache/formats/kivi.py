@@ -20,6 +20,7 @@ import torch
 from .. import quant
 from ..kernels import cpu_native, torch_decode
 from ..kernels._available import guarded, triton_available
+from ..kernels._define import custom_op
 from ..kernels._eager import eager
 from ..kernels.storage import KIVI, KernelStorage, LaunchPlan, block
 from ..rope import RotarySpec, angle_table
@@ -407,9 +408,7 @@ def _encode(
         _encode_torch(k, v, (kp, ks, kz, vp, vs, vz), key_bits, value_bits, group, per_token_keys, codebook)
 
 
-_ENCODE_OP = torch.library.custom_op("hf_kvcache::encode_kivi", mutates_args=("kp", "ks", "kz", "vp", "vs", "vz"))(
-    _encode
-)
+_ENCODE_OP = custom_op("hf_kvcache::encode_kivi", _encode, mutates_args=("kp", "ks", "kz", "vp", "vs", "vz"))
 
 
 @_ENCODE_OP.register_fake

@@ -8,6 +8,7 @@ import torch
 from .. import quant
 from . import cpu_native
 from ._available import guarded, triton_available
+from ._define import custom_op
 from ._eager import eager
 
 __all__ = ["append_kv"]
@@ -109,7 +110,7 @@ def _append(
     _append_torch(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size)
 
 
-_OP = torch.library.custom_op("hf_kvcache::append_kv", mutates_args=("k_out", "v_out", "k_scales", "v_scales"))(_append)
+_OP = custom_op("hf_kvcache::append_kv", _append, mutates_args=("k_out", "v_out", "k_scales", "v_scales"))
 
 
 @_OP.register_fake

@@ -10,6 +10,7 @@ import torch
 
 from . import torch_decode
 from ._available import guarded, triton_available
+from ._define import custom_op
 from ._eager import eager
 
 __all__ = ["combine_partials"]
@@ -26,7 +27,7 @@ def _combine_torch(
     return torch_decode.combine(list(zip(m, l, acc)), sinks, dtype).contiguous()
 
 
-_OP = torch.library.custom_op("hf_kvcache::combine", mutates_args=())(_combine_torch)
+_OP = custom_op("hf_kvcache::combine", _combine_torch)
 
 
 @_OP.register_fake
