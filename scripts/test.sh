@@ -3,9 +3,11 @@
 #   scripts/test.sh           the full run (what CI runs)
 #   scripts/test.sh --fast    the package's unit and equivalence tests only (-m "not slow"), for a change's first check
 # Other arguments go to pytest (a file, -k EXPR, ...).
+#   HF_KVCACHE_VENV=DIR scripts/test.sh   the suite in another venv, set up by its caller (scripts/test-torch.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+venv=${HF_KVCACHE_VENV:-.venv}
+[ "$venv" != .venv ] || scripts/setup.sh
 export HF_HUB_OFFLINE=1
 args=()
 for arg in "$@"; do
@@ -14,4 +16,4 @@ done
 # One worker per core (pytest-xdist); each worker runs torch with one thread (tests/conftest.py). loadgroup: the tests
 # of a module in conftest's ONE_WORKER_MODULES (costly module fixtures: the docs site, the GPU report and run, the
 # examples) run on one worker, so each such fixture is built once.
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -n auto --dist loadgroup "${args[@]}"
+exec "$venv/bin/python" -m pytest -q -p no:cacheprovider -n auto --dist loadgroup "${args[@]}"
