@@ -1,8 +1,8 @@
 """torch releases: the package's custom ops are defined in the annotation spellings torch 2.6 reads (transformers 5's
 floor, and ours), with the schemas newer releases infer; pyproject's floor is transformers'.
 
-The whole suite on another release: ``scripts/test-torch.sh VERSION`` (what it gave on 2.15.0, 2.14.1, and in part
-on 2.11.0 and 2.6.0: docs/api.md, "torch releases")."""
+The whole suite on another release: ``scripts/test-torch.sh VERSION`` (what it gave on 2.15.0, 2.14.1, 2.11.0, and
+in part on 2.6.0: docs/api.md, "torch releases")."""
 
 from __future__ import annotations
 
