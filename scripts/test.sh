@@ -3,11 +3,11 @@
 #   scripts/test.sh           the full run (what CI runs)
 #   scripts/test.sh --fast    the package's unit and equivalence tests only (-m "not slow"), for a change's first check
 # Other arguments go to pytest (a file, -k EXPR, ...).
-#   HF_KVCACHE_VENV=DIR scripts/test.sh   the suite in another venv, set up by its caller (scripts/test-torch.sh)
+#   HF_KVCACHE_VENV=DIR scripts/test.sh   the suite in another venv, set up as scripts/setup.sh sets it up
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${HF_KVCACHE_VENV:-.venv}
-[ "$venv" != .venv ] || scripts/setup.sh
+scripts/setup.sh
 export HF_HUB_OFFLINE=1
 args=()
 for arg in "$@"; do
