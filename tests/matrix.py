@@ -147,6 +147,24 @@ CACHE_CASES = [
         families=VARIANT,
         attn="hf_kvcache",
     ),
+    # Smoothed keys (smooth): stored times per-pair scales measured at each layer's first encode, read back divided
+    # under eager / sdpa, and by the kernels with the query divided under hf_kvcache (over int2's rotation, sinks and
+    # pre-RoPE keys; over int3's without pre-RoPE keys, where the scales are per channel).
+    CacheCase(
+        "int2-smooth",
+        "int2:residual_length=4:group_size=8:smooth=1",
+        lossless=False,
+        logit_bound=LOGIT_BOUNDS["int2"],
+        families=VARIANT,
+    ),
+    CacheCase(
+        "int3-smooth-hf",
+        "int3:residual_length=4:group_size=8:smooth=0.5:pre_rope=false",
+        lossless=False,
+        logit_bound=LOGIT_BOUNDS["int3"],
+        families=VARIANT,
+        attn="hf_kvcache",
+    ),
     # The first real tokens of each row kept in full precision (attention sinks), left padding included: a dense
     # segment before the codes, under sdpa and read in place by the kernels under hf_kvcache.
     CacheCase(

@@ -83,7 +83,13 @@ def test_paged_decode_compiles_with_graph_breaks_not_fullgraph(attn):
         compiled.check_invariants()
 
 
-KERNEL_SPECS = ["int8", "int4:residual_length=4:group_size=8", "int3:residual_length=4:group_size=8", "paged:bits=8"]
+KERNEL_SPECS = [
+    "int8",
+    "int4:residual_length=4:group_size=8",
+    "int3:residual_length=4:group_size=8",
+    "int2:residual_length=4:group_size=8:smooth=1",  # the query divided by the scales before the kernels' op
+    "paged:bits=8",
+]
 
 
 def _custom_ops_called(step) -> set[str]:

@@ -424,6 +424,47 @@ def test_pre_rope_segment_turns_keys_per_tile(inner, layout, first, dtype, monke
     _close(ref, _sdpa(query, keys, values, mask, 0.125), dtype)
 
 
+@pytest.mark.parametrize("inner", ["kivi2-rot", "kivi3-rot", "kivi4v2-rot"])
+@pytest.mark.parametrize("layout", ["half", "interleaved", "partial"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_scaled_segment_divides_the_query(inner, layout, dtype, monkeypatch):
+    """Smoothed keys (smooth > 0) are stored times per-pair scales; attention reads them with the query divided by
+    the scales instead: equal to attention over the keys read back (divided), in the reference, and through the inner
+    segment's own Triton launch (rotation and RoPE in registers) fed the divided query, which never reaches the
+    reference where the inner segment's kernel reads it."""
+    from hf_kvcache.formats import PreRopeSegment, RotatedCodec
+    from hf_kvcache.formats.scaled import ScaledSegment, scale_keys, scale_query, smoothing_scales
+    from hf_kvcache.rope import rotate_positions
+
+    head_dim, first = 64, 37
+    spec = rotary(head_dim, layout)
+    g = torch.Generator().manual_seed(13)
+    k, v = torch.randn(2, 2, 96, head_dim, generator=g), torch.randn(2, 2, 96, head_dim, generator=g)
+    k[..., 5] += 30.0  # an offset channel: the scales move resolution to it
+    pre = rotate_positions(k, first, spec, inverse=True)
+    scales = smoothing_scales(pre, 1.0, spec)
+    codec = RotatedCodec(_kivi_codec(inner.removesuffix("-rot"), 16))
+    inner_seg = PreRopeSegment(codec.segment(codec.encode(scale_keys(pre, scales), v), 0), spec, first)
+    scaled = ScaledSegment(inner_seg, scales, scales.reciprocal().to(dtype))
+    keys, values = scaled.read(0, scaled.length)
+    _close(keys, inner_seg.read_keys(0, scaled.length) / scales[:, None], torch.float32)
+    mask = _two_query_mask(scaled.length, 5)
+    query = torch.randn(2, 8, 2, head_dim, generator=g).to(dtype)
+    ref = combine([partial(query, scaled, mask, 0.125, 0.0, 2)], dtype=torch.float32)
+    plain = combine([partial(query, DenseSegment(keys, values), mask, 0.125, 0.0, 2)], dtype=torch.float32)
+    _close(ref, plain, dtype)
+    _close(ref, _sdpa(query, keys, values, mask, 0.125), dtype)
+    if layout != "partial":  # the inner kernel reads rotated pre-RoPE KIVI tiles itself
+
+        def no_reference(*args, **kwargs):
+            raise AssertionError("the Triton kernel handed the scaled segment's inner segment to the reference")
+
+        monkeypatch.setattr(torch_decode, "partial", no_reference)
+    tri = combine([_triton(scale_query(query, scaled.query_scale), inner_seg, mask, 0.0, 2)], dtype=torch.float32)
+    monkeypatch.undo()
+    _close(tri, ref, dtype)
+
+
 @pytest.mark.parametrize("inner", ["dense", "int8", "kivi3", "kivi2-rot"])
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)

@@ -554,7 +554,7 @@ def test_rotate_validation_bytes_and_spec():
     ids = torch.randint(3, 100, (2, 40))
     plain, rotated = (
         make_cache("int2:residual_length=4:rotate=none", model),
-        make_cache("int2:residual_length=4:rotate=hadamard", model),
+        make_cache("int2:residual_length=4:rotate=hadamard:smooth=0", model),  # smoothed keys add their scales
     )
     for cache in (plain, rotated):
         model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=5, do_sample=False)
@@ -842,10 +842,11 @@ def test_auto_defaults_resolve_per_width_and_model():
     for bits, options in MEASURED_DEFAULTS.items():
         cache = QuantizedKVCache(model, bits=bits)
         assert (cache.rotate, cache.sinks, cache.pre_rope) == (options["rotate"], options["sinks"], options["pre_rope"])
+        assert cache.smooth == options["smooth"]
         spec = "fp8" if bits == "fp8" else f"int{bits}"
         assert make_cache(spec, model).layers[0].codec.__class__ is cache.layers[0].codec.__class__
     kivi = make_cache("int2:rotate=none:sinks=0:pre_rope=false", model)
-    assert (kivi.rotate, kivi.sinks, kivi.pre_rope) == (None, 0, False)
+    assert (kivi.rotate, kivi.sinks, kivi.pre_rope, kivi.smooth) == (None, 0, False, 0.0)  # nothing rotated to smooth
     # "auto" leaves pre-RoPE quantization off where the model has no RoPE; True is refused there.
     assert QuantizedKVCache(tiny_model("gpt2"), bits=2, pre_rope="auto").pre_rope is False
     with pytest.raises(ValueError, match="sinks must be an integer >= 0 or 'auto'"):
@@ -943,12 +944,13 @@ def test_key_bits_store_keys_and_values_at_their_own_widths():
 
     config = _config(layers=2)
     k, v = _kv(300)
-    int2_options = dict(rotate="hadamard", sinks=4, pre_rope=True)  # int2's measured defaults, which key_bits keeps
+    int2_options = dict(rotate="hadamard", sinks=4, pre_rope=True, smooth=1)  # int2's defaults, which key_bits keeps
     mixed = QuantizedKVCache(config, bits=2, key_bits=4)
     keys4, values2 = QuantizedKVCache(config, bits=4, **int2_options), QuantizedKVCache(config, bits=2)
     for cache in (mixed, keys4, values2):
         _feed(cache, k, v, (200, 1, 1))
     assert (mixed.key_bits, mixed.bits, mixed.rotate, mixed.sinks, mixed.pre_rope) == (4, 2, "hadamard", 4, True)
+    assert mixed.smooth == 1
     stored, want_k, want_v = (c.layers[1].store.views() for c in (mixed, keys4, values2))
     assert stored["k"].shape[-1] == 16 * 4 // 8 and stored["v"].shape[-1] == 16 * 2 // 8
     for name in ("k", "ks", "kz"):
@@ -960,7 +962,9 @@ def test_key_bits_store_keys_and_values_at_their_own_widths():
     assert torch.equal(got[0], four[0]) and torch.equal(got[1], two[1])
     assert mixed.bytes_per_token() == pytest.approx((keys4.bytes_per_token() + values2.bytes_per_token()) / 2)
     assert mixed.nbytes == (keys4.nbytes + values2.nbytes) // 2
-    planned = {s: kv_bytes(s, config, tokens=4096) for s in ("int4:rotate=hadamard:sinks=4:pre_rope=true", "int2")}
+    planned = {
+        s: kv_bytes(s, config, tokens=4096) for s in ("int4:rotate=hadamard:sinks=4:pre_rope=true:smooth=1", "int2")
+    }
     assert kv_bytes("int2:key_bits=4", config, tokens=4096) == pytest.approx(sum(planned.values()) / 2, abs=2)
     assert "key_bits=4" in repr(mixed) and "key_bits" not in repr(values2)
 
@@ -996,7 +1000,7 @@ def test_residual_bits_8_holds_the_residual_in_int8():
     ``nbytes`` counts int8's bytes for the residual."""
     config = _config(layers=2)
     k, v = _kv(203)
-    options = dict(bits=2, sinks=0, residual_length=24, group_size=8)
+    options = dict(bits=2, sinks=0, residual_length=24, group_size=8, smooth=0)  # nbytes: codes and residual only
     coded, plain = QuantizedKVCache(config, residual_bits=8, **options), QuantizedKVCache(config, **options)
     steps = (150,) + (1,) * 52
     _feed(coded, k[:, :, :202], v[:, :, :202], steps)
@@ -1080,3 +1084,83 @@ def test_codebook_refusals(kwargs, match):
         QuantizedKVCache(_config(), **kwargs)
     with pytest.raises(ValueError, match="cache kind 'int8' has no option codebook"):
         make_cache("int8:codebook=lloyd", _config())
+
+
+def test_smooth_stores_scaled_keys_and_reads_them_back():
+    """``smooth``: each layer's first encode measures per-pair scales ``(E[k^2] / Var k) ** (smooth / 4)`` (a RoPE
+    pair's two channels share one, geometric mean 1 per head) and stores ``k * s``; reads divide. A channel with a
+    large offset and little spread before RoPE, what a query reads most, gets the largest scale and loses less to
+    the rotation's mixing: scores along it err less than without smoothing, for the same bytes (and the scales' own
+    float32 tensor)."""
+    from hf_kvcache.plan import kv_bytes
+    from hf_kvcache.rope import rotate_positions
+
+    config = _config(head_dim=32, layers=1)
+    pre, v = _kv(300, head_dim=32, seed=3)
+    pre[..., 6] = 40.0 + 0.05 * pre[..., 6]  # an offset channel before RoPE; its pair is channel 22 (rotate_half)
+    options = dict(bits=2, group_size=16, residual_length=16, sinks=0)
+    smooth, plain = QuantizedKVCache(config, smooth=1, **options), QuantizedKVCache(config, smooth=0, **options)
+    k = rotate_positions(pre, 0, smooth.key_ropes["full_attention"])  # what the model hands the cache
+    reads = [_feed(cache, k[:, :, :299], v[:, :, :299], (200, 1, 98)) for cache in (smooth, plain)]
+    scale = smooth.layers[0].key_scale
+    assert scale.shape == (2, 32) and scale.dtype == torch.float32 and plain.layers[0].key_scale is None
+    assert torch.equal(scale[:, :16], scale[:, 16:])  # one scale per RoPE pair: it commutes with RoPE
+    torch.testing.assert_close(scale.log().mean(-1), torch.zeros(2), atol=1e-5, rtol=0)
+    assert (scale.argmax(-1) % 16 == 6).all() and (scale.max(-1).values > 2).all()
+    quantized = smooth.layers[0].quantized_tokens
+    assert quantized == plain.layers[0].quantized_tokens > 0
+    errors = []  # on the offset pair after RoPE (its energy is the same at every angle)
+    for read in reads:
+        got = torch.stack([read[0][..., :quantized, 6], read[0][..., :quantized, 22]], -1)
+        want = torch.stack([k[..., :quantized, 6], k[..., :quantized, 22]], -1)
+        errors.append((got - want).pow(2).mean())
+    assert errors[0] < 0.5 * errors[1], errors
+    assert smooth.nbytes == plain.nbytes + 2 * scale.nbytes  # the scales and their inverses (float32 K/V here)
+    assert kv_bytes("int2:smooth=1", config, tokens=4096) == kv_bytes("int2:smooth=0", config, tokens=4096) + 2 * 32 * 6
+    assert "smooth=1.0" in repr(smooth) and "smooth" not in repr(plain)
+    assert make_cache("int3:smooth=0.5", config).smooth == 0.5
+    smooth.reset()
+    assert smooth.layers[0].key_scale is None  # a reset cache measures its next prompt's keys anew
+
+
+def test_smoothing_scales_do_not_depend_on_the_layout_and_stay_finite():
+    """The scales are the same bit for bit for a tensor and its transposed copy (a forward's keys are a view, a
+    handed-over prefill's contiguous: both must store the same codes), and finite, with a geometric mean of 1, for
+    a constant channel (no spread), non-finite keys and a head of nothing finite."""
+    from hf_kvcache.formats.scaled import smoothing_scales
+    from tests.models import rotary
+
+    k = torch.randn(2, 12, 3, 64).transpose(1, 2)  # (B, H, T, D) as a view
+    for rope in (None, rotary(64), rotary(64, "interleaved"), rotary(64, "partial")):
+        assert torch.equal(smoothing_scales(k, 0.5, rope), smoothing_scales(k.contiguous(), 0.5, rope))
+    interleaved = smoothing_scales(k, 1.0, rotary(64, "interleaved"))
+    assert torch.equal(interleaved[:, 0::2], interleaved[:, 1::2])
+    partial_rope = smoothing_scales(k, 1.0, rotary(64, "partial"))  # channels 32.. pass through: each its own
+    assert torch.equal(partial_rope[:, :16], partial_rope[:, 16:32])
+    odd = k.clone()
+    odd[..., 0] = 5.0  # constant
+    odd[0, 0, 0, 1] = float("inf")
+    odd[:, 2] = float("nan")  # head 2: nothing finite
+    scales = smoothing_scales(odd, 2.0)
+    assert torch.isfinite(scales).all()
+    torch.testing.assert_close(scales.log().mean(-1), torch.zeros(3), atol=1e-5, rtol=0)
+    assert torch.equal(scales[2], torch.ones(64))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(bits=2, smooth=-0.5), "smooth must be a number from 0 \\(off\\) to 2.0 or 'auto', got -0.5"),
+        (dict(bits=2, smooth=3), "smooth must be a number from 0 \\(off\\) to 2.0 or 'auto', got 3"),
+        (dict(bits=2, smooth=True), "smooth must be a number"),
+        (dict(bits=2, smooth="max"), "smooth must be a number"),
+        (dict(bits=4, smooth=1), "smooth=1 scales the keys before the Hadamard rotation .* set rotate='hadamard'"),
+        (dict(bits=8, smooth=1), "smooth applies to the 4/3/2-bit kinds"),
+        (dict(bits="fp8", smooth=1), "smooth applies to the 4/3/2-bit kinds"),
+    ],
+)
+def test_smooth_refusals(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        QuantizedKVCache(_config(), **kwargs)
+    with pytest.raises(ValueError, match="cache kind 'int8' has no option smooth"):
+        make_cache("int8:smooth=1", _config())

@@ -28,16 +28,20 @@ __all__ = ["MEASURED_DEFAULTS", "QuantizedKVCache"]
 _BACKENDS = ("torch", "bitsandbytes")
 _DEFAULT_RESIDUAL = {8: 0, 4: 128, 3: 128, 2: 128}
 AUTO = "auto"
+MAX_SMOOTH = 2.0  # the strength of the smoothed keys' scales: past 1 they over-correct (docs/results.md)
 # What rotate / sinks / pre_rope = "auto" (the defaults) mean at each width: the best setting measured on SmolLM2
 # through the harness's perplexity protocol (docs/results/eval-ablation.json; tests/test_quantized_cache.py checks
 # the defaults against it). 2 bits: KIVI +32.9%, all three options +2.5%; 3 bits: +2.8% -> +0.1%. At 4 bits every
 # setting is within 0.25% of DynamicCache, so KIVI's layout, the cheapest, stays; int8 needs none of them.
+# smooth = "auto" (docs/results/eval-smooth.json, eval-ruler-smooth.json): at 2 bits strength 1 took perplexity from
+# +2.51% to +0.92% and second copies from +45.7% to +34.2%; at 3 bits no strength beat none. Where rotate is None it
+# means 0 (the scales act on what the rotation mixes).
 MEASURED_DEFAULTS = {
-    8: {"rotate": None, "sinks": 0, "pre_rope": False},
-    "fp8": {"rotate": None, "sinks": 0, "pre_rope": False},  # not in the ablation: int8's, the same bytes per token
-    4: {"rotate": None, "sinks": 0, "pre_rope": False},
-    3: {"rotate": "hadamard", "sinks": 4, "pre_rope": True},
-    2: {"rotate": "hadamard", "sinks": 4, "pre_rope": True},
+    8: {"rotate": None, "sinks": 0, "pre_rope": False, "smooth": 0.0},
+    "fp8": {"rotate": None, "sinks": 0, "pre_rope": False, "smooth": 0.0},  # int8's: the same bytes per token
+    4: {"rotate": None, "sinks": 0, "pre_rope": False, "smooth": 0.0},
+    3: {"rotate": "hadamard", "sinks": 4, "pre_rope": True, "smooth": 0.0},
+    2: {"rotate": "hadamard", "sinks": 4, "pre_rope": True, "smooth": 1.0},
 }
 
 
@@ -56,10 +60,10 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
       most recent ``residual_length`` tokens kept in full precision.
       ``key_axis="token"`` quantizes keys per token like the values instead: the paper's ablation (its per-token
       keys fail at 2 bits), offered to reproduce that finding, not for use.
-    * ``rotate``, ``sinks`` and ``pre_rope`` default to ``"auto"``: the best setting measured at that width on the
-      real model (:data:`MEASURED_DEFAULTS`: at 3 and 2 bits ``rotate="hadamard", sinks=4, pre_rope=True``, where
-      the model has RoPE; at 4 and 8 bits none). KIVI's own layout is ``rotate=None, sinks=0, pre_rope=False``
-      (spec ``int2:rotate=none:sinks=0:pre_rope=false``).
+    * ``rotate``, ``sinks``, ``pre_rope`` and ``smooth`` default to ``"auto"``: the best setting measured at that
+      width on the real model (:data:`MEASURED_DEFAULTS`: at 3 and 2 bits ``rotate="hadamard", sinks=4,
+      pre_rope=True``, where the model has RoPE, and at 2 bits ``smooth=1``; at 4 and 8 bits none). KIVI's own
+      layout is ``rotate=None, sinks=0, pre_rope=False`` (spec ``int2:rotate=none:sinks=0:pre_rope=false``).
 
     Every token is encoded exactly once (the prompt's tail stays in the residual; nothing is re-quantized), appends
     are amortized, and the K/V handed to attention are decoded into one workspace shared by all layers. On hybrid
@@ -139,6 +143,16 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             (TurboQuant's scalar step, here inside KIVI's min / max frame): levels crowd where the values are, the
             extremes are rounded inward. Same bytes, the same scales and zero points; the kernels read each code's
             level from a table of ``2^bits`` numbers.
+        smooth: 4/3/2 bits only: the strength of smoothed keys, from 0 (off) to 2 (above 0 with
+            ``rotate="hadamard"``), or ``"auto"`` (default: :data:`MEASURED_DEFAULTS`, 1 at 2 bits, 0 at 3 and 4 bits
+            and where ``rotate`` is None). Keys are stored times per-channel scales ``(E[k^2] / Var k) ** (smooth /
+            4)`` (one per RoPE channel pair, geometric mean 1), measured per layer and KV head on the first tokens the
+            layer encodes and kept until ``reset()``; reads divide them back, and the kernels read the codes with the
+            query divided instead (``q . k = (q / s) . (k * s)``: scores are unchanged). A channel whose keys share a
+            large offset and vary little is where queries are large; the rotation spreads the other channels'
+            rounding error into it, and its larger scale takes that error back out (SmoothQuant's migration, between
+            keys and queries). Same bytes per token, plus one ``(heads, head_dim)`` float32 tensor per layer and its
+            inverse; under the ``hf_kvcache`` attention one more elementwise product per layer and step (the query's).
 
     Example:
         >>> from transformers import LlamaConfig
@@ -165,6 +179,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         key_bits: int | Sequence[int] | LayerKeyWidths | str | os.PathLike | None = None,
         residual_bits: int | None = None,
         codebook: str = "uniform",
+        smooth: float | str = AUTO,
     ):
         model, config = split_model(config)
         check_choice("bits", bits, (*quant.SUPPORTED_BITS, "fp8"))
@@ -207,11 +222,13 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             ("residual_bits", residual_bits, "whose residual is otherwise full precision"),
             ("boundary_layers", boundary_layers, "it stores their first and last layers in int8"),
             ("codebook", codebook != "uniform" and codebook, "it places their codes between each group's extremes"),
+            ("smooth", smooth != AUTO and smooth, "it scales the keys their rotation mixes"),
         ):
             if value and width == 8:  # set (not None / 0) where the kind has no such layout
                 raise ValueError(
                     f"{name} applies to the 4/3/2-bit kinds ({why}), got {name}={value} with bits={bits!r}"
                 )
+        smooth = (measured["smooth"] if rotate else 0.0) if smooth == AUTO else _check_smooth(smooth, rotate)
         specs = self._bind_model(model, config)
         key_bits = resolve_key_bits(key_bits, len(specs))
         if 2 * boundary_layers >= len(specs):
@@ -246,6 +263,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         self.key_bits = bits if key_bits is None else key_bits
         self.residual_bits = residual_bits
         self.codebook = codebook
+        self.smooth = smooth
         # int8's default group is the whole head (a width per tensor); report it as an int when all widths agree.
         self.group_size = group_size if group_size is not None or len(widths) > 1 else widths[0]
         self._codec_group = group_size
@@ -292,20 +310,21 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
     def _make_layer(self, layer_idx: int, spec: LayerSpec) -> QuantizedLayer:
         owner = type(self).__name__
         key_rope = self.key_ropes.get(spec.layer_type) if spec.uses_rope else None
-        residual, sinks = self.residual_length, self.sinks
+        residual, sinks, smooth = self.residual_length, self.sinks, self.smooth
         residual_codec = codec_for(self.residual_bits)  # int8 as bits=8 stores it, or None: exact
         if self.is_boundary(layer_idx):  # int8 as bits=8 stores it: no residual, rotation, sinks or pre-RoPE keys
             codec = codec_for(8, None, self.scale_dtype)
-            key_rope, residual, sinks, residual_codec = None, 0, 0, None
+            key_rope, residual, sinks, residual_codec, smooth = None, 0, 0, None, 0.0
         else:
             codec = self._codec(layer_idx)
         if spec.layer_type != "full_attention":  # the model's own window: its sinks would be evicted anyway
             return QuantizedSlidingWindowLayer(
-                spec, layer_idx, owner, codec, residual, self.workspace, self.attention_mode, key_rope, residual_codec
-            )
+                spec, layer_idx, owner, codec, residual, self.workspace, self.attention_mode, key_rope, residual_codec,
+                smooth,
+            )  # fmt: skip
         return QuantizedLayer(
             spec, layer_idx, owner, codec, residual, self.workspace, self.attention_mode, sinks, self.padding,
-            key_rope, residual_codec,
+            key_rope, residual_codec, smooth,
         )  # fmt: skip
 
     def before_forward(self, kwargs: dict) -> None:
@@ -332,10 +351,24 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         axis += f", boundary_layers={self.boundary_layers}" if self.boundary_layers else ""
         axis += f", residual_bits={self.residual_bits}" if self.residual_bits else ""
         axis += f", codebook={self.codebook!r}" if self.codebook != "uniform" else ""
+        axis += f", smooth={self.smooth}" if self.smooth else ""
         return (
             f"{type(self).__name__}(bits={self.bits!r}, group_size={self.group_size}, "
             f"residual_length={self.residual_length}, backend={self.backend!r}{axis}, layers={len(self.layers)})"
         )
+
+
+def _check_smooth(smooth, rotate: str | None) -> float:
+    """``smooth`` as a float in ``[0, MAX_SMOOTH]``; above 0 it needs Hadamard-rotated codes."""
+    if isinstance(smooth, bool) or not isinstance(smooth, (int, float)) or not 0 <= smooth <= MAX_SMOOTH:
+        raise ValueError(f"smooth must be a number from 0 (off) to {MAX_SMOOTH} or 'auto', got {smooth!r}")
+    if smooth and rotate is None:
+        raise ValueError(
+            f"smooth={smooth} scales the keys before the Hadamard rotation mixes their channels; without it each "
+            "channel's offset is stored by its own zero point and there is nothing to move: set rotate='hadamard' "
+            "or smooth=0"
+        )
+    return float(smooth)
 
 
 def _key_ropes(model, config, specs: list[LayerSpec]) -> dict[str, RotarySpec]:
@@ -381,10 +414,11 @@ def _register(bits: int | str, summary: str) -> None:
         key_bits: int | str | None = None,
         residual_bits: int | None = None,
         codebook: str = "uniform",
+        smooth: float | str = AUTO,
     ) -> QuantizedKVCache:
         return QuantizedKVCache(
             config, bits, group_size, residual_length, backend, scale_dtype, key_axis, rotate, sinks, pre_rope,
-            boundary_layers, key_bits, residual_bits, codebook,
+            boundary_layers, key_bits, residual_bits, codebook, smooth,
         )  # fmt: skip
 
     # key_axis is a KIVI option, group_size and backend int8 / KIVI ones: a spec that names an option its kind does
@@ -393,7 +427,7 @@ def _register(bits: int | str, summary: str) -> None:
     if bits != "fp8":
         options = ("group_size", *options[:1], "backend", *options[1:])
     if bits not in (8, "fp8"):
-        options += ("key_bits", "residual_bits", "key_axis", "boundary_layers", "codebook")
+        options += ("key_bits", "residual_bits", "key_axis", "boundary_layers", "codebook", "smooth")
     register_cache("fp8" if bits == "fp8" else f"int{bits}", summary, options=options)(factory)
 
 
@@ -407,6 +441,6 @@ _register(
 )
 _register(
     2,
-    "QuantizedKVCache bits=2: KIVI 2-bit, Hadamard-rotated, pre-RoPE keys, 4 fp sinks and a 128-token fp residual, "
-    "~0.16x of bf16 + residual",
+    "QuantizedKVCache bits=2: KIVI 2-bit, Hadamard-rotated, pre-RoPE smoothed keys, 4 fp sinks and a 128-token fp "
+    "residual, ~0.16x of bf16 + residual",
 )

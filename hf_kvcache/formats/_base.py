@@ -93,6 +93,11 @@ class SegmentFormat:
         scales into the weights)."""
         return torch.einsum("bhgqn,bhnd->bhgqd", weights, self.read_values(a, b))
 
+    def launch_input(self, query: torch.Tensor) -> tuple[torch.Tensor, SegmentFormat]:
+        """The query and segment a launch reads for this segment: ``(query, self)``. A transform of the query alone
+        (smoothed keys, :mod:`.scaled`) gives its inner segment's, with the query transformed first."""
+        return query, self
+
     def in_launch(self) -> tuple[SegmentFormat, dict]:
         """The stored segment whose op reads this one, and the op's extra arguments (a Hadamard rotation's
         ``rotations``, pre-RoPE keys' ``rope``): ``(self, {})`` for a stored segment. Attention calls

@@ -119,11 +119,12 @@ def decode_attention(
     partials = []
     direct = launches_directly(query)
     for segment, part_mask, splits in segment_inputs(query, handle, mask):
+        read_with, segment = segment.launch_input(query)  # smoothed keys: the query divided by their scales
         stored, extras = segment.in_launch()  # a rotation or pre-RoPE keys read in the stored format's own launch
         if direct and not isinstance(stored, OverSegment):  # the launch its op would make, from the segment itself,
             # free to choose its split count (the combine below reads any)
-            partials.append(launch(query, segment, part_mask, scaling, softcap, splits, exact=False))
+            partials.append(launch(read_with, segment, part_mask, scaling, softcap, splits, exact=False))
         else:
-            partials.append(stored.partial(query, part_mask, scaling, softcap, splits, **extras))
+            partials.append(stored.partial(read_with, part_mask, scaling, softcap, splits, **extras))
     m, l_, acc = (list(x) for x in zip(*partials))
     return combine_partials(m, l_, acc, sinks, query.dtype)  # one launch: the splits of every segment reduced together

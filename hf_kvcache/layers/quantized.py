@@ -23,6 +23,7 @@ import torch
 from .._config import LayerSpec
 from ..formats import DenseSegment, IdentityCodec, KVHandle, PreRopeSegment
 from ..formats._base import KeyTurn
+from ..formats.scaled import ScaledSegment, scale_keys, smoothing_scales, unscale_keys
 from ..rope import RotarySpec, rotate_positions
 from ._common import AttentionMode, KVLayer, PaddingTracker, tokens_to_crop
 from ._sinks import RowSinks
@@ -95,6 +96,7 @@ class QuantizedLayer(KVLayer):
         padding: PaddingTracker | None = None,
         key_rope: RotarySpec | None = None,
         residual_codec=None,
+        smooth: float = 0.0,
     ):
         super().__init__(spec, layer_idx, owner, mode)
         self.codec = codec
@@ -114,6 +116,11 @@ class QuantizedLayer(KVLayer):
         self.store: TokenBuffers | None = None  # codes of every position from `dropped` on
         self.residual: TokenBuffers | None = None  # the most recent tokens, exact
         self.sink: RowSinks | None = None  # each row's first `sinks` real tokens, exact (beside their codes)
+        # smooth > 0: the codes hold keys times key_scale ((H, Dk) float32, formats.scaled), measured on the first
+        # tokens this layer encodes and kept until the storage is released; read back divided.
+        self.smooth = smooth
+        self.key_scale: torch.Tensor | None = None
+        self.query_scale: torch.Tensor | None = None  # 1 / key_scale in the K/V dtype: what a query is multiplied by
 
     # -- CacheLayerMixin ------------------------------------------------------------------------------------------
 
@@ -124,11 +131,12 @@ class QuantizedLayer(KVLayer):
             pads = self.padding.pads(self.batch_size) if self.padding is not None else (0,) * self.batch_size
             self.sink = RowSinks(self.sinks, pads, key_states, value_states)
         self.dropped = 0
+        self.key_scale = self.query_scale = None
         if self.key_rope is not None:  # on the layer's device once, not copied there by every read
             self.key_rope = dataclasses.replace(self.key_rope, inv_freq=self.key_rope.inv_freq.to(self.device))
 
     def _release(self) -> None:
-        self.store = self.residual = self.sink = None
+        self.store = self.residual = self.sink = self.key_scale = self.query_scale = None
         self.dropped = 0
 
     def update(
@@ -218,8 +226,11 @@ class QuantizedLayer(KVLayer):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of live storage: codes, scales, zero points, the residual and the rows' exact sinks."""
-        return sum(part.nbytes for part in self._parts()) if self.is_initialized else 0
+        """Bytes of live storage: codes, scales, zero points, the residual, the rows' exact sinks and the smoothed
+        keys' scales."""
+        if not self.is_initialized:
+            return 0
+        return sum(part.nbytes for part in self._parts()) + self._key_scale_nbytes
 
     @property
     def reserved_nbytes(self) -> int:
@@ -227,7 +238,11 @@ class QuantizedLayer(KVLayer):
         if not self.is_initialized:
             return 0
         sinks = self.sink.nbytes if self.sink is not None else 0
-        return self.store.reserved_nbytes + self.residual.reserved_nbytes + sinks
+        return self.store.reserved_nbytes + self.residual.reserved_nbytes + sinks + self._key_scale_nbytes
+
+    @property
+    def _key_scale_nbytes(self) -> int:
+        return self.key_scale.nbytes + self.query_scale.nbytes if self.key_scale is not None else 0
 
     def planned_nbytes(self, tokens: int, dtype: torch.dtype, prompt: int | None = None) -> float:
         """Bytes one row stores after ``tokens`` tokens of ``dtype`` K/V, ``prompt`` of them in the first forward
@@ -241,8 +256,21 @@ class QuantizedLayer(KVLayer):
         sinks = self.sinks if tokens else 0
         return encoded * coded + residual * held + sinks * spec.bytes_per_token_factor * dtype.itemsize
 
+    def planned_layer_nbytes(self, tokens: int, dtype: torch.dtype, prompt: int | None = None) -> int:
+        """Bytes the layer stores once whatever its batch after ``tokens`` tokens of ``dtype`` K/V
+        (:meth:`planned_nbytes`' path): the smoothed keys' float32 scales and their inverses in ``dtype``, from its
+        first encoded token on."""
+        prompt = tokens if prompt is None else prompt
+        if not self.smooth or not self._planned_encodes(tokens, prompt):
+            return 0
+        return self.spec.num_kv_heads * self.spec.key_dim * (4 + dtype.itemsize)
+
     def _planned_split(self, tokens: int, prompt: int) -> tuple[int, int]:
         return encoded_split(tokens, self.residual_length, self.codec.unit)
+
+    def _planned_encodes(self, tokens: int, prompt: int) -> bool:
+        """Whether the layer encodes a token on :meth:`planned_nbytes`' path (it keeps every token it encodes)."""
+        return self._planned_split(tokens, prompt)[0] > 0
 
     # -- internals -----------------------------------------------------------------------------------------------
 
@@ -259,6 +287,8 @@ class QuantizedLayer(KVLayer):
         keys, values = self.workspace.take(k_new, v_new, nq + nr + n)
         if nq:
             self.codec.decode(self.store.views(), keys[:, :, :nq], values[:, :, :nq], self._key_turn())
+            if self.key_scale is not None:
+                unscale_keys(keys[:, :, :nq], self.key_scale)
         if nr:
             self.residual_codec.decode(self.residual.views(), keys[:, :, nq : nq + nr], values[:, :, nq : nq + nr])
         keys[:, :, nq + nr :].copy_(k_new)
@@ -298,6 +328,8 @@ class QuantizedLayer(KVLayer):
             segment = self.codec.segment(self.store.views(), skip)
             if self.key_rope is not None:
                 segment = PreRopeSegment(segment, self.key_rope, self._store_position() + skip)
+            if self.key_scale is not None:  # outermost: the query is divided before any launch reads the codes
+                segment = ScaledSegment(segment, self.key_scale, self.query_scale)
             segments.append(segment)
         if self.residual.length > max(skip - nq, 0):  # with the new tokens at its end when they joined it
             segments.append(self.residual_codec.segment(self.residual.views(), max(skip - nq, 0)))
@@ -329,6 +361,11 @@ class QuantizedLayer(KVLayer):
                 ke = rotate_positions(ke, first, self.key_rope, inverse=True)
             if self.sink is not None:  # padding and sinks never set a group's range (they are read exactly)
                 ke, ve = self.sink.exclude(ke, first), self.sink.exclude(ve, first)
+            if self.smooth:
+                if self.key_scale is None:  # the first tokens this layer encodes set its scales for good
+                    self.key_scale = smoothing_scales(ke, self.smooth, self.key_rope)
+                    self.query_scale = self.key_scale.reciprocal().to(self.dtype)
+                ke = scale_keys(ke, self.key_scale)
             encode_into = getattr(self.codec, "encode_into", None)
             if encode_into is not None:  # int8, KIVI: encoded straight into the storage, one launch on CUDA
                 self.store.append_written(
@@ -392,6 +429,8 @@ class QuantizedLayer(KVLayer):
         k = torch.empty((b, h, t, self.spec.key_dim), dtype=self.dtype, device=self.device)
         v = torch.empty((b, h, t, self.spec.value_dim), dtype=self.dtype, device=self.device)
         self.codec.decode(self.store.views(), k, v, self._key_turn())
+        if self.key_scale is not None:
+            unscale_keys(k, self.key_scale)
         return k, v
 
     def _store_position(self) -> int:
@@ -446,10 +485,11 @@ class QuantizedSlidingWindowLayer(QuantizedLayer):
         mode: AttentionMode | None = None,
         key_rope: RotarySpec | None = None,
         residual_codec=None,
+        smooth: float = 0.0,
     ):
         super().__init__(
             spec, layer_idx, owner, codec, residual_length, workspace, mode, key_rope=key_rope,
-            residual_codec=residual_codec,
+            residual_codec=residual_codec, smooth=smooth,
         )  # fmt: skip
         self.sliding_window = spec.sliding_window
         self.record_past = False
@@ -466,6 +506,18 @@ class QuantizedSlidingWindowLayer(QuantizedLayer):
 
     def _planned_split(self, tokens: int, prompt: int) -> tuple[int, int]:
         return sliding_encoded_split(tokens, prompt, self.residual_length, self.codec.unit, self.sliding_window)
+
+    def _planned_encodes(self, tokens: int, prompt: int) -> bool:
+        """Whether decoding's path encodes a token (its codes may all be evicted since): the prompt's forward, then
+        one token per forward until ``tokens`` or until the state repeats (periodic from there without encoding)."""
+        shape = (self.residual_length, self.codec.unit, self.sliding_window)
+        q, r, encoded = sliding_forward(0, 0, min(prompt, tokens), *shape)
+        seen, fed = set(), min(prompt, tokens)
+        while not encoded and fed < tokens and (q, r) not in seen:
+            seen.add((q, r))
+            q, r, encoded = sliding_forward(q, r, 1, *shape)
+            fed += 1
+        return encoded > 0
 
     def decode_equivalent_tokens(self, limit: int) -> int:
         """The full layer's rule, and one more: the forward must leave the state decoding leaves. A longer forward

@@ -39,7 +39,9 @@ import torch
 from hf_kvcache import quant
 from hf_kvcache.eval import EvalConfig, run_eval
 
-CACHE_SPECS = ("dynamic", "int4", "int4:key_axis=token", "int2", "int2:key_axis=token")
+# KIVI's layout at both widths (int4's defaults are; int2's add a rotation, sinks, pre-RoPE and smoothed keys)
+_KIVI2 = "int2:rotate=none:sinks=0:pre_rope=false"
+CACHE_SPECS = ("dynamic", "int4", "int4:key_axis=token", _KIVI2, f"{_KIVI2}:key_axis=token")
 AXES = ("token", "channel")
 
 

@@ -156,6 +156,7 @@ def launch_partial(query, segment, mask, scaling, softcap, splits) -> Launch | N
     if _CAPTURE is None:
         raise RuntimeError("launch_partial runs inside capturing()")
     before = len(_CAPTURE)
+    query, segment = segment.launch_input(query)  # smoothed keys: the query divided first, the inner segment read
     storage = segment.kernel_storage()
     plan = None if storage is None else segment.launch_plan(query, mask)
     if plan is not None:  # as hf_kvcache.formats.launch does on CUDA
