@@ -14,8 +14,6 @@ the first by rounding the second inward, which is why they lose to the uniform g
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 import torch
 
@@ -23,6 +21,8 @@ from hf_kvcache import make_cache, quant
 from hf_kvcache._compat import with_cache
 from hf_kvcache.formats import kivi
 from hf_kvcache.registry import parse_spec
+
+from ._probe import add_common_flags, ratio_table, run_probe
 
 __all__ = ["check_kivi_spec", "group_errors", "main", "measure", "stored_kv"]
 
@@ -88,43 +88,17 @@ def measure(model, ids: torch.Tensor, spec: str = "int2") -> dict:
 
 
 def table(result: dict) -> str:
-    base = result["codebooks"]["uniform"]
-    lines = [
+    title = (
         f"{result['spec']} ({result['bits']} bits, groups of {result['group_size']}), {result['tokens']} tokens: mean"
-        f" squared error, all elements / the {result['tail']:.0%} furthest from their group's mean (x uniform)",
-        "",
-        "| codebook | keys | keys, tail | values | values, tail |",
-        "|---|---|---|---|---|",
-    ]
-    for name, row in result["codebooks"].items():
-        cells = [f"{row[c]:.4g} ({row[c] / base[c]:.2f}x)" for c in ("keys", "keys_tail", "values", "values_tail")]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        f" squared error, all elements / the {result['tail']:.0%} furthest from their group's mean (x uniform)"
+    )
+    columns = {"keys": "keys", "keys_tail": "keys, tail", "values": "values", "values_tail": "values, tail"}
+    return ratio_table(title, "codebook", columns, result["codebooks"], "uniform")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hf_kvcache.models import load_model
-    from hf_kvcache.reference import reference_text
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="reference", help="smollm2, reference or a local folder")
+    add_common_flags(parser, 1024, "prefill length (the held-out text's first tokens)")
     parser.add_argument("--spec", default="int2", help="the 4/3/2-bit cache whose storage is measured")
-    parser.add_argument("--tokens", type=int, default=1024, help="prefill length (the held-out text's first tokens)")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    try:
-        check_kivi_spec(args.spec)
-        model, tokenizer = load_model(args.model)
-        text = reference_text()[: 16 * args.tokens]  # enough characters for the tokens, not the whole novel
-        ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.tokens]
-        result = measure(model, ids, args.spec)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(table(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0
+    return run_probe(args, lambda: check_kivi_spec(args.spec), lambda model, ids: measure(model, ids, args.spec), table)
