@@ -847,6 +847,11 @@ def test_auto_defaults_resolve_per_width_and_model():
         assert make_cache(spec, model).layers[0].codec.__class__ is cache.layers[0].codec.__class__
     kivi = make_cache("int2:rotate=none:sinks=0:pre_rope=false", model)
     assert (kivi.rotate, kivi.sinks, kivi.pre_rope, kivi.smooth) == (None, 0, False, 0.0)  # nothing rotated to smooth
+    # "auto" smooths 2-bit keys, layer by layer: not 3-bit keys beside 2-bit values, nor int8 boundary layers
+    assert make_cache("int2:key_bits=3", model).smooth == 0 and make_cache("int3:key_bits=2", model).smooth == 1
+    widths = QuantizedKVCache(model, bits=2, key_bits=(3, 2))
+    assert widths.smooth == "auto" and [widths.layer_smooth(i) for i in range(2)] == [0.0, 1.0]
+    assert "smooth='auto'" in repr(widths)
     # "auto" leaves pre-RoPE quantization off where the model has no RoPE; True is refused there.
     assert QuantizedKVCache(tiny_model("gpt2"), bits=2, pre_rope="auto").pre_rope is False
     with pytest.raises(ValueError, match="sinks must be an integer >= 0 or 'auto'"):
@@ -944,13 +949,13 @@ def test_key_bits_store_keys_and_values_at_their_own_widths():
 
     config = _config(layers=2)
     k, v = _kv(300)
-    int2_options = dict(rotate="hadamard", sinks=4, pre_rope=True, smooth=1)  # int2's defaults, which key_bits keeps
+    int2_options = dict(rotate="hadamard", sinks=4, pre_rope=True)  # int2's measured defaults, which key_bits keeps
     mixed = QuantizedKVCache(config, bits=2, key_bits=4)
-    keys4, values2 = QuantizedKVCache(config, bits=4, **int2_options), QuantizedKVCache(config, bits=2)
+    keys4, values2 = QuantizedKVCache(config, bits=4, **int2_options), QuantizedKVCache(config, bits=2, smooth=0)
     for cache in (mixed, keys4, values2):
         _feed(cache, k, v, (200, 1, 1))
     assert (mixed.key_bits, mixed.bits, mixed.rotate, mixed.sinks, mixed.pre_rope) == (4, 2, "hadamard", 4, True)
-    assert mixed.smooth == 1
+    assert mixed.smooth == 0  # "auto" smooths 2-bit keys only
     stored, want_k, want_v = (c.layers[1].store.views() for c in (mixed, keys4, values2))
     assert stored["k"].shape[-1] == 16 * 4 // 8 and stored["v"].shape[-1] == 16 * 2 // 8
     for name in ("k", "ks", "kz"):
@@ -963,7 +968,7 @@ def test_key_bits_store_keys_and_values_at_their_own_widths():
     assert mixed.bytes_per_token() == pytest.approx((keys4.bytes_per_token() + values2.bytes_per_token()) / 2)
     assert mixed.nbytes == (keys4.nbytes + values2.nbytes) // 2
     planned = {
-        s: kv_bytes(s, config, tokens=4096) for s in ("int4:rotate=hadamard:sinks=4:pre_rope=true:smooth=1", "int2")
+        s: kv_bytes(s, config, tokens=4096) for s in ("int4:rotate=hadamard:sinks=4:pre_rope=true", "int2:smooth=0")
     }
     assert kv_bytes("int2:key_bits=4", config, tokens=4096) == pytest.approx(sum(planned.values()) / 2, abs=2)
     assert "key_bits=4" in repr(mixed) and "key_bits" not in repr(values2)

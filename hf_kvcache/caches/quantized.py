@@ -33,9 +33,10 @@ MAX_SMOOTH = 2.0  # the strength of the smoothed keys' scales: past 1 they over-
 # through the harness's perplexity protocol (docs/results/eval-ablation.json; tests/test_quantized_cache.py checks
 # the defaults against it). 2 bits: KIVI +32.9%, all three options +2.5%; 3 bits: +2.8% -> +0.1%. At 4 bits every
 # setting is within 0.25% of DynamicCache, so KIVI's layout, the cheapest, stays; int8 needs none of them.
-# smooth = "auto" (docs/results/eval-smooth.json, eval-ruler-smooth.json): at 2 bits strength 1 took perplexity from
-# +2.51% to +0.92% and second copies from +45.7% to +34.2%; at 3 bits no strength beat none. Where rotate is None it
-# means 0 (the scales act on what the rotation mixes).
+# smooth = "auto" (docs/results/eval-smooth.json, eval-ruler-smooth.json), by the width of a layer's keys: at 2 bits
+# strength 1 took perplexity from +2.51% to +0.92%, second copies from +45.7% to +34.2% and RULER's loss from 23.9 to
+# 16.4 points; with 3-bit keys (int3, int2:key_bits=3) no strength beat none. Where rotate is None it means 0 (the
+# scales act on what the rotation mixes).
 MEASURED_DEFAULTS = {
     8: {"rotate": None, "sinks": 0, "pre_rope": False, "smooth": 0.0},
     "fp8": {"rotate": None, "sinks": 0, "pre_rope": False, "smooth": 0.0},  # int8's: the same bytes per token
@@ -144,15 +145,16 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             extremes are rounded inward. Same bytes, the same scales and zero points; the kernels read each code's
             level from a table of ``2^bits`` numbers.
         smooth: 4/3/2 bits only: the strength of smoothed keys, from 0 (off) to 2 (above 0 with
-            ``rotate="hadamard"``), or ``"auto"`` (default: :data:`MEASURED_DEFAULTS`, 1 at 2 bits, 0 at 3 and 4 bits
-            and where ``rotate`` is None). Keys are stored times per-channel scales ``(E[k^2] / Var k) ** (smooth /
-            4)`` (one per RoPE channel pair, geometric mean 1), measured per layer and KV head on the first tokens the
-            layer encodes and kept until ``reset()``; reads divide them back, and the kernels read the codes with the
-            query divided instead (``q . k = (q / s) . (k * s)``: scores are unchanged). A channel whose keys share a
-            large offset and vary little is where queries are large; the rotation spreads the other channels'
-            rounding error into it, and its larger scale takes that error back out (SmoothQuant's migration, between
-            keys and queries). Same bytes per token, plus one ``(heads, head_dim)`` float32 tensor per layer and its
-            inverse; under the ``hf_kvcache`` attention one more elementwise product per layer and step (the query's).
+            ``rotate="hadamard"``), or ``"auto"`` (default: :data:`MEASURED_DEFAULTS` by the width of each layer's
+            keys, 1 for 2-bit keys, 0 for wider ones and where ``rotate`` is None; :meth:`layer_smooth`). Keys are
+            stored times per-channel scales ``(E[k^2] / Var k) ** (smooth / 4)`` (one per RoPE channel pair,
+            geometric mean 1), measured per layer and KV head on the first tokens the layer encodes and kept until
+            ``reset()``; reads divide them back, and the kernels read the codes with the query divided instead
+            (``q . k = (q / s) . (k * s)``: scores are unchanged). A channel whose keys share a large offset and vary
+            little is where queries are large; the rotation spreads the other channels' rounding error into it, and
+            its larger scale takes that error back out (SmoothQuant's migration, between keys and queries). Same
+            bytes per token, plus one ``(heads, head_dim)`` float32 tensor per layer and its inverse; under the
+            ``hf_kvcache`` attention one more elementwise product per layer and step (the query's).
 
     Example:
         >>> from transformers import LlamaConfig
@@ -228,7 +230,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
                 raise ValueError(
                     f"{name} applies to the 4/3/2-bit kinds ({why}), got {name}={value} with bits={bits!r}"
                 )
-        smooth = (measured["smooth"] if rotate else 0.0) if smooth == AUTO else _check_smooth(smooth, rotate)
+        smooth = smooth if smooth == AUTO else _check_smooth(smooth, rotate)
         specs = self._bind_model(model, config)
         key_bits = resolve_key_bits(key_bits, len(specs))
         if 2 * boundary_layers >= len(specs):
@@ -263,7 +265,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         self.key_bits = bits if key_bits is None else key_bits
         self.residual_bits = residual_bits
         self.codebook = codebook
-        self.smooth = smooth
+        self._smooth = smooth  # "auto": per layer, by the width of its keys (layer_smooth)
         # int8's default group is the whole head (a width per tensor); report it as an int when all widths agree.
         self.group_size = group_size if group_size is not None or len(widths) > 1 else widths[0]
         self._codec_group = group_size
@@ -289,6 +291,23 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         if sinks:  # the sinks are each row's first real tokens: read the left padding of the prefill's mask
             self._observe_model(model)
 
+    @property
+    def smooth(self) -> float | str:
+        """The smoothed keys' strength: one number, or ``"auto"`` where layers differ (:meth:`layer_smooth`: a
+        per-layer ``key_bits`` with 2-bit keys on some layers only)."""
+        strengths = {self.layer_smooth(i) for i in range(len(self.layer_specs)) if not self.is_boundary(i)}
+        return strengths.pop() if len(strengths) == 1 else AUTO
+
+    def layer_smooth(self, layer_idx: int) -> float:
+        """The strength layer ``layer_idx`` smooths its keys with: the one given, or for ``"auto"`` the measured
+        default of its keys' width (:data:`MEASURED_DEFAULTS`: 1 for 2-bit keys, else 0; 0 without a rotation and on
+        int8 boundary layers)."""
+        if self.bits in (8, "fp8") or self.is_boundary(layer_idx):
+            return 0.0
+        if self._smooth != AUTO:
+            return self._smooth
+        return MEASURED_DEFAULTS[self.layer_key_bits(layer_idx)]["smooth"] if self.rotate else 0.0
+
     def layer_key_bits(self, layer_idx: int) -> int:
         """The width layer ``layer_idx`` stores its keys at (8 for an int8 boundary layer)."""
         if self.bits in (8, "fp8") or self.is_boundary(layer_idx):
@@ -310,11 +329,11 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
     def _make_layer(self, layer_idx: int, spec: LayerSpec) -> QuantizedLayer:
         owner = type(self).__name__
         key_rope = self.key_ropes.get(spec.layer_type) if spec.uses_rope else None
-        residual, sinks, smooth = self.residual_length, self.sinks, self.smooth
+        residual, sinks, smooth = self.residual_length, self.sinks, self.layer_smooth(layer_idx)
         residual_codec = codec_for(self.residual_bits)  # int8 as bits=8 stores it, or None: exact
         if self.is_boundary(layer_idx):  # int8 as bits=8 stores it: no residual, rotation, sinks or pre-RoPE keys
             codec = codec_for(8, None, self.scale_dtype)
-            key_rope, residual, sinks, residual_codec, smooth = None, 0, 0, None, 0.0
+            key_rope, residual, sinks, residual_codec = None, 0, 0, None
         else:
             codec = self._codec(layer_idx)
         if spec.layer_type != "full_attention":  # the model's own window: its sinks would be evicted anyway
@@ -351,7 +370,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         axis += f", boundary_layers={self.boundary_layers}" if self.boundary_layers else ""
         axis += f", residual_bits={self.residual_bits}" if self.residual_bits else ""
         axis += f", codebook={self.codebook!r}" if self.codebook != "uniform" else ""
-        axis += f", smooth={self.smooth}" if self.smooth else ""
+        axis += f", smooth={self.smooth!r}" if self.smooth else ""
         return (
             f"{type(self).__name__}(bits={self.bits!r}, group_size={self.group_size}, "
             f"residual_length={self.residual_length}, backend={self.backend!r}{axis}, layers={len(self.layers)})"
