@@ -57,6 +57,10 @@ BENCH = [
     *"--new-tokens 8 --repeats 1 --caches".split(),
     "dynamic,int8,int4,int2,sink:window=1024:sinks=4,paged:block_size=16",
 ]
+SMOOTH_CACHES = (
+    "dynamic,int2,int2:smooth=0.5,int2:smooth=1,int2:smooth=1.5,int2:smooth=2,int3,int3:smooth=0.5,int3:smooth=1,"
+    "int2:key_bits=3:smooth=1"
+)
 KEY_WIDTHS_FILE = "results/{}/key_bits.json"  # where a calibrate run writes its widths (relative to the checkout)
 RUNS: dict[str, list[str]] = {
     "eval-default": [
@@ -193,6 +197,20 @@ RUNS: dict[str, list[str]] = {
         *REAL,
         *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
         *["--caches", "dynamic,int2,int2:codebook=lloyd,int3,int3:codebook=lloyd,int2:key_bits=3:codebook=lloyd"],
+    ],
+    # Smoothed keys (smooth=): strengths 0.5 to 2 at 2 bits, 0.5 and 1 at 3 bits and beside 3-bit keys, in the default
+    # run's protocol; then RULER's suite at the RULER runs' lengths and samples.
+    "eval-smooth": [
+        "eval",
+        *REAL,
+        *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
+        *["--caches", SMOOTH_CACHES],
+    ],
+    "eval-ruler-smooth": [
+        "eval",
+        *REAL,
+        *"--task ruler --chat-template --ruler-lengths 1024,2048 --ruler-samples 10".split(),
+        *["--caches", "dynamic,int2,int2:smooth=1,int3,int3:smooth=1"],
     ],
     "eval-ablation": [
         "eval",
