@@ -256,6 +256,19 @@ def test_layers_with_states_and_attention_keep_both(name):
     assert cache.nbytes == 0 and cache.get_seq_length() == 0
 
 
+def test_plan_counts_the_smoothed_keys_scales_beside_states():
+    """int2's smoothed keys keep one scale tensor per layer (not per row) inside a layer with states: ``kv_bytes``
+    counts it once, as the layer holds it (the planned bytes equal what a padded batch holds, its states apart)."""
+    model = _model("falcon_h1", "sdpa")
+    spec = "int2:residual_length=4:group_size=4"
+    cache = make_cache(spec, model)
+    _generate(model, cache, _prompt("padded"))
+    assert all(layer.attention.key_scale is not None for layer in cache.layers)
+    tokens = cache.get_seq_length()
+    planned = kv_bytes(spec, model, tokens=tokens, batch=2, dtype=torch.float32, prompt=12)
+    assert planned == cache.nbytes - cache.state_nbytes
+
+
 def test_sliding_layers_with_states_are_refused_by_name():
     """Inkling's hybrid_sliding layers (states beside a sliding window) are not served yet: a ValueError naming them."""
     model = _model("inkling_text", "eager")
