@@ -10,7 +10,7 @@ larger share of the range and a smaller share of the error. The scale of a chann
 ``(E[k^2] / Var k) ** (strength / 4)`` (``strength=1`` minimizes ``E[(q . dk)^2]`` when the query's energy is the key's
 offset energy; both channels of a RoPE pair share it, so it commutes with RoPE and keys stored before RoPE are turned
 as before), taken from the first tokens a layer encodes and kept for the layer's life. Stored bytes are the inner
-format's and one ``(heads, head_dim)`` float32 tensor per layer.
+format's, and per layer one ``(heads, head_dim)`` float32 tensor and its inverse in the K/V dtype.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ..kernels import torch_decode
 from ..rope import RotarySpec
 from ._base import OverSegment, Partials, SegmentFormat
 
-__all__ = ["ScaledSegment", "pair_channels", "smoothing_scales", "unscale_keys"]
+__all__ = ["ScaledSegment", "pair_channels", "scale_keys", "scale_query", "smoothing_scales", "unscale_keys"]
 
 # Bounds of E[k^2] / Var k: a channel that does not vary over the tokens measured (a constant channel, or a chunk of
 # one repeated token) would otherwise get an unbounded scale.
