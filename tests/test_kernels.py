@@ -424,9 +424,18 @@ def test_pre_rope_segment_turns_keys_per_tile(inner, layout, first, dtype, monke
     _close(ref, _sdpa(query, keys, values, mask, 0.125), dtype)
 
 
-@pytest.mark.parametrize("inner", ["kivi2-rot", "kivi3-rot", "kivi4v2-rot"])
-@pytest.mark.parametrize("layout", ["half", "interleaved", "partial"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize(
+    "inner, layout, dtype",
+    # every RoPE layout over int2's codes; 3-bit and mixed widths in the rotate_half layout (the fold is the same)
+    [
+        (inner, layout, dtype)
+        for layout in ("half", "interleaved", "partial")
+        for dtype in DTYPES
+        for inner in ("kivi2-rot",)
+    ]
+    + [(inner, "half", dtype) for inner in ("kivi3-rot", "kivi4v2-rot") for dtype in DTYPES],
+    ids=lambda x: DTYPE_IDS[DTYPES.index(x)] if isinstance(x, torch.dtype) else str(x),
+)
 def test_scaled_segment_divides_the_query(inner, layout, dtype, monkeypatch):
     """Smoothed keys (smooth > 0) are stored times per-pair scales; attention reads them with the query divided by
     the scales instead: equal to attention over the keys read back (divided), in the reference, and through the inner
