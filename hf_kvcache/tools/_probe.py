@@ -46,7 +46,7 @@ def ratio_table(title: str, label: str, columns: dict[str, str], rows: dict[str,
     """A markdown table under ``title``: one line per entry of ``rows`` (named in the ``label`` column), each of
     ``columns`` (key -> header) as its value and its ratio to row ``base``'s."""
     lines = [title, "", f"| {label} | " + " | ".join(columns.values()) + " |", "|---" * (len(columns) + 1) + "|"]
-    for name, row in rows.items():
-        cells = [f"{row[c]:.4g} ({row[c] / rows[base][c]:.2f}x)" for c in columns]
+    for name, row in rows.items():  # no ratio to a base of 0 (an exact cache)
+        cells = [f"{row[c]:.4g}" + (f" ({row[c] / rows[base][c]:.2f}x)" if rows[base][c] else "") for c in columns]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
