@@ -165,6 +165,23 @@ CACHE_CASES = [
         families=VARIANT,
         attn="hf_kvcache",
     ),
+    # 8-bit scales (scale_dtype=e5m3) and int8 zero points: decoded into the workspace under eager / sdpa (over int2's
+    # rotation, sinks, pre-RoPE and smoothed keys), read by the kernels under hf_kvcache (per-token keys too).
+    CacheCase(
+        "int2-e5m3",
+        "int2:residual_length=4:group_size=8:scale_dtype=e5m3",
+        lossless=False,
+        logit_bound=LOGIT_BOUNDS["int2"],
+        families=VARIANT,
+    ),
+    CacheCase(
+        "int4-e5m3-hf",
+        "int4:residual_length=4:group_size=8:scale_dtype=e5m3",
+        lossless=False,
+        logit_bound=LOGIT_BOUNDS["int4"],
+        families=VARIANT,
+        attn="hf_kvcache",
+    ),
     # The first real tokens of each row kept in full precision (attention sinks), left padding included: a dense
     # segment before the codes, under sdpa and read in place by the kernels under hf_kvcache.
     CacheCase(

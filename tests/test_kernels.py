@@ -265,6 +265,37 @@ def test_kivi_group_sizes(bits, group, head_dim, dtype):
     _close(tri, ref, dtype)
 
 
+@pytest.mark.parametrize(
+    "bits, group, head_dim, kv_dtype, dtype",
+    [
+        (2, 16, 64, torch.float32, torch.float32),  # a key group per tile; zero points of keys in float32
+        (3, 24, 96, torch.float16, torch.float32),  # every element dequantized; keys' zero points in float16
+        (4, 32, 64, torch.float16, torch.float16),  # the 16-bit path: values dequantized in the query's dtype
+    ],
+    ids=["2-16-fp32", "3-24-fp16zero", "4-32-fp16"],
+)
+def test_kivi_8bit_scales(bits, group, head_dim, kv_dtype, dtype):
+    """8-bit scales (E5M3) and int8 zero points (values; per-channel keys keep a float zero point in the K/V dtype)
+    read by the kernel as the reference reads them, and both equal sdpa over the K/V they decode to."""
+    from hf_kvcache import quant
+
+    g = torch.Generator().manual_seed(bits + group)
+    t = 4 * group
+    k = (torch.randn(2, 2, t, head_dim, generator=g) * 3 + 5).to(kv_dtype)  # offset channels: far from 0
+    v = torch.randn(2, 2, t, head_dim, generator=g).to(kv_dtype)
+    p = KiviCodec(bits, group, quant.E5M3).encode(k, v)
+    assert (p["ks"].dtype, p["kz"].dtype, p["vs"].dtype, p["vz"].dtype) == (torch.uint8, kv_dtype, torch.uint8,
+                                                                            torch.int8)  # fmt: skip
+    start = group // 2 + 1
+    seg = KiviSegment(bits, bits, group, start, t - start, p["k"], p["ks"], p["kz"], p["v"], p["vs"], p["vz"])
+    keys, values = seg.read(0, seg.length)
+    mask = _two_query_mask(seg.length, 5)
+    query = torch.randn(2, 8, 2, head_dim, generator=g).to(dtype)
+    ref, tri = _run(query, seg, mask, splits=3)
+    _close(tri, ref, dtype)
+    _close(ref, _sdpa(query.float(), keys, values, mask, 0.125), dtype)
+
+
 @pytest.mark.parametrize("head_major", [False, True], ids=["slot-major", "head-major"])
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 def test_paged_kernel_with_padding_blocks_and_any_block_size(block_size, head_major):
@@ -684,12 +715,29 @@ def test_kivi_encode_kernel_is_bit_exact(bits, group, head_dim, key_axis, codebo
     nearest level), into strided slot views of a layer's storage and nothing beside them. (A group of signed zeros
     may keep either zero as its minimum: compared as values there, as the sign of a zero point changes no decoded
     value.)"""
+    _check_kivi_encode(bits, group, head_dim, key_axis, codebook, groups, dtype, None)
+
+
+@pytest.mark.parametrize(
+    "bits, group, key_axis, codebook",
+    [(2, 16, "channel", "uniform"), (3, 8, "token", "uniform"), ((4, 2), 16, "channel", "lloyd")],
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_kivi_encode_kernel_is_bit_exact_with_8bit_scales(bits, group, key_axis, codebook, dtype):
+    """8-bit scales (E5M3: the nearest value keeping the maximum within half a step) and int8 zero points (per-token
+    groups), float zero points for per-channel keys: bit for bit the reference too."""
+    from hf_kvcache import quant
+
+    _check_kivi_encode(bits, group, 64, key_axis, codebook, 2, dtype, quant.E5M3)
+
+
+def _check_kivi_encode(bits, group, head_dim, key_axis, codebook, groups, dtype, scale_dtype):
     from hf_kvcache.kernels.triton_append import kivi_encodable, triton_kivi_encode
 
     key_bits, value_bits = bits if isinstance(bits, tuple) else (bits, bits)
     n = groups * group
     k, v = _awkward_tokens(dtype, n, head_dim, torch.Generator().manual_seed(key_bits + value_bits + group))
-    codec = KiviCodec(value_bits, group, None, key_axis=key_axis, key_bits=key_bits, codebook=codebook)
+    codec = KiviCodec(value_bits, group, scale_dtype, key_axis=key_axis, key_bits=key_bits, codebook=codebook)
     want = codec.encode(k, v)
     assert want["k"].shape[-1] == head_dim * key_bits // 8 and want["v"].shape[-1] == head_dim * value_bits // 8
     assert kivi_encodable(key_bits, value_bits, group, head_dim, head_dim, key_axis == "token")

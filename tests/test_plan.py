@@ -30,6 +30,7 @@ SPECS = [
     "int2:group_size=8:residual_length=12:residual_bits=8:key_bits=4",  # an int8 residual beside 4-bit keys
     "int4:group_size=8:residual_length=8:rotate=hadamard",
     "int2:group_size=8:residual_length=4:smooth=1",  # one (heads, head_dim) float32 scale tensor per layer, not per row
+    "int3:group_size=8:residual_length=4:scale_dtype=e5m3",  # 1-byte scales; int8 zero points for values only
     "int4",  # default residual (128): all of a short run stays in full precision
     "sink:window=16:sinks=2",
     "sink:window=16:sinks=2:bits=8",

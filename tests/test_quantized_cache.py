@@ -226,7 +226,11 @@ def test_memory_report_adds_up():
         (dict(residual_length=2.5), "residual_length must be an integer"),
         (dict(backend="cuda"), "backend must be one of"),
         (dict(bits=4, backend="bitsandbytes"), "supports bits=8 only"),
-        (dict(scale_dtype="int8"), "scale_dtype must be one of"),
+        (dict(scale_dtype="int8"), "scale_dtype must be one of float32, float16, bfloat16, got 'int8'"),
+        (dict(bits=4, scale_dtype="int8"), "scale_dtype must be one of float32, float16, bfloat16, e5m3, got"),
+        (dict(scale_dtype="e5m3"), "scale_dtype='e5m3' applies to the 4/3/2-bit kinds"),
+        (dict(bits="fp8", scale_dtype="e5m3"), "scale_dtype='e5m3' applies to the 4/3/2-bit kinds"),
+        (dict(bits=2, scale_dtype=torch.uint8), "scale_dtype must be one of float32, float16, bfloat16, e5m3"),
     ],
 )
 def test_bad_arguments_are_value_errors(kwargs, match):
@@ -554,7 +558,8 @@ def test_rotate_validation_bytes_and_spec():
     ids = torch.randint(3, 100, (2, 40))
     plain, rotated = (
         make_cache("int2:residual_length=4:rotate=none", model),
-        make_cache("int2:residual_length=4:rotate=hadamard:smooth=0", model),  # smoothed keys add their scales
+        # smoothed keys add their scales; rotated codes default to 8-bit scales
+        make_cache("int2:residual_length=4:rotate=hadamard:smooth=0:scale_dtype=none", model),
     )
     for cache in (plain, rotated):
         model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=5, do_sample=False)
@@ -842,11 +847,13 @@ def test_auto_defaults_resolve_per_width_and_model():
     for bits, options in MEASURED_DEFAULTS.items():
         cache = QuantizedKVCache(model, bits=bits)
         assert (cache.rotate, cache.sinks, cache.pre_rope) == (options["rotate"], options["sinks"], options["pre_rope"])
-        assert cache.smooth == options["smooth"]
+        assert cache.smooth == options["smooth"] and cache.scale_dtype == options["scale_dtype"]
         spec = "fp8" if bits == "fp8" else f"int{bits}"
         assert make_cache(spec, model).layers[0].codec.__class__ is cache.layers[0].codec.__class__
     kivi = make_cache("int2:rotate=none:sinks=0:pre_rope=false", model)
     assert (kivi.rotate, kivi.sinks, kivi.pre_rope, kivi.smooth) == (None, 0, False, 0.0)  # nothing rotated to smooth
+    assert kivi.scale_dtype is None and "scale_dtype" not in repr(kivi)  # 16-bit scales without a rotation
+    assert make_cache("int2:scale_dtype=none", model).scale_dtype is None
     # "auto" smooths 2-bit keys, layer by layer: not 3-bit keys beside 2-bit values, nor int8 boundary layers
     assert make_cache("int2:key_bits=3", model).smooth == 0 and make_cache("int3:key_bits=2", model).smooth == 1
     widths = QuantizedKVCache(model, bits=2, key_bits=(3, 2))
@@ -949,7 +956,7 @@ def test_key_bits_store_keys_and_values_at_their_own_widths():
 
     config = _config(layers=2)
     k, v = _kv(300)
-    int2_options = dict(rotate="hadamard", sinks=4, pre_rope=True)  # int2's measured defaults, which key_bits keeps
+    int2_options = dict(rotate="hadamard", sinks=4, pre_rope=True, scale_dtype="e5m3")  # int2's, which key_bits keeps
     mixed = QuantizedKVCache(config, bits=2, key_bits=4)
     keys4, values2 = QuantizedKVCache(config, bits=4, **int2_options), QuantizedKVCache(config, bits=2, smooth=0)
     for cache in (mixed, keys4, values2):
@@ -968,7 +975,8 @@ def test_key_bits_store_keys_and_values_at_their_own_widths():
     assert mixed.bytes_per_token() == pytest.approx((keys4.bytes_per_token() + values2.bytes_per_token()) / 2)
     assert mixed.nbytes == (keys4.nbytes + values2.nbytes) // 2
     planned = {
-        s: kv_bytes(s, config, tokens=4096) for s in ("int4:rotate=hadamard:sinks=4:pre_rope=true", "int2:smooth=0")
+        s: kv_bytes(s, config, tokens=4096)
+        for s in ("int4:rotate=hadamard:sinks=4:pre_rope=true:scale_dtype=e5m3", "int2:smooth=0")
     }
     assert kv_bytes("int2:key_bits=4", config, tokens=4096) == pytest.approx(sum(planned.values()) / 2, abs=2)
     assert "key_bits=4" in repr(mixed) and "key_bits" not in repr(values2)

@@ -28,6 +28,9 @@ __all__ = ["MEASURED_DEFAULTS", "QuantizedKVCache"]
 _BACKENDS = ("torch", "bitsandbytes")
 _DEFAULT_RESIDUAL = {8: 0, 4: 128, 3: 128, 2: 128}
 AUTO = "auto"
+E5M3_NAME = "e5m3"  # scale_dtype's 8-bit scales (quant.E5M3)
+_SCALE_DTYPES = ("float32", "float16", "bfloat16")
+_KIVI_SCALES = (*_SCALE_DTYPES, E5M3_NAME)  # the names a 4/3/2-bit kind's error lists (e5m3 handled before)
 MAX_SMOOTH = 2.0  # the strength of the smoothed keys' scales: past 1 they over-correct (docs/results.md)
 # What rotate / sinks / pre_rope = "auto" (the defaults) mean at each width: the best setting measured on SmolLM2
 # through the harness's perplexity protocol (docs/results/eval-ablation.json; tests/test_quantized_cache.py checks
@@ -37,12 +40,16 @@ MAX_SMOOTH = 2.0  # the strength of the smoothed keys' scales: past 1 they over-
 # strength 1 took perplexity from +2.51% to +0.92%, second copies from +45.7% to +34.2% and RULER's loss from 23.9 to
 # 16.4 points; with 3-bit keys (int3, int2:key_bits=3) no strength beat none. Where rotate is None it means 0 (the
 # scales act on what the rotation mixes).
+# scale_dtype = "auto" (docs/results/eval-scales.json; benchmarks/window_kl.py): 8-bit scales where the codes are
+# Hadamard-rotated (int3 / int2: KL divergence from DynamicCache through SmolLM2 over six windows 0.95x / 0.99x of
+# float32 scales', perplexity and second copies within their noise, 7% fewer bytes at 8k tokens); without a rotation
+# the K/V dtype's (int4's KL 1.41x).
 MEASURED_DEFAULTS = {
-    8: {"rotate": None, "sinks": 0, "pre_rope": False, "smooth": 0.0},
-    "fp8": {"rotate": None, "sinks": 0, "pre_rope": False, "smooth": 0.0},  # int8's: the same bytes per token
-    4: {"rotate": None, "sinks": 0, "pre_rope": False, "smooth": 0.0},
-    3: {"rotate": "hadamard", "sinks": 4, "pre_rope": True, "smooth": 0.0},
-    2: {"rotate": "hadamard", "sinks": 4, "pre_rope": True, "smooth": 1.0},
+    8: {"rotate": None, "sinks": 0, "pre_rope": False, "smooth": 0.0, "scale_dtype": None},
+    "fp8": {"rotate": None, "sinks": 0, "pre_rope": False, "smooth": 0.0, "scale_dtype": None},  # int8's bytes
+    4: {"rotate": None, "sinks": 0, "pre_rope": False, "smooth": 0.0, "scale_dtype": None},
+    3: {"rotate": "hadamard", "sinks": 4, "pre_rope": True, "smooth": 0.0, "scale_dtype": "e5m3"},
+    2: {"rotate": "hadamard", "sinks": 4, "pre_rope": True, "smooth": 1.0, "scale_dtype": "e5m3"},
 }
 
 
@@ -61,10 +68,11 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
       most recent ``residual_length`` tokens kept in full precision.
       ``key_axis="token"`` quantizes keys per token like the values instead: the paper's ablation (its per-token
       keys fail at 2 bits), offered to reproduce that finding, not for use.
-    * ``rotate``, ``sinks``, ``pre_rope`` and ``smooth`` default to ``"auto"``: the best setting measured at that
-      width on the real model (:data:`MEASURED_DEFAULTS`: at 3 and 2 bits ``rotate="hadamard", sinks=4,
-      pre_rope=True``, where the model has RoPE, and at 2 bits ``smooth=1``; at 4 and 8 bits none). KIVI's own
-      layout is ``rotate=None, sinks=0, pre_rope=False`` (spec ``int2:rotate=none:sinks=0:pre_rope=false``).
+    * ``rotate``, ``sinks``, ``pre_rope``, ``smooth`` and ``scale_dtype`` default to ``"auto"``: the best setting
+      measured at that width on the real model (:data:`MEASURED_DEFAULTS`: at 3 and 2 bits ``rotate="hadamard",
+      sinks=4, pre_rope=True``, where the model has RoPE, and 8-bit scales, ``scale_dtype="e5m3"``; at 2 bits
+      ``smooth=1``; at 4 and 8 bits none). KIVI's own layout is ``rotate=None, sinks=0, pre_rope=False`` (spec
+      ``int2:rotate=none:sinks=0:pre_rope=false``, which also keeps 16-bit scales).
 
     Every token is encoded exactly once (the prompt's tail stays in the residual; nothing is re-quantized), appends
     are amortized, and the K/V handed to attention are decoded into one workspace shared by all layers. On hybrid
@@ -87,7 +95,13 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         backend: ``"torch"`` or, for 8 bits, ``"bitsandbytes"`` (codes from ``bitsandbytes.functional.
             int8_vectorwise_quant``; needs the ``bnb`` extra).
         scale_dtype: dtype of scales and zero points: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (or the torch
-            dtype). Default: float32 at 8 bits; at 4/3/2 bits the K/V dtype when it is 16-bit, else float32.
+            dtype), ``None`` (float32 at 8 bits; at 4/3/2 bits the K/V dtype when it is 16-bit, else float32), or at
+            4/3/2 bits ``"e5m3"``: 8-bit scales (float16's exponent and top 3 mantissa bits, on a grid centered on
+            each group, every element within half a step) with int8 zero points in steps of ``2^(bits - 7)`` scales
+            for the per-token groups (values, ``key_axis="token"``); per-channel key groups keep their zero points
+            in the ``None`` dtype, their channel offsets being many steps from 0. At head_dim 64 or 128 with bf16
+            K/V a token's scales and zero points shrink from 8 to 5 bytes per head (4 + 4 to 3 + 2). Default
+            ``"auto"``: :data:`MEASURED_DEFAULTS` (``"e5m3"`` at 3 and 2 bits with their rotation, else ``None``).
         key_axis: 4/3/2 bits only: ``"channel"`` (default, KIVI: one scale and zero point per channel over groups of
             ``group_size`` tokens) or ``"token"`` (KIVI's ablation: per token over groups of ``group_size`` channels,
             like the values; every token encoded on its own). Under the ``hf_kvcache`` attention per-token keys are
@@ -172,7 +186,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         group_size: int | None = None,
         residual_length: int | None = None,
         backend: str = "torch",
-        scale_dtype: str | torch.dtype | None = None,
+        scale_dtype: str | torch.dtype | None = AUTO,
         key_axis: str | None = None,
         rotate: str | None = AUTO,
         sinks: int | str = AUTO,
@@ -258,8 +272,16 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
                 )
         residual_length = _DEFAULT_RESIDUAL[width] if residual_length is None else residual_length
         check_int("residual_length", residual_length, 0)
-        if scale_dtype is not None:
-            scale_dtype = dtype_from_name("scale_dtype", scale_dtype)
+        if scale_dtype == AUTO:
+            scale_dtype = measured["scale_dtype"] if rotate else None
+        if scale_dtype == E5M3_NAME:
+            if width == 8:
+                raise ValueError(
+                    f"scale_dtype='e5m3' applies to the 4/3/2-bit kinds (8-bit scales beside their asymmetric codes), "
+                    f"got it with bits={bits!r}: use float32, float16 or bfloat16"
+                )
+        elif scale_dtype is not None:
+            scale_dtype = dtype_from_name("scale_dtype", scale_dtype, _SCALE_DTYPES if width == 8 else _KIVI_SCALES)
 
         self.bits, self.residual_length = bits, residual_length
         self.key_bits = bits if key_bits is None else key_bits
@@ -318,8 +340,9 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         group = self._codec_group if self.bits in (8, "fp8") else self.group_size
         key_bits = self.layer_key_bits(layer_idx)
         key_bits = None if key_bits in (8, self.bits) else key_bits
+        scale_dtype = quant.E5M3 if self.scale_dtype == E5M3_NAME else self.scale_dtype
         return codec_for(
-            self.bits, group, self.scale_dtype, self.key_axis, self.rotate, self.backend, key_bits, self.codebook
+            self.bits, group, scale_dtype, self.key_axis, self.rotate, self.backend, key_bits, self.codebook
         )
 
     def is_boundary(self, layer_idx: int) -> bool:
@@ -332,7 +355,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         residual, sinks, smooth = self.residual_length, self.sinks, self.layer_smooth(layer_idx)
         residual_codec = codec_for(self.residual_bits)  # int8 as bits=8 stores it, or None: exact
         if self.is_boundary(layer_idx):  # int8 as bits=8 stores it: no residual, rotation, sinks or pre-RoPE keys
-            codec = codec_for(8, None, self.scale_dtype)
+            codec = codec_for(8, None, None if self.scale_dtype == E5M3_NAME else self.scale_dtype)
             key_rope, residual, sinks, residual_codec = None, 0, 0, None
         else:
             codec = self._codec(layer_idx)
@@ -371,6 +394,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         axis += f", residual_bits={self.residual_bits}" if self.residual_bits else ""
         axis += f", codebook={self.codebook!r}" if self.codebook != "uniform" else ""
         axis += f", smooth={self.smooth!r}" if self.smooth else ""
+        axis += f", scale_dtype={self.scale_dtype!r}" if self.scale_dtype is not None else ""
         return (
             f"{type(self).__name__}(bits={self.bits!r}, group_size={self.group_size}, "
             f"residual_length={self.residual_length}, backend={self.backend!r}{axis}, layers={len(self.layers)})"
@@ -424,7 +448,7 @@ def _register(bits: int | str, summary: str) -> None:
         group_size: int | None = None,
         residual_length: int | None = None,
         backend: str = "torch",
-        scale_dtype: str | None = None,
+        scale_dtype: str | None = AUTO,
         key_axis: str | None = None,
         rotate: str | None = AUTO,
         sinks: int | str = AUTO,
@@ -455,11 +479,11 @@ _register("fp8", "QuantizedKVCache bits='fp8': float8 e4m3 per token and head, ~
 _register(4, "QuantizedKVCache bits=4: KIVI 4-bit with a 128-token fp residual, ~0.28x of bf16 + residual")
 _register(
     3,
-    "QuantizedKVCache bits=3: KIVI 3-bit (8 codes in 3 bytes), Hadamard-rotated, pre-RoPE keys, 4 fp sinks and a "
-    "128-token fp residual, ~0.22x of bf16 + residual",
+    "QuantizedKVCache bits=3: KIVI 3-bit (8 codes in 3 bytes), Hadamard-rotated, pre-RoPE keys, 8-bit scales, 4 fp "
+    "sinks and a 128-token fp residual, ~0.21x of bf16 + residual",
 )
 _register(
     2,
-    "QuantizedKVCache bits=2: KIVI 2-bit, Hadamard-rotated, pre-RoPE smoothed keys, 4 fp sinks and a 128-token fp "
-    "residual, ~0.16x of bf16 + residual",
+    "QuantizedKVCache bits=2: KIVI 2-bit, Hadamard-rotated, pre-RoPE smoothed keys, 8-bit scales, 4 fp sinks and a "
+    "128-token fp residual, ~0.14x of bf16 + residual",
 )

@@ -38,7 +38,15 @@ from ._base import (
 from .pre_rope import PreRopeSegment
 from .rotated import rotated
 
-__all__ = ["KEY_AXES", "KiviCodec", "KiviSegment", "KiviTokenSegment", "encode_kivi", "kivi_scale_dtype"]
+__all__ = [
+    "KEY_AXES",
+    "KiviCodec",
+    "KiviSegment",
+    "KiviTokenSegment",
+    "encode_kivi",
+    "kivi_scale_dtype",
+    "kivi_zero_dtype",
+]
 
 KEY_AXES = ("channel", "token")  # KIVI keys: per channel (the paper's choice, the default) or per token (its ablation)
 
@@ -49,6 +57,16 @@ def kivi_scale_dtype(scale_dtype: torch.dtype | None, kv_dtype: torch.dtype) -> 
     if scale_dtype is not None:
         return scale_dtype
     return kv_dtype if kv_dtype.itemsize == 2 else torch.float32
+
+
+def kivi_zero_dtype(scale_dtype: torch.dtype | None, kv_dtype: torch.dtype, per_token: bool) -> torch.dtype:
+    """The zero points' dtype: the scales' (:func:`kivi_scale_dtype`), except beside 8-bit scales
+    (:data:`~hf_kvcache.quant.E5M3`): int8 steps of the scale for groups of one token's channels, which straddle 0
+    where their channels' signs differ (values, Hadamard-rotated keys); per-channel key groups, whose zero point is the
+    channel's offset, many steps from 0, keep it in the K/V dtype (16-bit) or float32."""
+    if scale_dtype != quant.E5M3:
+        return kivi_scale_dtype(scale_dtype, kv_dtype)
+    return torch.int8 if per_token else kivi_scale_dtype(None, kv_dtype)
 
 
 def _unpack(packed: torch.Tensor, bits: int, levels: torch.Tensor | None = None) -> torch.Tensor:
@@ -100,6 +118,12 @@ def _unpack_into(packed: torch.Tensor, bits: int, out: torch.Tensor, levels: tor
         out.copy_(table[index].flatten(-2))
 
 
+def _float_params(scale: torch.Tensor, zero: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored scales and zero points as the decoders multiply them: 8-bit ones as float32
+    (:func:`~hf_kvcache.quant.group_params`), float ones as stored."""
+    return quant.group_params(scale, zero, bits) if scale.dtype == quant.E5M3 else (scale, zero)
+
+
 def _rope_whole_head(rope: KeyTurn, width: int) -> bool:
     """Whether ``rope`` turns every channel of a ``width``-wide head in ``rotate_half`` pairs (the CPU kernel's)."""
     return not rope[0].interleaved and rope[0].rotary_dim == width
@@ -124,7 +148,8 @@ def _token_groups_read(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Te
     """Tokens quantized per token over groups of channels (KIVI's values): ``(B, H, n, D)`` float32."""
     codes = _unpack(packed, bits, levels)  # (B, H, n, D)
     groups = codes.view(*codes.shape[:-1], scale.shape[-1], -1)  # (B, H, n, D / G, G)
-    return torch.addcmul(zero.float().unsqueeze(-1), groups, scale.float().unsqueeze(-1)).flatten(-2)
+    scale, zero = quant.group_params(scale, zero, bits)
+    return torch.addcmul(zero.unsqueeze(-1), groups, scale.unsqueeze(-1)).flatten(-2)
 
 
 def _token_groups_weighted(weights: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
@@ -134,9 +159,10 @@ def _token_groups_weighted(weights: torch.Tensor, packed: torch.Tensor, scale: t
     no value is dequantized (a codebook's levels stand for the codes). ``(B, H, G, q, D)`` float32."""
     codes = _unpack(packed, bits, levels)  # (B, H, n, D)
     groups = codes.view(*codes.shape[:-1], scale.shape[-1], -1)  # (B, H, n, D / G, G)
-    scaled = weights.unsqueeze(-1) * scale.float()[:, :, None, None]  # (B, H, G, q, n, D / G)
+    scale, zero = quant.group_params(scale, zero, bits)
+    scaled = weights.unsqueeze(-1) * scale[:, :, None, None]  # (B, H, G, q, n, D / G)
     out = torch.einsum("bhgqnj,bhnjc->bhgqjc", scaled, groups)
-    out = out + torch.einsum("bhgqn,bhnj->bhgqj", weights, zero.float()).unsqueeze(-1)
+    out = out + torch.einsum("bhgqn,bhnj->bhgqj", weights, zero).unsqueeze(-1)
     return out.flatten(-2)
 
 
@@ -170,7 +196,8 @@ class KiviSegment(SegmentFormat):
         g, g0, g1 = self.group, a // self.group, -(-b // self.group)
         codes = _unpack(self.k[:, :, g0 * g : g1 * g], self.key_bits, self.key_levels)  # (B, H, groups x G, Dk)
         grouped = codes.view(*codes.shape[:2], g1 - g0, g, codes.shape[-1])
-        return grouped, self.ks[:, :, g0:g1].float(), self.kz[:, :, g0:g1].float(), slice(a - g0 * g, b - g0 * g)
+        scale, zero = quant.group_params(self.ks[:, :, g0:g1], self.kz[:, :, g0:g1], self.key_bits)
+        return grouped, scale, zero, slice(a - g0 * g, b - g0 * g)
 
     def read_keys(self, a: int, b: int) -> torch.Tensor:
         codes, scale, zero, cut = self._key_groups(a, b)
@@ -506,7 +533,8 @@ class KiviCodec:
     def _encode_per_token(self, x: torch.Tensor, bits: int, sdt: torch.dtype) -> tuple[torch.Tensor, ...]:
         groups = channel_groups(x, self.group_size)
         levels = self.levels(bits, x.device)
-        codes, scale, zero = quant.quantize_asymmetric(groups, bits, dim=-1, scale_dtype=sdt, codebook=levels)
+        zdt = kivi_zero_dtype(self.scale_dtype, x.dtype, per_token=True)
+        codes, scale, zero = quant.quantize_asymmetric(groups, bits, -1, sdt, levels, zdt)
         return quant.pack(codes.view(x.shape), bits), scale.squeeze(-1), zero.squeeze(-1)  # (B, H, n, D/G)
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
@@ -517,7 +545,8 @@ class KiviCodec:
         else:
             kg = k.view(b, h, n // self.group_size, self.group_size, dk)  # (B, H, n/G, G, Dk): a group is G tokens
             levels = self.levels(self.key_bits, k.device)
-            kc, ks, kz = quant.quantize_asymmetric(kg, self.key_bits, dim=3, scale_dtype=sdt, codebook=levels)
+            zdt = kivi_zero_dtype(self.scale_dtype, k.dtype, per_token=False)
+            kc, ks, kz = quant.quantize_asymmetric(kg, self.key_bits, 3, sdt, levels, zdt)
             kp, ks, kz = quant.pack(kc.view(b, h, n, dk), self.key_bits), ks.squeeze(3), kz.squeeze(3)  # (B,H,n/G,Dk)
         vp, vs, vz = self._encode_per_token(v, self.value_bits, sdt)
         return {"k": kp, "ks": ks, "kz": kz, "v": vp, "vs": vs, "vz": vz}
@@ -527,14 +556,16 @@ class KiviCodec:
         b, h, _, dk = k.shape
         dv = v.shape[-1]
         sdt = kivi_scale_dtype(self.scale_dtype, k.dtype)
+        kzdt = kivi_zero_dtype(self.scale_dtype, k.dtype, self.per_token_keys)
+        vzdt = kivi_zero_dtype(self.scale_dtype, v.dtype, per_token=True)
         key_params = dk // self.group_size if self.per_token_keys else dk
         return {
             "k": k.new_empty((b, h, 0, quant.pack_width(dk, self.key_bits)), dtype=torch.uint8),
             "ks": k.new_empty((b, h, 0, key_params), dtype=sdt),
-            "kz": k.new_empty((b, h, 0, key_params), dtype=sdt),
+            "kz": k.new_empty((b, h, 0, key_params), dtype=kzdt),
             "v": v.new_empty((b, h, 0, quant.pack_width(dv, self.value_bits)), dtype=torch.uint8),
             "vs": v.new_empty((b, h, 0, dv // self.group_size), dtype=sdt),
-            "vz": v.new_empty((b, h, 0, dv // self.group_size), dtype=sdt),
+            "vz": v.new_empty((b, h, 0, dv // self.group_size), dtype=vzdt),
         }
 
     def encode_into(self, k: torch.Tensor, v: torch.Tensor, out: Parts) -> None:
@@ -582,7 +613,7 @@ class KiviCodec:
         """Whether :meth:`decode_native` serves a layer of ``dtype`` K/V of these widths (its CPU kernel built)."""
         if not self._kernel_layout(rope, key_dim):
             return False
-        if dtype != torch.float32 or kivi_scale_dtype(self.scale_dtype, dtype) != torch.float32:
+        if dtype != torch.float32 or kivi_scale_dtype(self.scale_dtype, dtype) not in (torch.float32, quant.E5M3):
             return False
         widths = all(cpu_native.width_served(w, rotate) for w in (key_dim, value_dim))
         return widths and all(b in cpu_native.BITS for b in (self.key_bits, self.value_bits)) and cpu_native.usable()
@@ -595,8 +626,9 @@ class KiviCodec:
         if not self._kernel_layout(rope, k_out.shape[-1]):
             return False
         table = None if rope is None else angle_table(rope[0].inv_freq, rope[1] + k_out.shape[-2])
-        keys = (parts["k"], parts["ks"], parts["kz"], k_out, self.key_bits)
-        values = (parts["v"], parts["vs"], parts["vz"], v_out, self.value_bits)
+        # 8-bit scales are read as float32 copies: a 32nd of the codes' elements at the default group
+        keys = (parts["k"], *_float_params(parts["ks"], parts["kz"], self.key_bits), k_out, self.key_bits)
+        values = (parts["v"], *_float_params(parts["vs"], parts["vz"], self.value_bits), v_out, self.value_bits)
         if not (cpu_native.serves(*keys, rotate, table) and cpu_native.serves(*values, rotate, None)):
             return False
         turn = None if rope is None else (table, rope[1])
@@ -607,11 +639,13 @@ class KiviCodec:
     def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor, rope: KeyTurn | None = None) -> None:
         if self.decode_native(parts, k_out, v_out, rope, rotate=False):
             return
+        ks, kz = _float_params(parts["ks"], parts["kz"], self.key_bits)
         if self.per_token_keys:
-            self._decode_per_token(parts["k"], parts["ks"], parts["kz"], k_out, self.key_bits)
+            self._decode_per_token(parts["k"], ks, kz, k_out, self.key_bits)
         else:
-            self._decode_key_groups(parts["k"], parts["ks"], parts["kz"], k_out, self.key_bits)
-        self._decode_per_token(parts["v"], parts["vs"], parts["vz"], v_out, self.value_bits)
+            self._decode_key_groups(parts["k"], ks, kz, k_out, self.key_bits)
+        vs, vz = _float_params(parts["vs"], parts["vz"], self.value_bits)
+        self._decode_per_token(parts["v"], vs, vz, v_out, self.value_bits)
         turn_keys(k_out, rope)
 
     def bytes_per_token(
@@ -619,10 +653,12 @@ class KiviCodec:
     ) -> float:
         """Stored bytes per quantized token of one layer (keys and values, all heads); excludes the residual."""
         scale = kivi_scale_dtype(self.scale_dtype, kv_dtype).itemsize
+        key_zero = kivi_zero_dtype(self.scale_dtype, kv_dtype, self.per_token_keys).itemsize
+        value_zero = kivi_zero_dtype(self.scale_dtype, kv_dtype, per_token=True).itemsize
         data = (key_dim * self.key_bits + value_dim * self.value_bits) / 8
         if self.per_token_keys:  # scale + zero per token and group of G channels
-            key_params = 2 * (key_dim // self.group_size) * scale
+            key_params = (key_dim // self.group_size) * (scale + key_zero)
         else:  # scale + zero per channel, shared by G tokens
-            key_params = 2 * key_dim * scale / self.group_size
-        value_params = 2 * (value_dim // self.group_size) * scale
+            key_params = key_dim * (scale + key_zero) / self.group_size
+        value_params = (value_dim // self.group_size) * (scale + value_zero)
         return num_kv_heads * (data + key_params + value_params)

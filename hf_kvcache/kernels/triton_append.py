@@ -152,6 +152,8 @@ def _append_kernel(
 
 
 _SCALE_TYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+# KIVI's scales and zero points: those, or 8-bit scales (quant.E5M3, stored as uint8) and int8 zero points
+_KIVI_TYPES = {**_SCALE_TYPES, torch.uint8: tl.uint8, torch.int8: tl.int8}
 
 
 def triton_append(
@@ -222,20 +224,78 @@ def _round_up(x, SDT: tl.constexpr):
 
 
 @triton.jit
-def _asymmetric(x, ok, mn, mx, MID, TOP: tl.constexpr, SDT: tl.constexpr, LEVELS: tl.constexpr):
+def _e5m3_value(code):
+    """:func:`hf_kvcache.quant.decode_e5m3`: int32 codes as float32."""
+    return (code << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e5m3(x, lower):
+    """:func:`hf_kvcache.quant.encode_e5m3` with ``lower``: the E5M3 code (int32) nearest non-negative ``x`` that is
+    at least ``lower`` (float16 rounded up, then up to whole codes; saturating at 0xF7)."""
+    half = _round_up(x, tl.float16)
+    code = tl.minimum((half.to(tl.int16, bitcast=True).to(tl.int32) + 127) >> 7, 0xF7)
+    below = tl.maximum(code - 1, 0)
+    down = _e5m3_value(below)
+    nearer = (x - down < _e5m3_value(code) - x) & (down >= lower) & (code > 0)
+    return tl.where(nearer, below, code)
+
+
+@triton.jit
+def _e5m3_params(mn, mx, TOP: tl.constexpr, ZDT: tl.constexpr):
+    """8-bit scales (codes, int32) and zero points (stored, and as float32) of a grid centered on each group, bit for
+    bit :func:`hf_kvcache.quant._e5m3_params`: int8 zero points (``ZDT``) in steps of ``(TOP + 1) / 128`` scales, or
+    float ones rounded to nearest in ``ZDT``."""
+    mid = mn / 2 + mx / 2
+    if ZDT == tl.int8:
+        UNIT: tl.constexpr = (TOP + 1) / 128
+        SPAN: tl.constexpr = TOP + 1 - UNIT
+        lower = tl.maximum(tl.math.div_rn(mx, SPAN) - tl.math.div_rn(mn, SPAN), (tl.abs(mn) + tl.abs(mx)) / (TOP + 1))
+        code = _e5m3(tl.maximum(tl.math.div_rn(mx, TOP * 1.0) - tl.math.div_rn(mn, TOP * 1.0), lower), lower)
+        s = _e5m3_value(code)
+        u = s * UNIT
+        steps = tl.math.div_rn(mid - s * (TOP / 2), tl.where(u > 0, u, 1.0))
+        steps = tl.minimum(tl.maximum((steps + 12582912.0) - 12582912.0, -128.0), 127.0)  # half to even
+        return code, steps.to(tl.int8), steps * u
+    if ZDT == tl.float32:
+        HALF_EPS: tl.constexpr = 2.0**-24
+        TINY: tl.constexpr = 2.0**-149
+    elif ZDT == tl.float16:
+        HALF_EPS: tl.constexpr = 2.0**-11
+        TINY: tl.constexpr = 2.0**-24
+    else:
+        HALF_EPS: tl.constexpr = 2.0**-8
+        TINY: tl.constexpr = 2.0**-133
+    slack = (tl.abs(mn) + tl.abs(mx) + (mx - mn)) * HALF_EPS + TINY
+    lower = tl.math.div_rn(mx, TOP + 1.0) - tl.math.div_rn(mn, TOP + 1.0) + slack * (2 / (TOP + 1))
+    code = _e5m3(tl.maximum(tl.math.div_rn(mx, TOP * 1.0) - tl.math.div_rn(mn, TOP * 1.0), lower), lower)
+    zero = _saturated(mid - _e5m3_value(code) * (TOP / 2), ZDT)
+    return code, zero, zero.to(tl.float32)
+
+
+@triton.jit
+def _asymmetric(x, ok, mn, mx, MID, TOP: tl.constexpr, SDT: tl.constexpr, LEVELS: tl.constexpr,
+                ZDT: tl.constexpr):  # fmt: skip
     """Codes (int32, ``[0, TOP]``), scales and zero points of groups with finite extrema ``mn`` / ``mx`` (float32,
     broadcast against ``x``), bit for bit :func:`hf_kvcache.quant.quantize_asymmetric`: the zero point is the minimum
     rounded down to ``SDT``, the scale ``(max - zero) / TOP`` (divided first) rounded up, bumped to the smallest
-    positive value if it underflowed and one unit more if the range still exceeds ``TOP`` steps; non-finite inputs
-    mapped (infinities to the extrema, NaN to the value nearest 0 in the range); codes rounded half to even, or with
-    ``LEVELS`` the index of the nearest level of a codebook: how many of its ``TOP`` midpoints (``MID``) lie below."""
-    zero = _round_down(mn, SDT)
-    zf = zero.to(tl.float32)
-    scale = _round_up(tl.math.div_rn(mx, TOP * 1.0) - tl.math.div_rn(zf, TOP * 1.0), SDT)
-    scale = tl.where((mx - zf > 0) & (scale == 0), _next_up(tl.zeros_like(scale)), scale)
-    positive = tl.where(scale > 0, scale.to(tl.float32), 1.0)
-    scale = tl.where(tl.math.div_rn(mx, positive) - tl.math.div_rn(zf, positive) > TOP, _next_up(scale), scale)
-    safe = tl.where(scale > 0, scale.to(tl.float32), 1.0)
+    positive value if it underflowed and one unit more if the range still exceeds ``TOP`` steps (8-bit scales,
+    ``SDT`` uint8: :func:`_e5m3_params`, zero points in ``ZDT``); non-finite inputs mapped (infinities to the
+    extrema, NaN to the value nearest 0 in the range); codes rounded half to even, or with ``LEVELS`` the index of
+    the nearest level of a codebook: how many of its ``TOP`` midpoints (``MID``) lie below."""
+    if SDT == tl.uint8:
+        code, zero, zf = _e5m3_params(mn, mx, TOP, ZDT)
+        scale = code.to(tl.uint8)
+        safe = _e5m3_value(code)
+        safe = tl.where(safe > 0, safe, 1.0)
+    else:
+        zero = _round_down(mn, SDT)
+        zf = zero.to(tl.float32)
+        scale = _round_up(tl.math.div_rn(mx, TOP * 1.0) - tl.math.div_rn(zf, TOP * 1.0), SDT)
+        scale = tl.where((mx - zf > 0) & (scale == 0), _next_up(tl.zeros_like(scale)), scale)
+        positive = tl.where(scale > 0, scale.to(tl.float32), 1.0)
+        scale = tl.where(tl.math.div_rn(mx, positive) - tl.math.div_rn(zf, positive) > TOP, _next_up(scale), scale)
+        safe = tl.where(scale > 0, scale.to(tl.float32), 1.0)
     finite = (x == x) & (tl.abs(x) != float("inf"))
     nan_value = tl.minimum(tl.maximum(tl.zeros_like(mn), mn), mx)
     x = tl.where(finite, x, tl.where(x != x, nan_value, tl.where(x > 0, mx, mn)))
@@ -273,6 +333,7 @@ def _kivi_group(
     X, P, S, Z, MID, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_d,
     NT, D: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, PLANE: tl.constexpr, OFFSET: tl.constexpr,
     SCALES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, SDT: tl.constexpr, LEVELS: tl.constexpr,
+    ZDT: tl.constexpr,
 ):  # fmt: skip
     """One key group: ``NT`` tokens x ``D`` channels, a scale and zero point per channel (over the tokens), the codes'
     bit plane ``PLANE`` (bits ``PLANE`` up, ``PER`` codes per byte) written at byte ``OFFSET`` of each token's row."""
@@ -283,7 +344,7 @@ def _kivi_group(
     ok = (ti < NT) & (d < D)
     x = tl.load(X + x_off + ti * t_stride + d * d_stride, mask=ok, other=0.0).to(tl.float32)
     mn, mx = _finite_extrema(x, ok, 0)
-    codes, scale, zero = _asymmetric(x, ok, mn[None], mx[None], MID, (1 << BITS) - 1, SDT, LEVELS)
+    codes, scale, zero = _asymmetric(x, ok, mn[None], mx[None], MID, (1 << BITS) - 1, SDT, LEVELS, ZDT)
     if SCALES:
         dd = wi * PER + j  # (1, W, PER)
         tl.store(S + s_off + dd * s_d, scale, mask=dd < D)
@@ -299,7 +360,7 @@ def _kivi_token(
     X, P, S, Z, MID, x_off, p_off, s_off, d_stride, p_d, s_d,
     D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, PLANE: tl.constexpr,
     OFFSET: tl.constexpr, SCALES: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr, SDT: tl.constexpr,
-    LEVELS: tl.constexpr,
+    LEVELS: tl.constexpr, ZDT: tl.constexpr,
 ):  # fmt: skip
     """One token: ``D`` channels in groups of ``G`` (``G`` a multiple of ``PER``), a scale and zero point per group,
     the codes' bit plane ``PLANE`` written ``PER`` per byte from byte ``OFFSET`` of the token's row."""
@@ -317,7 +378,8 @@ def _kivi_token(
     mx = tl.max(tl.max(tl.where(finite, x, float("-inf")), 2), 1)
     empty = mn > mx  # a group with no finite element: both 0, as _finite_extrema
     mn, mx = tl.where(empty, 0.0, mn), tl.where(empty, 0.0, mx)
-    codes, scale, zero = _asymmetric(x, ok, mn[:, None, None], mx[:, None, None], MID, (1 << BITS) - 1, SDT, LEVELS)
+    codes, scale, zero = _asymmetric(x, ok, mn[:, None, None], mx[:, None, None], MID, (1 << BITS) - 1, SDT, LEVELS,
+                                     ZDT)  # fmt: skip
     if SCALES:
         gs = tl.arange(0, BLOCK_G)[:, None, None]
         tl.store(S + s_off + gs * s_d, scale, mask=gs < D // G)
@@ -333,32 +395,32 @@ def _kivi_token(
 def _kivi_group_planes(
     X, P, S, Z, MID, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_d, NT,
     D: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    LEVELS: tl.constexpr,
+    LEVELS: tl.constexpr, ZDT: tl.constexpr,
 ):  # fmt: skip
     if BITS == 3:  # the 2-bit plane (4 codes per byte), then the high bits (8 per byte) after its D / 4 bytes
         _kivi_group(X, P, S, Z, MID, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_d, NT,
-                    D, 3, 4, 0, 0, True, BLOCK_T, BLOCK_D // 4, SDT, LEVELS)  # fmt: skip
+                    D, 3, 4, 0, 0, True, BLOCK_T, BLOCK_D // 4, SDT, LEVELS, ZDT)  # fmt: skip
         _kivi_group(X, P, S, Z, MID, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_d, NT,
-                    D, 3, 8, 2, D // 4, False, BLOCK_T, BLOCK_D // 8, SDT, LEVELS)  # fmt: skip
+                    D, 3, 8, 2, D // 4, False, BLOCK_T, BLOCK_D // 8, SDT, LEVELS, ZDT)  # fmt: skip
     else:
         _kivi_group(X, P, S, Z, MID, x_off, p_row, s_off, t_stride, d_stride, p_t, p_d, s_d, NT,
-                    D, BITS, 8 // BITS, 0, 0, True, BLOCK_T, BLOCK_D // (8 // BITS), SDT, LEVELS)  # fmt: skip
+                    D, BITS, 8 // BITS, 0, 0, True, BLOCK_T, BLOCK_D // (8 // BITS), SDT, LEVELS, ZDT)  # fmt: skip
 
 
 @triton.jit
 def _kivi_token_planes(
     X, P, S, Z, MID, x_off, p_off, s_off, d_stride, p_d, s_d,
     D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, SDT: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_C: tl.constexpr, LEVELS: tl.constexpr,
+    BLOCK_C: tl.constexpr, LEVELS: tl.constexpr, ZDT: tl.constexpr,
 ):  # fmt: skip
     if BITS == 3:
         _kivi_token(X, P, S, Z, MID, x_off, p_off, s_off, d_stride, p_d, s_d, D, G, 3, 4, 0, 0, True, BLOCK_G,
-                    BLOCK_C // 4, SDT, LEVELS)  # fmt: skip
+                    BLOCK_C // 4, SDT, LEVELS, ZDT)  # fmt: skip
         _kivi_token(X, P, S, Z, MID, x_off, p_off, s_off, d_stride, p_d, s_d, D, G, 3, 8, 2, D // 4, False, BLOCK_G,
-                    BLOCK_C // 8, SDT, LEVELS)  # fmt: skip
+                    BLOCK_C // 8, SDT, LEVELS, ZDT)  # fmt: skip
     else:
         _kivi_token(X, P, S, Z, MID, x_off, p_off, s_off, d_stride, p_d, s_d, D, G, BITS, 8 // BITS, 0, 0, True,
-                    BLOCK_G, BLOCK_C // (8 // BITS), SDT, LEVELS)  # fmt: skip
+                    BLOCK_G, BLOCK_C // (8 // BITS), SDT, LEVELS, ZDT)  # fmt: skip
 
 
 @triton.jit
@@ -370,8 +432,8 @@ def _kivi_encode_kernel(
     H, n, NK,
     DK: tl.constexpr, DV: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     KEY_TOKEN: tl.constexpr, LEVELS: tl.constexpr,
-    SDT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_GK: tl.constexpr,
-    BLOCK_GV: tl.constexpr, BLOCK_C: tl.constexpr,
+    SDT: tl.constexpr, KZDT: tl.constexpr, VZDT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_GK: tl.constexpr, BLOCK_GV: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(NK + n, B x H)``: items below ``NK`` encode keys (a group of ``G`` tokens per channel, or one token
     with ``KEY_TOKEN``), the rest one token's values each."""
@@ -385,19 +447,21 @@ def _kivi_encode_kernel(
             _kivi_token_planes(
                 K, KP, KS, KZ, KM, b * sk_b + h * sk_h + t * sk_t, b * skp_b + h * skp_h + t * skp_t,
                 b * sks_b + h * sks_h + t * sks_t, sk_d, skp_d, sks_d, DK, G, KBITS, SDT, BLOCK_GK, BLOCK_C, LEVELS,
+                KZDT,
             )  # fmt: skip
         else:
             t0 = item.to(tl.int64) * G
             _kivi_group_planes(
                 K, KP, KS, KZ, KM, b * sk_b + h * sk_h + t0 * sk_t, b * skp_b + h * skp_h + t0 * skp_t,
                 b * sks_b + h * sks_h + item * sks_t, sk_t, sk_d, skp_t, skp_d, sks_d, G,
-                DK, KBITS, SDT, BLOCK_T, BLOCK_DK, LEVELS,
+                DK, KBITS, SDT, BLOCK_T, BLOCK_DK, LEVELS, KZDT,
             )  # fmt: skip
     else:
         t = (item - NK).to(tl.int64)
         _kivi_token_planes(
             V, VP, VS, VZ, VM, b * sv_b + h * sv_h + t * sv_t, b * svp_b + h * svp_h + t * svp_t,
             b * svs_b + h * svs_h + t * svs_t, sv_d, svp_d, svs_d, DV, G, VBITS, SDT, BLOCK_GV, BLOCK_C, LEVELS,
+            VZDT,
         )  # fmt: skip
 
 
@@ -436,7 +500,7 @@ def triton_kivi_encode(k: torch.Tensor, v: torch.Tensor, out: dict[str, torch.Te
         *k.stride(), *v.stride(), *strides(out["k"]), *strides(out["ks"]), *strides(out["v"]), *strides(out["vs"]),
         h, n, nk,
         DK=dk, DV=dv, G=group, KBITS=key_bits, VBITS=value_bits, KEY_TOKEN=per_token_keys, LEVELS=levels,
-        SDT=_SCALE_TYPES[out["ks"].dtype],
+        SDT=_KIVI_TYPES[out["ks"].dtype], KZDT=_KIVI_TYPES[out["kz"].dtype], VZDT=_KIVI_TYPES[out["vz"].dtype],
         BLOCK_T=triton.next_power_of_2(group), BLOCK_DK=triton.next_power_of_2(dk),
         BLOCK_GK=triton.next_power_of_2(max(dk // group, 1)), BLOCK_GV=triton.next_power_of_2(max(dv // group, 1)),
         BLOCK_C=triton.next_power_of_2(group),

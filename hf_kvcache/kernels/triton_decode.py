@@ -121,9 +121,25 @@ def _load_kivi(
         where = sbase + (ta[:, None] // GROUP) * ss_t + d[None, :] * ss_d
     else:  # per (token, group of GROUP channels)
         where = sbase + ta[:, None] * ss_t + (d[None, :] // GROUP) * ss_d
-    scale = tl.load(KS + where, mask=ok, other=0).to(tl.float32)
-    zero = tl.load(KZ + where, mask=ok, other=0).to(tl.float32)
+    scale, zero = _kivi_params(KS, KZ, where, ok, BITS, tl.float32)
     return code * scale + zero
+
+
+@triton.jit
+def _kivi_params(S, Z, where, mask, BITS: tl.constexpr, dtype: tl.constexpr):
+    """Scales and zero points of KIVI groups at offsets ``where``, as ``dtype``: as stored, or 8-bit
+    (:data:`hf_kvcache.quant.E5M3` scales: the byte shifted into float16's exponent and mantissa; int8 zero points:
+    steps of ``2^(BITS - 7)`` scales, their product exact in float32)."""
+    s_raw = tl.load(S + where, mask=mask, other=0)
+    z_raw = tl.load(Z + where, mask=mask, other=0)
+    if s_raw.dtype == tl.uint8:
+        s = ((s_raw.to(tl.int32) & 0xFF) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        if z_raw.dtype == tl.int8:
+            z = z_raw.to(tl.float32) * s * (1.0 / (1 << (7 - BITS)))
+        else:
+            z = z_raw.to(tl.float32)
+        return s.to(dtype), z.to(dtype)
+    return s_raw.to(dtype), z_raw.to(dtype)
 
 
 @triton.jit
@@ -226,15 +242,17 @@ def _code_values(code, LV, dtype: tl.constexpr, LEVELS: tl.constexpr):
 
 
 @triton.jit
-def _kivi_group_expand(X, base, ta, tok_ok, s_t, s_d, D: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_D: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
-    """Per-token values of ``GROUP``-channel groups, loaded as a ``(BLOCK_N, groups)`` tile and broadcast over each
-    group's channels to ``(BLOCK_N, BLOCK_D)`` in registers (not addressed per element), as ``dtype``."""
+def _kivi_group_expand(S, Z, base, ta, tok_ok, s_t, s_d, D: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
+    """Per-token scales and zero points of ``GROUP``-channel groups, loaded as ``(BLOCK_N, groups)`` tiles and
+    broadcast over each group's channels to ``(BLOCK_N, BLOCK_D)`` in registers (not addressed per element), as
+    ``dtype``."""
     NG: tl.constexpr = BLOCK_D // GROUP
     gi = tl.arange(0, NG)
-    x = tl.load(X + base + ta[:, None] * s_t + gi[None, :] * s_d, mask=tok_ok[:, None] & (gi < D // GROUP)[None, :],
-                other=0).to(dtype)  # fmt: skip
-    return tl.reshape(tl.broadcast_to(x[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, BLOCK_D))
+    where = base + ta[:, None] * s_t + gi[None, :] * s_d
+    scale, zero = _kivi_params(S, Z, where, tok_ok[:, None] & (gi < D // GROUP)[None, :], BITS, dtype)
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, BLOCK_D))
+    return scale, tl.reshape(tl.broadcast_to(zero[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, BLOCK_D))
 
 
 @triton.jit
@@ -477,8 +495,7 @@ def _kivi_group_tile(
     rounded again when converted for the tensor cores)."""
     k = _kivi_codes(K, b * sk_b + h * sk_h, ta, tok_ok, sk_t, sk_d, DK, KBITS, BLOCK_N, BLOCK_DK)
     kgroup = b * sks_b + h * sks_h + ((t0 + START) // GK) * sks_t + dk * sks_d
-    k_scale = tl.load(KS + kgroup, mask=dk_ok, other=0).to(tl.float32)
-    k_zero = tl.load(KZ + kgroup, mask=dk_ok, other=0).to(tl.float32)
+    k_scale, k_zero = _kivi_params(KS, KZ, kgroup, dk_ok, KBITS, tl.float32)
     qf = q.to(tl.float32)
     if ROPE:
         if ROTATED:  # codes of k H_k: k = (k H_k) H_k back before RoPE turns it, as (c (k H_k)) S_k: c in the
@@ -502,8 +519,8 @@ def _kivi_group_tile(
     vbase = b * svs_b + h * svs_h
     v = _kivi_codes(V, b * sv_b + h * sv_h, ta, tok_ok, sv_t, sv_d, DV, VBITS, BLOCK_N, BLOCK_DV)
     v = _code_values(v, VL, VT, LEVELS)
-    v_scale = _kivi_group_expand(VS, vbase, ta, tok_ok, svs_t, svs_d, DV, GV, BLOCK_N, BLOCK_DV, VT)
-    v = v * v_scale + _kivi_group_expand(VZ, vbase, ta, tok_ok, svs_t, svs_d, DV, GV, BLOCK_N, BLOCK_DV, VT)
+    v_scale, v_zero = _kivi_group_expand(VS, VZ, vbase, ta, tok_ok, svs_t, svs_d, DV, GV, VBITS, BLOCK_N, BLOCK_DV, VT)
+    v = v * v_scale + v_zero
     if ROPE:
         if DOT_FP32:
             s = tl.dot(qk, tl.trans(kf), input_precision="ieee")
