@@ -206,6 +206,18 @@ RUNS: dict[str, list[str]] = {
         *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
         *["--caches", SMOOTH_CACHES],
     ],
+    # 8-bit scales and zero points (int3 / int2's default since 2026-11-29, scale_dtype=e5m3) beside 16-bit ones
+    # (scale_dtype=none) at 4, 3 and 2 bits, and with an int8 residual too, on the default run's protocol.
+    "eval-scales": [
+        "eval",
+        *REAL,
+        *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
+        *[
+            "--caches",
+            "dynamic,int2:scale_dtype=none,int2,int2:residual_bits=8,int3:scale_dtype=none,int3,int3:residual_bits=8,"
+            "int4,int4:scale_dtype=e5m3",
+        ],
+    ],
     "eval-ruler-smooth": [
         "eval",
         *REAL,

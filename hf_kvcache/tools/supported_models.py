@@ -722,7 +722,9 @@ def render(saved: dict) -> str:
         "cells over its bound are the families whose `int4` error already sits at or over int4's bound (Gemma 2, "
         "3 and 4: 0.30-0.80 against 0.35) and CPM-Ant (over at int8): the same sensitivity, not the pre-RoPE keys "
         "(Gemma 2 eager with `pre_rope=false`: 1.214 against 1.216; without the rotation 0.700, int3's defaults "
-        "0.779; by hand, 2026-11-28). The others are not yet explained.",
+        "0.779; by hand, 2026-11-28, with 16-bit scales: with the 8-bit ones int2 stores since, the table's Gemma 2 "
+        "cell is 1.407, Gemma 3's 1.134 and Gemma 4's within its bound, moves of either sign on these random "
+        "models). The others are not yet explained.",
     ]
     lines += ["", "## Refusals", ""]
     for n, (text, types) in enumerate(reasons.items(), 1):
