@@ -242,11 +242,23 @@ def _code_values(code, LV, dtype: tl.constexpr, LEVELS: tl.constexpr):
 
 
 @triton.jit
-def _kivi_group_expand(S, Z, base, ta, tok_ok, s_t, s_d, D: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
-    """Per-token scales and zero points of ``GROUP``-channel groups, loaded as ``(BLOCK_N, groups)`` tiles and
-    broadcast over each group's channels to ``(BLOCK_N, BLOCK_D)`` in registers (not addressed per element), as
-    ``dtype``."""
+def _kivi_group_expand(X, base, ta, tok_ok, s_t, s_d, D: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_D: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
+    """Per-token values of ``GROUP``-channel groups, loaded as a ``(BLOCK_N, groups)`` tile and broadcast over each
+    group's channels to ``(BLOCK_N, BLOCK_D)`` in registers (not addressed per element), as ``dtype``."""
+    NG: tl.constexpr = BLOCK_D // GROUP
+    gi = tl.arange(0, NG)
+    x = tl.load(X + base + ta[:, None] * s_t + gi[None, :] * s_d, mask=tok_ok[:, None] & (gi < D // GROUP)[None, :],
+                other=0).to(dtype)  # fmt: skip
+    return tl.reshape(tl.broadcast_to(x[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, BLOCK_D))
+
+
+@triton.jit
+def _kivi_group_expand_8bit(S, Z, base, ta, tok_ok, s_t, s_d, D: tl.constexpr, GROUP: tl.constexpr,
+                            BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                            dtype: tl.constexpr):  # fmt: skip
+    """:func:`_kivi_group_expand` of 8-bit scales and their int8 zero points together (a zero point is a count of
+    its scale's steps): both ``(BLOCK_N, BLOCK_D)``."""
     NG: tl.constexpr = BLOCK_D // GROUP
     gi = tl.arange(0, NG)
     where = base + ta[:, None] * s_t + gi[None, :] * s_d
@@ -519,8 +531,13 @@ def _kivi_group_tile(
     vbase = b * svs_b + h * svs_h
     v = _kivi_codes(V, b * sv_b + h * sv_h, ta, tok_ok, sv_t, sv_d, DV, VBITS, BLOCK_N, BLOCK_DV)
     v = _code_values(v, VL, VT, LEVELS)
-    v_scale, v_zero = _kivi_group_expand(VS, VZ, vbase, ta, tok_ok, svs_t, svs_d, DV, GV, VBITS, BLOCK_N, BLOCK_DV, VT)
-    v = v * v_scale + v_zero
+    if VS.dtype.element_ty == tl.uint8:  # 8-bit scales (hf_kvcache.quant.E5M3)
+        v_scale, v_zero = _kivi_group_expand_8bit(VS, VZ, vbase, ta, tok_ok, svs_t, svs_d, DV, GV, VBITS, BLOCK_N,
+                                                  BLOCK_DV, VT)  # fmt: skip
+        v = v * v_scale + v_zero
+    else:
+        v_scale = _kivi_group_expand(VS, vbase, ta, tok_ok, svs_t, svs_d, DV, GV, BLOCK_N, BLOCK_DV, VT)
+        v = v * v_scale + _kivi_group_expand(VZ, vbase, ta, tok_ok, svs_t, svs_d, DV, GV, BLOCK_N, BLOCK_DV, VT)
     if ROPE:
         if DOT_FP32:
             s = tl.dot(qk, tl.trans(kf), input_precision="ieee")
