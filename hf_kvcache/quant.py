@@ -10,7 +10,8 @@ Conventions
 * Round-trip error: for every finite input ``x`` inside a group, ``|dequantize(quantize(x)) - x| <= scale / 2``
   (up to float rounding of the arithmetic), where ``scale`` is the *stored* scale. For scales stored in a 16-bit
   dtype this still holds: the minimum is rounded down and the scale rounded up to the storage dtype before the codes
-  are computed, so the stored parameters always cover the group's range.
+  are computed, so the stored parameters always cover the group's range. For 8-bit (:data:`E5M3`) scales too: the
+  grid is centered on the group with a scale that keeps both extremes within half a step of the end codes.
 * Non-finite inputs never poison a group: scales and zero points are computed from the finite elements only; ``+inf``
   and ``-inf`` are stored as the group's largest and smallest representable values and ``NaN`` as the representable
   value nearest zero. A group with no finite element stores scale 0 and reads back as zeros.
@@ -178,10 +179,11 @@ def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 # 8-bit scales: ``scale_dtype=E5M3`` stores each scale as an unsigned 8-bit float, float16's 5 exponent bits and top 3
 # mantissa bits (a float16 without its sign and low 7 mantissa bits: ``code << 7`` is its float16 bit pattern, which
-# any kernel decodes with a shift), rounded up so the stored scale still covers its group. float16's range
+# any kernel decodes with a shift), on a grid centered on its group (:func:`_e5m3_params`). float16's range
 # (subnormals from 2^-17, at most 61,440), 3 mantissa bits.
 E5M3 = torch.uint8
 E5M3_MAX = 61440.0  # code 0xF7; 0xF8 up would be float16's infinities and NaNs, never stored
+E5M3_TINY = 2.0**-17  # code 1, the smallest positive scale
 
 
 def encode_e5m3(x: torch.Tensor, lower: torch.Tensor | None = None) -> torch.Tensor:
@@ -209,13 +211,18 @@ def _zero_unit(bits: int) -> float:
     return 2.0 ** (bits - 7)
 
 
-def group_params(scale: torch.Tensor, zero: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def group_params(scale: torch.Tensor, zero: torch.Tensor, bits: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stored ``(scale, zero)`` of :func:`quantize_asymmetric` as float32: E5M3 scales decoded, int8 zero points
-    (``zero_dtype=torch.int8``) in their ``2^(bits - 7)`` scale steps (an exact product), floats as they are."""
+    (``zero_dtype=torch.int8``) in their ``2^(bits - 7)`` scale steps (an exact product; ``bits``, the codes' width,
+    is needed for them only), floats as they are."""
     if scale.dtype != E5M3:
         return scale.float(), zero.float()
     s = decode_e5m3(scale)
-    return s, (zero.float() * s * _zero_unit(bits) if zero.dtype == torch.int8 else zero.float())
+    if zero.dtype != torch.int8:
+        return s, zero.float()
+    if bits is None:
+        raise ValueError("bits: int8 zero points are steps of 2^(bits - 7) scales; pass the codes' width")
+    return s, zero.float() * s * _zero_unit(bits)
 
 
 def _e5m3_params(mn: torch.Tensor, mx: torch.Tensor, bits: int, zero_dtype: torch.dtype):
@@ -223,15 +230,18 @@ def _e5m3_params(mn: torch.Tensor, mx: torch.Tensor, bits: int, zero_dtype: torc
     ``mn`` and ``mx``. The scale is the E5M3 value nearest ``span / top`` that is at least ``span / (top + 1)`` (plus
     what the zero point's rounding needs), and the grid is centered on the group: both extremes lie within half a step
     of the end codes, so every element reads back within half a step of the stored scale, as with exact scales.
-    Centering matters: a grid kept at the minimum with the nearest scale clips only the maxima, a bias that cost int3
-    12% more KL divergence through SmolLM2 over six windows (the same error per element; centered: -5%, within the
-    windows' spread). int8 zero points also need ``scale >= (|mn| + |mx|) / 2^bits`` to reach the grid's start,
-    which only groups that lie far from 0 on one side pay for (never one that straddles it)."""
+    Centering matters: a grid kept at the minimum with the nearest scale clips only the maxima, a bias the mean
+    squared error does not show and attention does (docs/results.md, "8-bit scales"). int8 zero points also need
+    ``scale >= (|mn| + |mx|) / 2^bits`` to reach the grid's start, which only groups that lie far from 0 on one side
+    pay for (never one that straddles it)."""
     top = levels(bits)
-    mid = mn / 2 + mx / 2
+    mid = torch.where(mx == mn, mn, mn / 2 + mx / 2)  # halved first: no overflow; a constant group exactly
     if zero_dtype == torch.int8:
         unit = _zero_unit(bits)
-        lower = torch.maximum(mx / (top + 1 - unit) - mn / (top + 1 - unit), (mn.abs() + mx.abs()) / (1 << bits))
+        reach = (mn.abs() + mx.abs()) / (1 << bits)
+        # a group of values too small for that sum (float32 subnormals) still needs a scale to place its zero point
+        reach = torch.where((mn != 0) | (mx != 0), reach.clamp(min=E5M3_TINY), reach)
+        lower = torch.maximum(mx / (top + 1 - unit) - mn / (top + 1 - unit), reach)
         scale = encode_e5m3(torch.maximum(mx / top - mn / top, lower), lower)
         s = decode_e5m3(scale)
         u = s * unit
@@ -240,6 +250,7 @@ def _e5m3_params(mn: torch.Tensor, mx: torch.Tensor, bits: int, zero_dtype: torc
     # the zero point rounded to nearest in its dtype moves by at most this much
     slack = (mn.abs() + mx.abs() + (mx - mn)) * (torch.finfo(zero_dtype).eps / 2) + _smallest_positive(zero_dtype)
     lower = mx / (top + 1) - mn / (top + 1) + slack * (2 / (top + 1))
+    lower = torch.where(mx > mn, lower.clamp(min=E5M3_TINY), lower)  # a spread of subnormals: not a scale of 0
     scale = encode_e5m3(torch.maximum(mx / top - mn / top, lower), lower)
     zero = _saturate((mid - decode_e5m3(scale) * (top / 2)).to(zero_dtype))
     return scale, zero, zero.float()
@@ -305,9 +316,7 @@ def dequantize_asymmetric(
     """Inverse of :func:`quantize_asymmetric` (with the codebook it was quantized with, if any); writes into ``out``
     when given. E5M3 scales are read as float32 (``bits``: the codes' width, which int8 zero points need)."""
     if scale.dtype == E5M3:
-        if bits is None and zero.dtype == torch.int8:
-            raise ValueError("bits: int8 zero points are steps of 2^(bits - 7) scales; pass the codes' width")
-        scale, zero = group_params(scale, zero, bits or 8)
+        scale, zero = group_params(scale, zero, bits)
         dtype = dtype or torch.float32
     if out is None:
         out = torch.empty(codes.shape, dtype=dtype or scale.dtype, device=codes.device)

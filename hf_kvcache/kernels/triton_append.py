@@ -246,11 +246,13 @@ def _e5m3_params(mn, mx, TOP: tl.constexpr, ZDT: tl.constexpr):
     """8-bit scales (codes, int32) and zero points (stored, and as float32) of a grid centered on each group, bit for
     bit :func:`hf_kvcache.quant._e5m3_params`: int8 zero points (``ZDT``) in steps of ``(TOP + 1) / 128`` scales, or
     float ones rounded to nearest in ``ZDT``."""
-    mid = mn / 2 + mx / 2
+    mid = tl.where(mx == mn, mn, mn / 2 + mx / 2)
     if ZDT == tl.int8:
         UNIT: tl.constexpr = (TOP + 1) / 128
         SPAN: tl.constexpr = TOP + 1 - UNIT
-        lower = tl.maximum(tl.math.div_rn(mx, SPAN) - tl.math.div_rn(mn, SPAN), (tl.abs(mn) + tl.abs(mx)) / (TOP + 1))
+        reach = (tl.abs(mn) + tl.abs(mx)) / (TOP + 1)
+        reach = tl.where((mn != 0) | (mx != 0), tl.maximum(reach, 2.0**-17), reach)  # as the reference's E5M3_TINY
+        lower = tl.maximum(tl.math.div_rn(mx, SPAN) - tl.math.div_rn(mn, SPAN), reach)
         code = _e5m3(tl.maximum(tl.math.div_rn(mx, TOP * 1.0) - tl.math.div_rn(mn, TOP * 1.0), lower), lower)
         s = _e5m3_value(code)
         u = s * UNIT
@@ -268,6 +270,7 @@ def _e5m3_params(mn, mx, TOP: tl.constexpr, ZDT: tl.constexpr):
         TINY: tl.constexpr = 2.0**-133
     slack = (tl.abs(mn) + tl.abs(mx) + (mx - mn)) * HALF_EPS + TINY
     lower = tl.math.div_rn(mx, TOP + 1.0) - tl.math.div_rn(mn, TOP + 1.0) + slack * (2 / (TOP + 1))
+    lower = tl.where(mx > mn, tl.maximum(lower, 2.0**-17), lower)
     code = _e5m3(tl.maximum(tl.math.div_rn(mx, TOP * 1.0) - tl.math.div_rn(mn, TOP * 1.0), lower), lower)
     zero = _saturated(mid - _e5m3_value(code) * (TOP / 2), ZDT)
     return code, zero, zero.to(tl.float32)
