@@ -218,6 +218,13 @@ RUNS: dict[str, list[str]] = {
             "int4,int4:scale_dtype=e5m3",
         ],
     ],
+    # int2's 8-bit scales against 16-bit ones on RULER's suite at 1,024 tokens (the smoothed keys' runs' samples).
+    "eval-ruler-scales": [
+        "eval",
+        *REAL,
+        *"--task ruler --chat-template --ruler-lengths 1024 --ruler-samples 10".split(),
+        *["--caches", "dynamic,int2:scale_dtype=none,int2"],
+    ],
     "eval-ruler-smooth": [
         "eval",
         *REAL,
