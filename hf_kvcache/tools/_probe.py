@@ -11,10 +11,12 @@ from collections.abc import Callable
 import torch
 
 
-def add_common_flags(parser: argparse.ArgumentParser, tokens: int, tokens_help: str) -> None:
-    """``--model``, ``--tokens`` (default ``tokens``), ``--threads`` and ``--json``."""
+def add_common_flags(parser: argparse.ArgumentParser, tokens: int | None, tokens_help: str = "") -> None:
+    """``--model``, ``--tokens`` (default ``tokens``; no such flag where ``tokens`` is None: a probe that derives how
+    many it reads sets ``args.tokens`` itself), ``--threads`` and ``--json``."""
     parser.add_argument("--model", default="reference", help="smollm2, reference or a local folder")
-    parser.add_argument("--tokens", type=int, default=tokens, help=tokens_help)
+    if tokens is not None:
+        parser.add_argument("--tokens", type=int, default=tokens, help=tokens_help)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", help="also write the result here")
 

@@ -68,7 +68,7 @@ def table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common_flags(parser, 0, "unused: --windows x --window tokens are read")
+    add_common_flags(parser, None)  # the text read is --windows x --window tokens
     parser.add_argument("--caches", required=True, help="cache specs, comma-separated (the first is the ratios' base)")
     parser.add_argument("--windows", type=int, default=6)
     parser.add_argument("--window", type=int, default=1024, help="tokens per window")
