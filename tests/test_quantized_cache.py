@@ -1009,8 +1009,8 @@ def _int8_round_trip(x: torch.Tensor) -> torch.Tensor:
 def test_residual_bits_8_holds_the_residual_in_int8():
     """``residual_bits=8``: the residual holds int8 codes (``bits=8``'s), so the cache is exactly a full-precision-
     residual cache fed int8-rounded tokens wherever they passed through the residual (codes, residual and what
-    attention reads); a prefill's tokens encoded straight away and a forward's own new tokens are read exact;
-    ``nbytes`` counts int8's bytes for the residual."""
+    attention reads); a prefill's tokens encoded straight away are encoded exact; a later forward reads its own new
+    tokens int8-rounded, as the residual holds them; ``nbytes`` counts int8's bytes for the residual."""
     config = _config(layers=2)
     k, v = _kv(203)
     options = dict(bits=2, sinks=0, residual_length=24, group_size=8, smooth=0)  # nbytes: codes and residual only
@@ -1026,9 +1026,9 @@ def test_residual_bits_8_holds_the_residual_in_int8():
     for name, t in want.store.views().items():
         assert torch.equal(layer.store.views()[name], t), name
     step = k[:, :, 202:203], v[:, :, 202:203]
-    got, ref = layer.update(*step), want.update(*step)
+    got, ref = layer.update(*step), want.update(*(_int8_round_trip(x) for x in step))
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
-    assert torch.equal(got[0][:, :, -1:], step[0])  # the new token, exact
+    assert torch.equal(got[0][:, :, -1:], _int8_round_trip(step[0]))  # the new token, as the residual holds it
     residual = layer.residual.length
     int8_bytes = Int8Codec(None, torch.float32).bytes_per_token(2, 16, 16, torch.float32)
     assert layer.nbytes == layer.store.nbytes + residual * int8_bytes

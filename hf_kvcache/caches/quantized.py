@@ -149,9 +149,11 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         residual_bits: 4/3/2 bits only: ``None`` (default: the residual holds its tokens in full precision) or 8:
             the residual holds them in int8 as ``bits=8`` stores tokens (one float32 scale per token and head),
             about half of a bf16 residual's bytes (at 2k tokens and 2 bits a bf16 residual is about 30% of what the
-            cache stores). A forward still attends to its own new tokens exactly; a token that waited in the residual
-            joins the codes int8-rounded. Read by the int8 kernel under ``hf_kvcache``; counted by ``nbytes`` and
-            ``plan``.
+            cache stores). The prompt's forward attends to its own tokens exactly (its logits are
+            ``DynamicCache``'s); every later forward reads its new tokens int8-rounded, as the residual holds them
+            and the next forwards read them, so scoring a text takes many tokens per forward
+            (:mod:`hf_kvcache.scoring`). A token that waited in the residual joins the codes int8-rounded. Read by
+            the int8 kernel under ``hf_kvcache``; counted by ``nbytes`` and ``plan``.
         codebook: 4/3/2 bits only: where each group's codes sit between its minimum and maximum. ``"uniform"``
             (default, KIVI's ``2^bits - 1`` equal steps) or ``"lloyd"``: Lloyd-Max levels for normally distributed
             groups (:func:`hf_kvcache.quant.codebook_levels`), the distribution Hadamard-rotated coordinates take

@@ -8,7 +8,9 @@ codes), the residual never holds more than ``residual_length + unit - 1`` tokens
 history exactly once.
 
 A forward attends to ``[decoded history ; residual ; new tokens]``, with the new tokens exact: the tokens a forward
-produces are never read back quantized by that same forward (so prefill logits equal ``DynamicCache``'s). Under the
+produces are never read back quantized by that same forward (so prefill logits equal ``DynamicCache``'s). An int8
+residual is the exception after the prompt: a later forward reads its own tokens int8-rounded, as the residual holds
+them, so that one forward of ``n`` tokens reads what ``n`` one-token forwards read. Under the
 ``hf_kvcache`` attention a decode forward gets a :class:`~hf_kvcache.kernels.KVHandle` of those three parts (views of
 the codes, scales and residual, taken before the new tokens are stored) and the kernels dequantize in registers;
 otherwise the history is decoded into the shared workspace.
@@ -145,17 +147,21 @@ class QuantizedLayer(KVLayer):
         self._begin_update(key_states, value_states)
         visible = self._visible_past()
         n = key_states.shape[-2]
-        if not self._hands_storage(n, visible):
-            keys, values = self._attended(key_states, value_states, visible)
-            self._append(key_states, value_states)
-        elif self._exact_residual and self._joins_residual(n):
+        as_stored = self._reads_as_stored
+        handles = self._hands_storage(n, visible)
+        if handles and (self._exact_residual or as_stored) and self._joins_residual(n):
             # The new tokens only join the residual: stored first and read with it, one segment (one launch) fewer.
             self._take_sinks(key_states, value_states)
             self._residual_append(key_states, value_states)
             keys = values = self._handle(key_states, value_states, visible, joined=True)
         else:
-            keys = values = self._handle(key_states, value_states, visible)
-            self._append(key_states, value_states)
+            read = self._as_stored(key_states, value_states) if as_stored else None
+            k_read, v_read = read or (key_states, value_states)
+            if handles:
+                keys = values = self._handle(k_read, v_read, visible)
+            else:
+                keys, values = self._attended(k_read, v_read, visible)
+            self._append(key_states, value_states, read)
         self.cumulative_length += key_states.shape[-2]
         self._evict()
         return keys, values
@@ -180,8 +186,10 @@ class QuantizedLayer(KVLayer):
         one forward per token (:mod:`hf_kvcache.scoring`). A forward reads its own tokens and an exact residual
         exactly, as decoding does; they differ once decoding would have encoded a unit after one of the chunk's
         tokens, which :meth:`_append` does when the residual passes ``residual_length + unit - 1`` tokens. An int8
-        residual is read back rounded at the next token: one token per forward then."""
-        if not self._exact_residual:
+        residual's rule is the same once the layer holds a token (a later forward reads its own tokens int8-rounded,
+        as the next ones read them: :attr:`_reads_as_stored`); into an empty layer, one token (the prompt's forward
+        reads itself exactly, decoding's second token reads the first rounded)."""
+        if not self._exact_residual and not self.cumulative_length:
             return 1
         held = self.residual.length if self.is_initialized else 0
         return max(1, min(limit, self.residual_length + self.codec.unit - held))
@@ -342,9 +350,11 @@ class QuantizedLayer(KVLayer):
         if self.sink is not None:
             self.sink.fill(k, v, self.dropped + self.cumulative_length)
 
-    def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _append(self, k: torch.Tensor, v: torch.Tensor, read: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Add new tokens to the residual (each row's sinks among them also to the exact sinks); encode the oldest
-        residual tokens, ``unit`` at a time, while it exceeds its length."""
+        residual tokens, ``unit`` at a time, while it exceeds its length. ``read``: the new tokens as this forward
+        read them (:meth:`_as_stored`): those encoded without waiting in the residual are encoded from them, the
+        values they would have left the residual with."""
         self._take_sinks(k, v)
         unit = self.codec.unit
         overflow = self.residual.length + k.shape[-2] - self.residual_length
@@ -352,7 +362,8 @@ class QuantizedLayer(KVLayer):
         if n_encode:
             from_res = min(n_encode, self.residual.length)
             from_new = n_encode - from_res
-            ke, ve = k[:, :, :from_new], v[:, :, :from_new]
+            source_k, source_v = read or (k, v)
+            ke, ve = source_k[:, :, :from_new], source_v[:, :, :from_new]
             if from_res:  # the residual's oldest tokens (read in place when no new token joins them)
                 kr, vr = self._residual_front(from_res)
                 ke, ve = (torch.cat([kr, ke], dim=2), torch.cat([vr, ve], dim=2)) if from_new else (kr, vr)
@@ -382,6 +393,26 @@ class QuantizedLayer(KVLayer):
     def _exact_residual(self) -> bool:
         """Whether the residual holds the tokens as they came (then they are read in place, as views)."""
         return isinstance(self.residual_codec, IdentityCodec)
+
+    @property
+    def _reads_as_stored(self) -> bool:
+        """Whether this forward reads its own tokens as the residual will hold them: an int8 residual, once the layer
+        holds a token. Then a forward of ``n`` tokens reads each of them as ``n`` one-token forwards do (every token
+        is read int8-rounded from the forward that brings it on), so scoring takes as many tokens per forward as an
+        exact residual allows (:meth:`decode_equivalent_tokens`). The prompt's forward (the first into an empty
+        layer) reads itself exactly: its logits equal ``DynamicCache``'s and a shared prefill can be handed over."""
+        return not self._exact_residual and self.cumulative_length > 0
+
+    def _as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """New tokens as an int8 residual holds them: rounded, each row's sinks among them exact (taken here)."""
+        codec = self.residual_codec
+        rounded_k, rounded_v = torch.empty_like(k), torch.empty_like(v)
+        codec.decode(codec.encode(k, v), rounded_k, rounded_v)
+        if self.sink is not None:
+            first = self.dropped + self.cumulative_length
+            self.sink.fill(k, v, first)
+            self.sink.patch(rounded_k, rounded_v, first, self.cumulative_length + k.shape[-2])
+        return rounded_k, rounded_v
 
     def _residual_front(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual's oldest ``n`` tokens as K/V (views, or decoded from an int8 residual)."""
