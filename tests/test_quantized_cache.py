@@ -11,7 +11,7 @@ from models import prompt, rotary, tiny_model
 from transformers import DynamicCache, LlamaConfig
 
 from hf_kvcache import QuantizedKVCache, cache_nbytes, dynamic_bytes_per_token, make_cache, quant
-from hf_kvcache.formats import Int8Codec
+from hf_kvcache.formats import Int8Codec, codec_for
 from hf_kvcache.layers import _storage
 
 
@@ -999,36 +999,40 @@ def test_key_bits_refusals(kwargs, match):
         make_cache("fp8:key_bits=4", _config())
 
 
-def _int8_round_trip(x: torch.Tensor) -> torch.Tensor:
-    codec = Int8Codec(None, torch.float32)
+def _int8_round_trip(x: torch.Tensor, rotate: str | None = None) -> torch.Tensor:
+    codec = codec_for(8, rotate=rotate)
     out = torch.empty_like(x), torch.empty_like(x)
     codec.decode(codec.encode(x, x), *out)
     return out[0]
 
 
-def test_residual_bits_8_holds_the_residual_in_int8():
-    """``residual_bits=8``: the residual holds int8 codes (``bits=8``'s), so the cache is exactly a full-precision-
-    residual cache fed int8-rounded tokens wherever they passed through the residual (codes, residual and what
-    attention reads); a prefill's tokens encoded straight away are encoded exact; a later forward reads its own new
-    tokens int8-rounded, as the residual holds them; ``nbytes`` counts int8's bytes for the residual."""
+@pytest.mark.parametrize("rotate", [None, "hadamard"])
+def test_residual_bits_8_holds_the_residual_in_int8(rotate):
+    """``residual_bits=8``: the residual holds int8 codes (``bits=8``'s, Hadamard-rotated where the codes are), so
+    the cache is exactly a full-precision-residual cache fed int8-rounded tokens wherever they passed through the
+    residual (codes, residual and what attention reads); a prefill's tokens encoded straight away are encoded exact;
+    a later forward reads its own new tokens int8-rounded, as the residual holds them; ``nbytes`` counts int8's
+    bytes for the residual."""
     config = _config(layers=2)
     k, v = _kv(203)
-    options = dict(bits=2, sinks=0, residual_length=24, group_size=8, smooth=0)  # nbytes: codes and residual only
+    options = dict(
+        bits=2, sinks=0, residual_length=24, group_size=8, smooth=0, rotate=rotate
+    )  # nbytes: codes, residual
     coded, plain = QuantizedKVCache(config, residual_bits=8, **options), QuantizedKVCache(config, **options)
     steps = (150,) + (1,) * 52
     _feed(coded, k[:, :, :202], v[:, :, :202], steps)
     # the 150-token prefill encodes its first (150 - 24) // 8 * 8 = 120 tokens as they are; every later token passes
     # through the residual (a forward of more tokens than the residual holds encodes its surplus as it is, too)
-    rounded = [torch.cat([x[:, :, :120], _int8_round_trip(x[:, :, 120:202])], dim=2) for x in (k, v)]
+    rounded = [torch.cat([x[:, :, :120], _int8_round_trip(x[:, :, 120:202], rotate)], dim=2) for x in (k, v)]
     _feed(plain, *rounded, steps)
     layer, want = coded.layers[1], plain.layers[1]
     assert layer.residual.view("k").dtype == torch.int8 and layer.residual.length == want.residual.length > 24
     for name, t in want.store.views().items():
         assert torch.equal(layer.store.views()[name], t), name
     step = k[:, :, 202:203], v[:, :, 202:203]
-    got, ref = layer.update(*step), want.update(*(_int8_round_trip(x) for x in step))
+    got, ref = layer.update(*step), want.update(*(_int8_round_trip(x, rotate) for x in step))
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
-    assert torch.equal(got[0][:, :, -1:], _int8_round_trip(step[0]))  # the new token, as the residual holds it
+    assert torch.equal(got[0][:, :, -1:], _int8_round_trip(step[0], rotate))  # the new token, as the residual holds it
     residual = layer.residual.length
     int8_bytes = Int8Codec(None, torch.float32).bytes_per_token(2, 16, 16, torch.float32)
     assert layer.nbytes == layer.store.nbytes + residual * int8_bytes

@@ -16,9 +16,10 @@ from hf_kvcache.scoring import decode_equivalent_tokens, teacher_forced
 
 PREFILL, SCORED = 20, 44
 # Float rounding between one forward of n tokens and n forwards of one: at most 1e-6 seen on tiny models'
-# log-probabilities (~5); a forward one token past what a cache allows moves them by 1e-3 and more (the negative test
-# below, on Gemma 3, whose tiny K/V quantize coarsest).
-ROUNDING = 1e-5
+# log-probabilities (~5), 1.1e-5 where the kernels read a Hadamard-rotated int8 residual in its rotated frame one token
+# at a time and a longer forward decodes it back; a forward one token past what a cache allows moves them by 1e-3 and
+# more (the negative test below, on Gemma 3, whose tiny K/V quantize coarsest).
+ROUNDING = 2e-5
 
 CASES = [pytest.param(case.spec, case.attn, case.families, id=case.id) for case in CACHE_CASES] + [
     pytest.param("dynamic", None, None, id="dynamic"),

@@ -355,7 +355,9 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         owner = type(self).__name__
         key_rope = self.key_ropes.get(spec.layer_type) if spec.uses_rope else None
         residual, sinks, smooth = self.residual_length, self.sinks, self.layer_smooth(layer_idx)
-        residual_codec = codec_for(self.residual_bits)  # int8 as bits=8 stores it, or None: exact
+        # int8 as bits=8 stores it, Hadamard-rotated where the codes are (their outliers spread over the head's
+        # channels, which one absmax scale per token then resolves finer), or None: exact
+        residual_codec = codec_for(self.residual_bits, rotate=self.rotate)
         if self.is_boundary(layer_idx):  # int8 as bits=8 stores it: no residual, rotation, sinks or pre-RoPE keys
             codec = codec_for(8, None, None if self.scale_dtype == E5M3_NAME else self.scale_dtype)
             key_rope, residual, sinks, residual_codec = None, 0, 0, None

@@ -225,6 +225,13 @@ RUNS: dict[str, list[str]] = {
         *"--task ruler --chat-template --ruler-lengths 1024 --ruler-samples 10".split(),
         *["--caches", "dynamic,int2:scale_dtype=none,int2"],
     ],
+    # The int8 residual against the full-precision one on RULER's suite at 1,024 tokens (eval-ruler-scales' samples).
+    "eval-ruler-residual": [
+        "eval",
+        *REAL,
+        *"--task ruler --chat-template --ruler-lengths 1024 --ruler-samples 10".split(),
+        *["--caches", "dynamic,int2,int2:residual_bits=8,int3,int3:residual_bits=8"],
+    ],
     "eval-ruler-smooth": [
         "eval",
         *REAL,
