@@ -651,6 +651,45 @@ def test_append_kernel_encodes_int8_bit_exactly(dtype, scale_dtype, group, head_
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_append_kernel_rotates_int8_in_the_launch(dtype, head_dim):
+    """A rotated int8 residual's append: the tokens times a Hadamard matrix in float32, then int8 per token and head,
+    in the one launch: what the reference (the float32 product, then quant.quantize_symmetric) stores, to the float
+    rounding of the product's sums (a code one step away where a token lands on a rounding boundary; the scales to
+    float32's last bits), the codec's encode equal to its encode_into, and nothing written beside the slots."""
+    from hf_kvcache.formats import codec_for, hadamard
+    from hf_kvcache.kernels.append import _append_torch
+    from hf_kvcache.kernels.triton_append import triton_append
+
+    gen = torch.Generator().manual_seed(head_dim)
+    k = (torch.randn(2, 3, 5, head_dim, generator=gen) * torch.logspace(-3, 3, head_dim)).to(dtype)
+    v = (torch.randn(2, 3, 5, head_dim, generator=gen) * 3).to(dtype)
+    h = hadamard(head_dim, torch.float32, k.device)
+    results = []
+    for store in (_append_torch, triton_append):
+        kc, vc = (torch.zeros(2, 3, 9, head_dim, dtype=torch.int8) for _ in range(2))
+        ks, vs = (torch.zeros(2, 3, 9, 1) for _ in range(2))
+        store(k, v, kc[:, :, 2:7], vc[:, :, 2:7], ks[:, :, 2:7], vs[:, :, 2:7], None, 0, 1, h, h)
+        results.append((kc, vc, ks, vs))
+    (ref_kc, ref_vc, ref_ks, ref_vs), (kc, vc, ks, vs) = results
+    for ref, got in ((ref_kc, kc), (ref_vc, vc)):
+        step = (got.int() - ref.int()).abs()
+        assert step.max() <= 1 and (step > 0).float().mean() < 0.01
+        assert not got[:, :, :2].any() and not got[:, :, 7:].any()
+    torch.testing.assert_close(ks, ref_ks, rtol=1e-6, atol=0)
+    torch.testing.assert_close(vs, ref_vs, rtol=1e-6, atol=0)
+    # the reference is the rotated codec's encoding; its encode_into stores the same
+    codec = codec_for(8, rotate="hadamard")
+    want = codec.encode(k, v)
+    assert torch.equal(ref_kc[:, :, 2:7], want["k"]) and torch.equal(ref_vs[:, :, 2:7], want["vs"])
+    stored = {name: torch.zeros_like(t) for name, t in want.items()}
+    codec.encode_into(k, v, stored)
+    assert all(torch.equal(stored[name], want[name]) for name in want)
+    with pytest.raises(ValueError, match="rotations are contiguous float32"):
+        triton_append(k, v, kc[:, :, 2:7], vc[:, :, 2:7], None, None, None, 0, 1, h, h)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", [64, 80])
 def test_append_kernel_encodes_fp8_bit_exactly(dtype, scale_dtype, head_dim):

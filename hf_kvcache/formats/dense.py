@@ -73,7 +73,7 @@ class IdentityCodec:
         return {"k": k, "v": v}
 
     def encode_into(self, k: torch.Tensor, v: torch.Tensor, out: Parts) -> None:
-        append_kv(k, v, out["k"], out["v"], None, None, None, 0, 1)  # both in one launch on CUDA
+        append_kv(k, v, out["k"], out["v"], None, None, None, 0, 1, None, None)  # both in one launch on CUDA
 
     def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor, rope: KeyTurn | None = None) -> None:
         k_out.copy_(parts["k"])

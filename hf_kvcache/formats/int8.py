@@ -180,7 +180,18 @@ class Int8Codec:
             for name, t in self.encode(k, v).items():
                 out[name].copy_(t)
             return
-        append_kv(k, v, out["k"], out["v"], out["ks"], out["vs"], None, 0, 1)
+        append_kv(k, v, out["k"], out["v"], out["ks"], out["vs"], None, 0, 1, None, None)
+
+    def encode_rotated_into(
+        self, k: torch.Tensor, v: torch.Tensor, out: Parts, k_rotation: torch.Tensor, v_rotation: torch.Tensor
+    ) -> bool:
+        """``k @ k_rotation`` and ``v @ v_rotation`` (float32, unrounded) encoded into ``out`` in the one launch that
+        stores them (:class:`~hf_kvcache.formats.RotatedCodec`'s int8); False where this codec cannot (bitsandbytes'
+        encoder, or several scales per head): the caller rotates first then."""
+        if self.backend == "bitsandbytes" or any(self.group(x.shape[-1]) != x.shape[-1] for x in (k, v)):
+            return False
+        append_kv(k, v, out["k"], out["v"], out["ks"], out["vs"], None, 0, 1, k_rotation, v_rotation)
+        return True
 
     def _decode_one(self, codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
         # copy_ then an in-place multiply (not torch.mul(out=)): `out` is often a non-contiguous workspace slice,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import torch_decode
+from ..kernels.append import rotate_float32
 from ..kernels.storage import KernelStorage, LaunchPlan
 from ..rope import angle_table, rotate_positions
 from ._base import KeyTurn, OverSegment, Partials, Parts, SegmentFormat
@@ -224,7 +225,7 @@ class RotatedCodec:
         self.unit, self.units = inner.unit, inner.units
 
     def __getattr__(self, name):  # group_size, bits, key_axis, like, ... of the inner codec (not its encoders)
-        if name in ("inner", "encode", "encode_into", "decode_native"):
+        if name in ("inner", "encode", "encode_into", "encode_rotated_into", "decode_native"):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
@@ -236,13 +237,31 @@ class RotatedCodec:
             return _times(x.float(), hadamard(x.shape[-1], torch.float32, x.device)).to(torch.bfloat16)
         return _times(x, hadamard(x.shape[-1], x.dtype, x.device))
 
+    def _rotations(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return hadamard(k.shape[-1], torch.float32, k.device), hadamard(v.shape[-1], torch.float32, v.device)
+
+    @property
+    def _float32_input(self) -> bool:
+        """Whether the inner codec takes the rotated tokens in float32, unrounded: int8, whose append kernel rotates
+        them in the launch that encodes them (:meth:`encode_into`)."""
+        return getattr(self.inner, "encode_rotated_into", None) is not None
+
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> Parts:
+        if self._float32_input:
+            hk, hv = self._rotations(k, v)
+            return self.inner.encode(rotate_float32(k, hk), rotate_float32(v, hv))
         return self.inner.encode(self._rotate(k), self._rotate(v))
 
     def encode_into(self, k: torch.Tensor, v: torch.Tensor, out: Parts) -> None:
         """:meth:`encode` written straight into ``out``: rotated, then the inner codec's own ``encode_into`` (one
-        launch on CUDA for int8 and KIVI). Defined here, not reached through the inner codec, which would store the
-        tokens unrotated."""
+        launch on CUDA for int8 and KIVI); int8 with one scale per token and head rotates in that launch too (a
+        rotated int8 residual's decode step: one launch, not three). Defined here, not reached through the inner
+        codec, which would store the tokens unrotated."""
+        if self._float32_input:
+            hk, hv = self._rotations(k, v)
+            if not self.inner.encode_rotated_into(k, v, out, hk, hv):
+                self.inner.encode_into(rotate_float32(k, hk), rotate_float32(v, hv), out)
+            return
         self.inner.encode_into(self._rotate(k), self._rotate(v), out)
 
     def reads_natively(self, dtype: torch.dtype, key_dim: int, value_dim: int, rope: KeyTurn | None) -> bool:

@@ -11,7 +11,13 @@ from ._available import guarded, triton_available
 from ._define import custom_op
 from ._eager import eager
 
-__all__ = ["append_kv"]
+__all__ = ["append_kv", "rotate_float32"]
+
+
+def rotate_float32(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """``x @ rotation`` in float32 (``rotation`` a float32 ``(D, D)`` matrix): the tokens a rotated int8 encoder
+    quantizes, unrounded (the append kernel's product, to float rounding)."""
+    return torch.matmul(x.float(), rotation)
 
 
 def _encoded(x: torch.Tensor, out: torch.Tensor, scales_out: torch.Tensor | None, paged: bool) -> dict:
@@ -37,7 +43,11 @@ def _append_torch(
     table: torch.Tensor | None,
     start: int,
     block_size: int,
+    k_rotation: torch.Tensor | None = None,
+    v_rotation: torch.Tensor | None = None,
 ) -> None:
+    if k_rotation is not None:
+        k, v = rotate_float32(k, k_rotation), rotate_float32(v, v_rotation)
     paged = table is not None
     if not paged and k_scales is not None and v_scales is not None and k_out.dtype == torch.int8:
         # int8 token buffers on CPU: the native encoder writes codes and scales in place, bit for bit these
@@ -93,42 +103,43 @@ def _append(
     table: torch.Tensor | None,
     start: int,
     block_size: int,
+    k_rotation: torch.Tensor | None,
+    v_rotation: torch.Tensor | None,
 ) -> None:
     """Store a forward's new keys and values ``(B, H, n, D)`` in a cache's storage; with ``*_scales``, as int8 codes
     and scales (:func:`hf_kvcache.quant.quantize_symmetric`, the group ``G`` = ``D / scales.shape[-1]``, the scale
     dtype the scales'), or, where the destination is uint8, fp8 e4m3 bits (:func:`hf_kvcache.quant.quantize_fp8`).
+    ``*_rotation`` (int8 token buffers, one scale per token and head): float32 ``(D, D)`` matrices the tokens are
+    multiplied by first (:func:`rotate_float32`), as a Hadamard-rotated int8 residual stores them.
 
     Without ``table`` the destinations are views ``(B, H, n, D)`` and ``(B, H, n, D / G)`` of a layer's token
     buffers; with ``table`` ``(B, blocks)``, page pools ``(slots, H, D)`` and ``(slots, H)``, token ``i`` of row ``b``
     at position ``start + i`` of the row's blocks (none stored under a padding entry). One launch on CUDA
-    (:func:`~hf_kvcache.kernels.triton_append.triton_append`, bit-exact to this reference), the reference
-    elsewhere.
+    (:func:`~hf_kvcache.kernels.triton_append.triton_append`, bit-exact to this reference; with a rotation, to the
+    float rounding of the product's sums), the reference elsewhere.
 
     Every argument is required: torch 2.11's in-place bookkeeping for a mutating custom op indexes the mutated
     arguments by position among those passed, so a defaulted, omitted ``k_scales`` raised ``IndexError`` there (on
     the first GPU run) while newer torch fills the defaults in first."""
-    _append_torch(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size)
+    _append_torch(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size, k_rotation, v_rotation)
 
 
 _OP = custom_op("hf_kvcache::append_kv", _append, mutates_args=("k_out", "v_out", "k_scales", "v_scales"))
 
 
 @_OP.register_fake
-def _(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size):
+def _(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size, k_rotation, v_rotation):
     return None
 
 
 @_OP.register_kernel("cuda")
-def _append_cuda(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size):
+def _append_cuda(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size, k_rotation, v_rotation):
+    args = (k, v, k_out, v_out, k_scales, v_scales, table, start, block_size, k_rotation, v_rotation)
     if triton_available():
         from .triton_append import triton_append
 
-        return guarded(
-            "append_kv",
-            lambda: triton_append(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size),
-            lambda: _append_torch(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size),
-        )
-    return _append_torch(k, v, k_out, v_out, k_scales, v_scales, table, start, block_size)
+        return guarded("append_kv", lambda: triton_append(*args), lambda: _append_torch(*args))
+    return _append_torch(*args)
 
 
 append_kv = eager(_OP, _append, _append_cuda)

@@ -66,14 +66,29 @@ def _e4m3_bits(y):
 
 
 @triton.jit
+def _rotated(XROW, sx_d, HM, D: tl.constexpr, BLOCK_C: tl.constexpr, RC: tl.constexpr):
+    """``x H`` of one token's ``D`` channels at ``XROW`` (``HM``: a row-major ``(D, D)`` float32 matrix), in float32,
+    ``RC`` input channels at a time (a whole ``(D, D)`` tile would not fit in registers at D = 256)."""
+    j = tl.arange(0, BLOCK_C)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for i0 in range(0, D, RC):
+        i = i0 + tl.arange(0, RC)
+        xi = tl.load(XROW + i * sx_d, mask=i < D, other=0.0).to(tl.float32)
+        hij = tl.load(HM + i[:, None] * D + j[None, :], mask=(i < D)[:, None] & (j < D)[None, :], other=0.0)
+        acc += tl.sum(xi[:, None] * hij, axis=0)
+    return acc
+
+
+@triton.jit
 def _store_token(
-    X, C, S, b, h, t, row, block, sx_b, sx_h, sx_t, sx_d, sc_b, sc_h, sc_t, sc_d, ss_b, ss_h, ss_t, ss_g,
+    X, C, S, HM, b, h, t, row, block, sx_b, sx_h, sx_t, sx_d, sc_b, sc_h, sc_t, sc_d, ss_b, ss_h, ss_t, ss_g,
     D: tl.constexpr, GROUP: tl.constexpr, SDT: tl.constexpr, QUANT: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, ROTATE: tl.constexpr, RC: tl.constexpr,
 ):  # fmt: skip
     """Token ``t`` of head ``h``, batch row ``b``, stored at token index ``row`` of ``C`` (and ``S``), unless its
     page ``block`` is negative (a padding entry): ``D`` channels as a ``(groups of GROUP, channels)`` tile, as they
-    are (``QUANT`` 0), int8-encoded (1) or fp8-encoded (2: e4m3 bits, :func:`hf_kvcache.quant.quantize_fp8`)."""
+    are (``QUANT`` 0), int8-encoded (1) or fp8-encoded (2: e4m3 bits, :func:`hf_kvcache.quant.quantize_fp8`).
+    ``ROTATE`` (int8, one group per head): the token times ``HM`` in float32 first, encoded unrounded."""
     gi = tl.arange(0, BLOCK_G)
     ci = tl.arange(0, BLOCK_C)
     d = gi[:, None] * GROUP + ci[None, :]
@@ -97,6 +112,8 @@ def _store_token(
         tl.store(S + b * ss_b + h * ss_h + row * ss_t + gi * ss_g, scale, mask=(gi < D // GROUP) & keep)
     elif QUANT == 1:
         x = raw.to(tl.float32)
+        if ROTATE:  # BLOCK_G is 1: the rotated head is the tile's one row
+            x = _rotated(X + b * sx_b + h * sx_h + t * sx_t, sx_d, HM, D, BLOCK_C, RC)[None, :]
         finite = (x == x) & (tl.abs(x) != float("inf"))
         absmax = tl.max(tl.where(finite & ok, tl.abs(x), 0.0), 1)  # (groups,): max(|min|, |max|) of the finite
         want = tl.math.div_rn(absmax, 127.0)
@@ -119,7 +136,7 @@ def _store_token(
 
 @triton.jit(do_not_specialize=["START", "sks_b", "svs_b"])
 def _append_kernel(
-    K, V, KC, VC, KS, VS, TABLE,
+    K, V, KC, VC, KS, VS, TABLE, HK, HV,
     sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     skc_b, skc_h, skc_t, skc_d, svc_b, svc_h, svc_t, svc_d,
     sks_b, sks_h, sks_t, sks_g, svs_b, svs_h, svs_t, svs_g,
@@ -127,6 +144,7 @@ def _append_kernel(
     DK: tl.constexpr, DV: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, SDT: tl.constexpr,
     QUANT: tl.constexpr, PAGED: tl.constexpr, BS: tl.constexpr,
     BLOCK_GK: tl.constexpr, BLOCK_CK: tl.constexpr, BLOCK_GV: tl.constexpr, BLOCK_CV: tl.constexpr,
+    ROTATE: tl.constexpr, RC: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(B x H x n, 2)``: axis 1 picks keys or values, so one launch stores both."""
     pid = tl.program_id(0)
@@ -141,13 +159,13 @@ def _append_kernel(
         row = block.to(tl.int64) * BS + pos % BS
     if tl.program_id(1) == 0:
         _store_token(
-            K, KC, KS, b, h, t, row, block, sk_b, sk_h, sk_t, sk_d, skc_b, skc_h, skc_t, skc_d,
-            sks_b, sks_h, sks_t, sks_g, DK, GK, SDT, QUANT, BLOCK_GK, BLOCK_CK,
+            K, KC, KS, HK, b, h, t, row, block, sk_b, sk_h, sk_t, sk_d, skc_b, skc_h, skc_t, skc_d,
+            sks_b, sks_h, sks_t, sks_g, DK, GK, SDT, QUANT, BLOCK_GK, BLOCK_CK, ROTATE, RC,
         )  # fmt: skip
     else:
         _store_token(
-            V, VC, VS, b, h, t, row, block, sv_b, sv_h, sv_t, sv_d, svc_b, svc_h, svc_t, svc_d,
-            svs_b, svs_h, svs_t, svs_g, DV, GV, SDT, QUANT, BLOCK_GV, BLOCK_CV,
+            V, VC, VS, HV, b, h, t, row, block, sv_b, sv_h, sv_t, sv_d, svc_b, svc_h, svc_t, svc_d,
+            svs_b, svs_h, svs_t, svs_g, DV, GV, SDT, QUANT, BLOCK_GV, BLOCK_CV, ROTATE, RC,
         )  # fmt: skip
 
 
@@ -166,9 +184,13 @@ def triton_append(
     table: torch.Tensor | None = None,
     start: int = 0,
     block_size: int = 1,
+    k_rotation: torch.Tensor | None = None,
+    v_rotation: torch.Tensor | None = None,
 ) -> None:
     """Store ``k`` / ``v`` ``(B, H, n, D)`` in one launch: codes and scales when ``*_scales`` are given (int8 codes,
-    or fp8 e4m3 bits where the destination is uint8), else the tokens as they are.
+    or fp8 e4m3 bits where the destination is uint8), else the tokens as they are. ``*_rotation``: ``(D, D)`` float32
+    matrices the tokens are multiplied by first, in float32 (int8 codes in token buffers, one scale per token and
+    head only: a Hadamard-rotated int8 residual stored in the launch that stores it).
 
     Without ``table``: ``*_out`` ``(B, H, n, D)`` and ``*_scales`` ``(B, H, n, D / G)`` are the destination (views of
     a layer's token buffers; the group ``G`` is ``D / scales.shape[-1]``). With ``table`` (``(B, blocks)`` block ids,
@@ -185,17 +207,29 @@ def triton_append(
     else:
         out_strides = [pool_strides(x) for x in outs]
         gk, gv = dk, dv
+    rotate = k_rotation is not None
+    if rotate and not (
+        quant and k_out.dtype == torch.int8 and table is None and (gk, gv) == (dk, dv)
+        and k_rotation.shape == (dk, dk) and v_rotation.shape == (dv, dv)
+        and k_rotation.dtype == v_rotation.dtype == torch.float32
+        and k_rotation.is_contiguous() and v_rotation.is_contiguous()
+    ):  # fmt: skip
+        raise ValueError(
+            "triton_append: rotations are contiguous float32 (D, D) matrices, for int8 token buffers with one scale "
+            "per token and head"
+        )
     if b * h * n == 0:
         return
     _append_kernel[(b * h * n, 2)](
         k, v, k_out, v_out, k_scales if quant else k_out, v_scales if quant else v_out,
-        table if table is not None else k_out, *k.stride(), *v.stride(), *(s for x in out_strides for s in x),
+        table if table is not None else k_out, k_rotation if rotate else k_out, v_rotation if rotate else v_out,
+        *k.stride(), *v.stride(), *(s for x in out_strides for s in x),
         *(table.stride() if table is not None else (0, 0)), h, n, start,
         DK=dk, DV=dv, GK=gk, GV=gv, SDT=_SCALE_TYPES[k_scales.dtype] if quant else tl.float32,
         QUANT=(2 if k_out.dtype == torch.uint8 else 1) if quant else 0,
         PAGED=table is not None, BS=block_size, BLOCK_GK=triton.next_power_of_2(dk // gk),
         BLOCK_CK=triton.next_power_of_2(gk), BLOCK_GV=triton.next_power_of_2(dv // gv),
-        BLOCK_CV=triton.next_power_of_2(gv),
+        BLOCK_CV=triton.next_power_of_2(gv), ROTATE=rotate, RC=16,
     )  # fmt: skip
 
 

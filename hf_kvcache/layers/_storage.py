@@ -95,7 +95,7 @@ class TokenBuffers:
         self.append_written(
             k.shape[2],
             lambda: {"k": k, "v": v},
-            lambda out: append_kv(k, v, out["k"], out["v"], None, None, None, 0, 1),
+            lambda out: append_kv(k, v, out["k"], out["v"], None, None, None, 0, 1, None, None),
         )
 
     def append_written(self, n: int, like: Callable[[], Parts], write: Callable[[Parts], None]) -> None:

@@ -118,7 +118,19 @@ class PagedStorage:
         """Store tokens ``(B, H, q, D)`` at positions ``start ..`` of each row's blocks in ``table`` (``(B, blocks)``,
         on this storage's device; none under a padding entry): one launch on CUDA, int8 pages encoded on the way."""
         t = self.tensors
-        append_kv(k, v, t["keys"], t["values"], t.get("key_scales"), t.get("value_scales"), table, start, block_size)
+        append_kv(
+            k,
+            v,
+            t["keys"],
+            t["values"],
+            t.get("key_scales"),
+            t.get("value_scales"),
+            table,
+            start,
+            block_size,
+            None,
+            None,
+        )
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V ``(B, H, n, D)`` of the ``(B, n)`` ``slots``, in the model's dtype."""
