@@ -44,12 +44,20 @@ MAX_SMOOTH = 2.0  # the strength of the smoothed keys' scales: past 1 they over-
 # Hadamard-rotated (int3 / int2: KL divergence from DynamicCache through SmolLM2 over six windows 0.95x / 0.99x of
 # float32 scales', perplexity and second copies within their noise, 7% fewer bytes at 8k tokens); without a rotation
 # the K/V dtype's (int4's KL 1.41x).
+# residual_bits = "auto" (docs/results/eval-residual.json, eval-ruler-residual.json; benchmarks/window_kl.py): at 2
+# bits an int8 residual, Hadamard-rotated as the codes are (KL from DynamicCache over six windows 1.004x of a
+# full-precision residual's, perplexity +0.97% against +0.78%, second copies, passkeys and RULER at 1k (34.3 against
+# 34.0) unchanged; 0.85x of int2's bytes at 2k tokens, which takes it under 0.20x of bf16). At 3 bits, whose codes err
+# 9x less, the same residual costs KL 1.075x (perplexity +0.15% against +0.01%) for 0.97x of the bytes at 8k: full
+# precision stays. Without a rotation int8 rounds a head's outlier channels coarsely (unrotated, int3 +0.32%).
+_PLAIN = {"rotate": None, "sinks": 0, "pre_rope": False, "smooth": 0.0, "scale_dtype": None, "residual_bits": None}
+_ROTATED = {"rotate": "hadamard", "sinks": 4, "pre_rope": True, "scale_dtype": "e5m3"}
 MEASURED_DEFAULTS = {
-    8: {"rotate": None, "sinks": 0, "pre_rope": False, "smooth": 0.0, "scale_dtype": None},
-    "fp8": {"rotate": None, "sinks": 0, "pre_rope": False, "smooth": 0.0, "scale_dtype": None},  # int8's bytes
-    4: {"rotate": None, "sinks": 0, "pre_rope": False, "smooth": 0.0, "scale_dtype": None},
-    3: {"rotate": "hadamard", "sinks": 4, "pre_rope": True, "smooth": 0.0, "scale_dtype": "e5m3"},
-    2: {"rotate": "hadamard", "sinks": 4, "pre_rope": True, "smooth": 1.0, "scale_dtype": "e5m3"},
+    8: _PLAIN,
+    "fp8": _PLAIN,  # int8's bytes
+    4: _PLAIN,
+    3: {**_ROTATED, "smooth": 0.0, "residual_bits": None},
+    2: {**_ROTATED, "smooth": 1.0, "residual_bits": 8},
 }
 
 
@@ -68,11 +76,12 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
       most recent ``residual_length`` tokens kept in full precision.
       ``key_axis="token"`` quantizes keys per token like the values instead: the paper's ablation (its per-token
       keys fail at 2 bits), offered to reproduce that finding, not for use.
-    * ``rotate``, ``sinks``, ``pre_rope``, ``smooth`` and ``scale_dtype`` default to ``"auto"``: the best setting
-      measured at that width on the real model (:data:`MEASURED_DEFAULTS`: at 3 and 2 bits ``rotate="hadamard",
-      sinks=4, pre_rope=True``, where the model has RoPE, and 8-bit scales, ``scale_dtype="e5m3"``; at 2 bits
-      ``smooth=1``; at 4 and 8 bits none). KIVI's own layout is ``rotate=None, sinks=0, pre_rope=False`` (spec
-      ``int2:rotate=none:sinks=0:pre_rope=false``, which also keeps 16-bit scales).
+    * ``rotate``, ``sinks``, ``pre_rope``, ``smooth``, ``scale_dtype`` and ``residual_bits`` default to ``"auto"``:
+      the best setting measured at that width on the real model (:data:`MEASURED_DEFAULTS`: at 3 and 2 bits
+      ``rotate="hadamard", sinks=4, pre_rope=True``, where the model has RoPE, and 8-bit scales,
+      ``scale_dtype="e5m3"``; at 2 bits ``smooth=1`` and an int8 residual, ``residual_bits=8``; at 4 and 8 bits
+      none). KIVI's own layout is ``rotate=None, sinks=0, pre_rope=False`` (spec
+      ``int2:rotate=none:sinks=0:pre_rope=false``, which also keeps 16-bit scales and a full-precision residual).
 
     Every token is encoded exactly once (the prompt's tail stays in the residual; nothing is re-quantized), appends
     are amortized, and the K/V handed to attention are decoded into one workspace shared by all layers. On hybrid
@@ -146,10 +155,11 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             ``int2:key_bits=widths.json``) that :func:`hf_kvcache.calibrate.search_key_bits` (``hf-kvcache
             calibrate``) writes after measuring which layers' keys cost most at fewer bits (KVTuner's idea); the
             attribute is then a tuple, :meth:`layer_key_bits` gives one layer's.
-        residual_bits: 4/3/2 bits only: ``None`` (default: the residual holds its tokens in full precision) or 8:
-            the residual holds them in int8 as ``bits=8`` stores tokens (one float32 scale per token and head),
-            about half of a bf16 residual's bytes (at 2k tokens and 2 bits a bf16 residual is about 30% of what the
-            cache stores). The prompt's forward attends to its own tokens exactly (its logits are
+        residual_bits: 4/3/2 bits only: ``None`` (the residual holds its tokens in full precision), 8 (the residual
+            holds them in int8 as ``bits=8`` stores tokens, one float32 scale per token and head, Hadamard-rotated
+            where the codes are: about half of a bf16 residual's bytes; at 2k tokens and 2 bits a bf16 residual is
+            about 30% of what the cache stores) or ``"auto"`` (default): 8 at 2 bits where the codes are rotated
+            (int2's default), else ``None``. The prompt's forward attends to its own tokens exactly (its logits are
             ``DynamicCache``'s); every later forward reads its new tokens int8-rounded, as the residual holds them
             and the next forwards read them, so scoring a text takes many tokens per forward
             (:mod:`hf_kvcache.scoring`). A token that waited in the residual joins the codes int8-rounded. Read by
@@ -195,7 +205,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         pre_rope: bool | str = AUTO,
         boundary_layers: int = 0,
         key_bits: int | Sequence[int] | LayerKeyWidths | str | os.PathLike | None = None,
-        residual_bits: int | None = None,
+        residual_bits: int | str | None = AUTO,
         codebook: str = "uniform",
         smooth: float | str = AUTO,
     ):
@@ -231,8 +241,10 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
                 import bitsandbytes  # noqa: F401
             except ImportError as err:
                 raise ImportError("backend='bitsandbytes' needs bitsandbytes: pip install 'hf-kvcache[bnb]'") from err
-        if residual_bits is not None:
-            check_choice("residual_bits", residual_bits, (8,))
+        if residual_bits == AUTO:
+            residual_bits = measured["residual_bits"] if rotate else None
+        elif residual_bits is not None:
+            check_choice("residual_bits", residual_bits, (8, None, AUTO))
         check_choice("codebook", codebook, quant.CODEBOOKS)
         check_int("boundary_layers", boundary_layers, 0)
         for name, value, why in (
@@ -459,7 +471,7 @@ def _register(bits: int | str, summary: str) -> None:
         pre_rope: bool | str = AUTO,
         boundary_layers: int = 0,
         key_bits: int | str | None = None,
-        residual_bits: int | None = None,
+        residual_bits: int | str | None = AUTO,
         codebook: str = "uniform",
         smooth: float | str = AUTO,
     ) -> QuantizedKVCache:
@@ -489,5 +501,5 @@ _register(
 _register(
     2,
     "QuantizedKVCache bits=2: KIVI 2-bit, Hadamard-rotated, pre-RoPE smoothed keys, 8-bit scales, 4 fp sinks and a "
-    "128-token fp residual, ~0.14x of bf16 + residual",
+    "128-token int8 residual, ~0.14x of bf16 + residual",
 )

@@ -177,7 +177,7 @@ RUNS: dict[str, list[str]] = {
         "eval",
         *REAL,
         *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
-        *["--caches", "dynamic,int2,int2:residual_bits=8,int3,int3:residual_bits=8"],
+        *["--caches", "dynamic,int2:residual_bits=none,int2:residual_bits=8,int3,int3:residual_bits=8"],
     ],
     # An int8 residual of 64 tokens (64 to 127 held) against 128 (128 to 191), both in int8, on the default run's
     # protocol: the residual is what keeps int2 above 0.16x of DynamicCache's bytes at 8k tokens.
@@ -230,7 +230,7 @@ RUNS: dict[str, list[str]] = {
         "eval",
         *REAL,
         *"--task ruler --chat-template --ruler-lengths 1024 --ruler-samples 10".split(),
-        *["--caches", "dynamic,int2,int2:residual_bits=8,int3,int3:residual_bits=8"],
+        *["--caches", "dynamic,int2:residual_bits=none,int2:residual_bits=8"],
     ],
     "eval-ruler-smooth": [
         "eval",
