@@ -215,7 +215,7 @@ def _append_both(k, v, group, monkeypatch):
         full = [torch.full((b, h, n + 3, d), 7, dtype=torch.int8) for _ in "kv"]
         full += [torch.full((b, h, n + 3, d // group), 7.0) for _ in "kv"]
         views = [x[:, :, :n] for x in full]
-        append_kv(k, v, *views, None, 0, 1)
+        append_kv(k, v, *views, None, 0, 1, None, None)
         assert all((x[:, :, n:] == 7).all() for x in full), "wrote past the view"
         stored.append(views)
     return stored

@@ -558,8 +558,8 @@ def test_rotate_validation_bytes_and_spec():
     ids = torch.randint(3, 100, (2, 40))
     plain, rotated = (
         make_cache("int2:residual_length=4:rotate=none", model),
-        # smoothed keys add their scales; rotated 2-bit codes default to 8-bit scales and an int8 residual
-        make_cache("int2:residual_length=4:rotate=hadamard:smooth=0:scale_dtype=none:residual_bits=none", model),
+        # smoothed keys add their scales; rotated codes default to 8-bit scales
+        make_cache("int2:residual_length=4:rotate=hadamard:smooth=0:scale_dtype=none", model),
     )
     for cache in (plain, rotated):
         model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=5, do_sample=False)
@@ -855,9 +855,9 @@ def test_auto_defaults_resolve_per_width_and_model():
     assert (kivi.rotate, kivi.sinks, kivi.pre_rope, kivi.smooth) == (None, 0, False, 0.0)  # nothing rotated to smooth
     assert kivi.scale_dtype is None and "scale_dtype" not in repr(kivi)  # 16-bit scales without a rotation
     assert make_cache("int2:scale_dtype=none", model).scale_dtype is None
-    # an int8 residual at 2 bits where the codes are rotated; a full-precision one without a rotation or when asked
-    assert kivi.residual_bits is None and make_cache("int2:residual_bits=none", model).residual_bits is None
-    assert "residual_bits=8" in repr(make_cache("int2", model)) and "residual_bits" not in repr(kivi)
+    # a full-precision residual by default ("auto"), int8 when asked
+    assert kivi.residual_bits is None and make_cache("int2:residual_bits=8", model).residual_bits == 8
+    assert "residual_bits=8" in repr(make_cache("int2:residual_bits=8", model)) and "residual_bits" not in repr(kivi)
     # "auto" smooths 2-bit keys, layer by layer: not 3-bit keys beside 2-bit values, nor int8 boundary layers
     assert make_cache("int2:key_bits=3", model).smooth == 0 and make_cache("int3:key_bits=2", model).smooth == 1
     widths = QuantizedKVCache(model, bits=2, key_bits=(3, 2))
@@ -960,9 +960,7 @@ def test_key_bits_store_keys_and_values_at_their_own_widths():
 
     config = _config(layers=2)
     k, v = _kv(300)
-    int2_options = dict(
-        rotate="hadamard", sinks=4, pre_rope=True, scale_dtype="e5m3", residual_bits=8
-    )  # key_bits keeps
+    int2_options = dict(rotate="hadamard", sinks=4, pre_rope=True, scale_dtype="e5m3")  # int2's, which key_bits keeps
     mixed = QuantizedKVCache(config, bits=2, key_bits=4)
     keys4, values2 = QuantizedKVCache(config, bits=4, **int2_options), QuantizedKVCache(config, bits=2, smooth=0)
     for cache in (mixed, keys4, values2):
@@ -982,7 +980,7 @@ def test_key_bits_store_keys_and_values_at_their_own_widths():
     assert mixed.nbytes == (keys4.nbytes + values2.nbytes) // 2
     planned = {
         s: kv_bytes(s, config, tokens=4096)
-        for s in ("int4:rotate=hadamard:sinks=4:pre_rope=true:scale_dtype=e5m3:residual_bits=8", "int2:smooth=0")
+        for s in ("int4:rotate=hadamard:sinks=4:pre_rope=true:scale_dtype=e5m3", "int2:smooth=0")
     }
     assert kv_bytes("int2:key_bits=4", config, tokens=4096) == pytest.approx(sum(planned.values()) / 2, abs=2)
     assert "key_bits=4" in repr(mixed) and "key_bits" not in repr(values2)

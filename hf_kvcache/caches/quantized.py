@@ -44,12 +44,12 @@ MAX_SMOOTH = 2.0  # the strength of the smoothed keys' scales: past 1 they over-
 # Hadamard-rotated (int3 / int2: KL divergence from DynamicCache through SmolLM2 over six windows 0.95x / 0.99x of
 # float32 scales', perplexity and second copies within their noise, 7% fewer bytes at 8k tokens); without a rotation
 # the K/V dtype's (int4's KL 1.41x).
-# residual_bits = "auto" (docs/results/eval-residual.json, eval-ruler-residual.json; benchmarks/window_kl.py): at 2
-# bits an int8 residual, Hadamard-rotated as the codes are (KL from DynamicCache over six windows 1.004x of a
-# full-precision residual's, perplexity +0.97% against +0.78%, second copies, passkeys and RULER at 1k (34.3 against
-# 34.0) unchanged; 0.85x of int2's bytes at 2k tokens, which takes it under 0.20x of bf16). At 3 bits, whose codes err
-# 9x less, the same residual costs KL 1.075x (perplexity +0.15% against +0.01%) for 0.97x of the bytes at 8k: full
-# precision stays. Without a rotation int8 rounds a head's outlier channels coarsely (unrotated, int3 +0.32%).
+# residual_bits = "auto" (docs/results/eval-residual.json, eval-ruler-residual.json; benchmarks/window_kl.py): full
+# precision at every width for now. At 2 bits a rotated int8 residual measured nearly free (KL from DynamicCache over
+# six windows 1.004x, perplexity +0.97% against +0.78%, copies, passkeys and RULER at 1k unchanged) for 0.85x of int2's
+# bytes at 2k tokens, but its tokens reach the 2-bit codes on int8's lattice, where a value group's codes sit on exact
+# ties: float rounding (another forward size, the CPU kernel) then moves a code a level (1e-3 in a tiny model's
+# log-probabilities), which a default must not. At 3 bits it costs KL 1.075x.
 _PLAIN = {"rotate": None, "sinks": 0, "pre_rope": False, "smooth": 0.0, "scale_dtype": None, "residual_bits": None}
 _ROTATED = {"rotate": "hadamard", "sinks": 4, "pre_rope": True, "scale_dtype": "e5m3"}
 MEASURED_DEFAULTS = {
@@ -57,7 +57,7 @@ MEASURED_DEFAULTS = {
     "fp8": _PLAIN,  # int8's bytes
     4: _PLAIN,
     3: {**_ROTATED, "smooth": 0.0, "residual_bits": None},
-    2: {**_ROTATED, "smooth": 1.0, "residual_bits": 8},
+    2: {**_ROTATED, "smooth": 1.0, "residual_bits": None},
 }
 
 
@@ -79,9 +79,9 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
     * ``rotate``, ``sinks``, ``pre_rope``, ``smooth``, ``scale_dtype`` and ``residual_bits`` default to ``"auto"``:
       the best setting measured at that width on the real model (:data:`MEASURED_DEFAULTS`: at 3 and 2 bits
       ``rotate="hadamard", sinks=4, pre_rope=True``, where the model has RoPE, and 8-bit scales,
-      ``scale_dtype="e5m3"``; at 2 bits ``smooth=1`` and an int8 residual, ``residual_bits=8``; at 4 and 8 bits
-      none). KIVI's own layout is ``rotate=None, sinks=0, pre_rope=False`` (spec
-      ``int2:rotate=none:sinks=0:pre_rope=false``, which also keeps 16-bit scales and a full-precision residual).
+      ``scale_dtype="e5m3"``; at 2 bits ``smooth=1``; at 4 and 8 bits none; ``residual_bits``: full precision at
+      every width). KIVI's own layout is ``rotate=None, sinks=0, pre_rope=False`` (spec
+      ``int2:rotate=none:sinks=0:pre_rope=false``, which also keeps 16-bit scales).
 
     Every token is encoded exactly once (the prompt's tail stays in the residual; nothing is re-quantized), appends
     are amortized, and the K/V handed to attention are decoded into one workspace shared by all layers. On hybrid
@@ -158,12 +158,12 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         residual_bits: 4/3/2 bits only: ``None`` (the residual holds its tokens in full precision), 8 (the residual
             holds them in int8 as ``bits=8`` stores tokens, one float32 scale per token and head, Hadamard-rotated
             where the codes are: about half of a bf16 residual's bytes; at 2k tokens and 2 bits a bf16 residual is
-            about 30% of what the cache stores) or ``"auto"`` (default): 8 at 2 bits where the codes are rotated
-            (int2's default), else ``None``. The prompt's forward attends to its own tokens exactly (its logits are
-            ``DynamicCache``'s); every later forward reads its new tokens int8-rounded, as the residual holds them
-            and the next forwards read them, so scoring a text takes many tokens per forward
-            (:mod:`hf_kvcache.scoring`). A token that waited in the residual joins the codes int8-rounded. Read by
-            the int8 kernel under ``hf_kvcache``; counted by ``nbytes`` and ``plan``.
+            about 30% of what the cache stores) or ``"auto"`` (default: the measured default per width,
+            :data:`MEASURED_DEFAULTS`; ``None`` at every width for now). The prompt's forward attends to its own
+            tokens exactly (its logits are ``DynamicCache``'s); every later forward reads its new tokens
+            int8-rounded, as the residual holds them and the next forwards read them, so scoring a text takes many
+            tokens per forward (:mod:`hf_kvcache.scoring`). A token that waited in the residual joins the codes
+            int8-rounded. Read by the int8 kernel under ``hf_kvcache``; counted by ``nbytes`` and ``plan``.
         codebook: 4/3/2 bits only: where each group's codes sit between its minimum and maximum. ``"uniform"``
             (default, KIVI's ``2^bits - 1`` equal steps) or ``"lloyd"``: Lloyd-Max levels for normally distributed
             groups (:func:`hf_kvcache.quant.codebook_levels`), the distribution Hadamard-rotated coordinates take
@@ -501,5 +501,5 @@ _register(
 _register(
     2,
     "QuantizedKVCache bits=2: KIVI 2-bit, Hadamard-rotated, pre-RoPE smoothed keys, 8-bit scales, 4 fp sinks and a "
-    "128-token int8 residual, ~0.14x of bf16 + residual",
+    "128-token fp residual, ~0.14x of bf16 + residual",
 )

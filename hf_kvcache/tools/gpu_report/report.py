@@ -57,11 +57,11 @@ KINDS = {
     "fp8": "fp8",
     "int2 k4": "int2:key_bits=4",  # 4-bit keys beside 2-bit values (int3's bytes), int2's options
     "int2 16-bit scales": "int2:scale_dtype=none",  # int2's scales and zero points in the K/V dtype, not 8-bit
-    "int2 fp residual": "int2:residual_bits=none",  # int2's residual in the K/V dtype, not rotated int8
+    "int2 int8 residual": "int2:residual_bits=8",  # int2's residual in rotated int8, not the K/V dtype
 }
 STORAGE = {"dense": "DenseSegment", "int8": "Int8Segment", "fp8": "Fp8Segment"}
 STORAGE |= dict.fromkeys(
-    ("int4", "int3", "int2", "int4 pre-RoPE", "int2 k4", "int2 16-bit scales", "int2 fp residual"), "KiviSegment"
+    ("int4", "int3", "int2", "int4 pre-RoPE", "int2 k4", "int2 16-bit scales", "int2 int8 residual"), "KiviSegment"
 )
 STORAGE |= {"paged": "PagedSegment", "paged int8": "PagedSegment"}
 Q_LENS = (1, 4, 16)
