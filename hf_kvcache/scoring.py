@@ -10,12 +10,11 @@ last. How long that is depends on the cache's state, and each layer says it
 - ``DynamicCache``, exact pages, a model's own sliding-window layers: any number (a stored token is the token);
 - KIVI codes (``QuantizedKVCache`` at 4, 3, 2 bits) with their exact residual: until the residual would next encode
   a group (``residual_length + group_size`` tokens after the last encode): 64 tokens a forward at SmolLM2's defaults;
-  with an int8 residual (``residual_bits=8``) the same once the cache holds a token, as every forward after the
-  prompt's reads its own tokens int8-rounded (int8's lattice puts some value codes on exact ties, which float
-  rounding decides: a code may land a level away);
 - a sink window: until it would start evicting;
-- int8 codes with no residual, int8 pages, an evicting window, any layer we do not know: one token per forward (the
-  next token reads the previous one rounded or evicted).
+- int8 codes with no residual, an int8 residual, int8 pages, an evicting window, any layer we do not know: one token
+  per forward (the next token reads the previous one rounded or evicted; an int8 residual's forward reads its own
+  tokens rounded too, but int8 codes every token's numbers as they come, and a longer forward's float order moves
+  those on a rounding boundary a step).
 
 The cache's stored state after the longer forward is the one the one-token forwards leave too (the same tokens
 encoded in the same groups). What differs is float rounding: a forward over ``n`` tokens sums in another order than

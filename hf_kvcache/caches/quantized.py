@@ -46,10 +46,11 @@ MAX_SMOOTH = 2.0  # the strength of the smoothed keys' scales: past 1 they over-
 # the K/V dtype's (int4's KL 1.41x).
 # residual_bits = "auto" (docs/results/eval-residual.json, eval-ruler-residual.json; benchmarks/window_kl.py): full
 # precision at every width for now. At 2 bits a rotated int8 residual measured nearly free (KL from DynamicCache over
-# six windows 1.004x, perplexity +0.97% against +0.78%, copies, passkeys and RULER at 1k unchanged) for 0.85x of int2's
-# bytes at 2k tokens, but its tokens reach the 2-bit codes on int8's lattice, where a value group's codes sit on exact
-# ties: float rounding (another forward size, the CPU kernel) then moves a code a level (1e-3 in a tiny model's
-# log-probabilities), which a default must not. At 3 bits it costs KL 1.075x.
+# six windows 1.004x, perplexity +0.90% against +0.78%, copies, passkeys and RULER at 1k unchanged) for 0.85x of int2's
+# bytes at 2k tokens, but int8 codes every token's numbers as they come, and its tokens reach the 2-bit codes on int8's
+# lattice, where value codes sit on exact ties: float rounding (another forward size, the CPU kernel) moves codes a
+# step (4e-3 in a tiny Llama's logits between the CPU kernel and torch), which a default must not. At 3 bits it costs
+# KL 1.075x.
 _PLAIN = {"rotate": None, "sinks": 0, "pre_rope": False, "smooth": 0.0, "scale_dtype": None, "residual_bits": None}
 _ROTATED = {"rotate": "hadamard", "sinks": 4, "pre_rope": True, "scale_dtype": "e5m3"}
 MEASURED_DEFAULTS = {
@@ -161,9 +162,9 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             about 30% of what the cache stores) or ``"auto"`` (default: the measured default per width,
             :data:`MEASURED_DEFAULTS`; ``None`` at every width for now). The prompt's forward attends to its own
             tokens exactly (its logits are ``DynamicCache``'s); every later forward reads its new tokens
-            int8-rounded, as the residual holds them and the next forwards read them, so scoring a text takes many
-            tokens per forward (:mod:`hf_kvcache.scoring`). A token that waited in the residual joins the codes
-            int8-rounded. Read by the int8 kernel under ``hf_kvcache``; counted by ``nbytes`` and ``plan``.
+            int8-rounded, as the residual holds them and the next forwards read them. A token that waited in the
+            residual joins the codes int8-rounded. Read by the int8 kernel under ``hf_kvcache``; counted by
+            ``nbytes`` and ``plan``.
         codebook: 4/3/2 bits only: where each group's codes sit between its minimum and maximum. ``"uniform"``
             (default, KIVI's ``2^bits - 1`` equal steps) or ``"lloyd"``: Lloyd-Max levels for normally distributed
             groups (:func:`hf_kvcache.quant.codebook_levels`), the distribution Hadamard-rotated coordinates take
