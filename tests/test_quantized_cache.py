@@ -1044,6 +1044,24 @@ def test_residual_bits_8_holds_the_residual_in_int8(rotate):
     assert "residual_bits=8" in repr(coded)
 
 
+@pytest.mark.parametrize("rotate", [None, "hadamard"])
+def test_an_int8_residual_encodes_a_decode_steps_tokens_once(rotate, monkeypatch):
+    """A forward whose tokens only join an int8 residual stores them first and reads them back from it (what
+    :func:`test_residual_bits_8_holds_the_residual_in_int8` checks it reads): no second encode just to read them."""
+    config = _config(layers=1)
+    cache = QuantizedKVCache(config, bits=2, residual_bits=8, sinks=0, residual_length=24, group_size=8, rotate=rotate)
+    k, v = _kv(41)
+    _feed(cache, k[:, :, :40], v[:, :, :40], (30,) + (1,) * 10)
+    layer = cache.layers[0]
+
+    def refused(*args):
+        raise AssertionError("a token joining the residual was encoded a second time to be read")
+
+    monkeypatch.setattr(layer.residual_codec, "encode", refused)
+    keys, _ = layer.update(k[:, :, 40:41], v[:, :, 40:41])
+    assert torch.equal(keys[:, :, -1:], _int8_round_trip(k[:, :, 40:41], rotate))
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

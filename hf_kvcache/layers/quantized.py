@@ -149,11 +149,16 @@ class QuantizedLayer(KVLayer):
         n = key_states.shape[-2]
         as_stored = self._reads_as_stored
         handles = self._hands_storage(n, visible)
-        if handles and (self._exact_residual or as_stored) and self._joins_residual(n):
-            # The new tokens only join the residual: stored first and read with it, one segment (one launch) fewer.
+        joins = (self._exact_residual or as_stored) and self._joins_residual(n)
+        if joins and (handles or as_stored):
+            # The new tokens only join the residual: stored first and read with it. For the kernels one segment (one
+            # launch) fewer; an int8 residual's tokens are encoded once, not once to be read and again to be stored.
             self._take_sinks(key_states, value_states)
             self._residual_append(key_states, value_states)
-            keys = values = self._handle(key_states, value_states, visible, joined=True)
+            if handles:
+                keys = values = self._handle(key_states, value_states, visible, joined=True)
+            else:
+                keys, values = self._attended(key_states, value_states, visible, joined=True)
         else:
             read = self._as_stored(key_states, value_states) if as_stored else None
             k_read, v_read = read or (key_states, value_states)
@@ -288,9 +293,13 @@ class QuantizedLayer(KVLayer):
         """How many stored tokens the next forward attends to (all of them on a full-attention layer)."""
         return self.stored_tokens
 
-    def _attended(self, k_new: torch.Tensor, v_new: torch.Tensor, visible: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[last `visible` stored tokens ; new tokens]``, built in the shared workspace."""
-        nq, nr, n = self.store.length, self.residual.length, k_new.shape[-2]
+    def _attended(
+        self, k_new: torch.Tensor, v_new: torch.Tensor, visible: int, joined: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[last `visible` stored tokens ; new tokens]``, built in the shared workspace. ``joined``: the new tokens
+        were just stored at the residual's end, and are read from there (as it holds them)."""
+        joined_n = k_new.shape[-2] if joined else 0
+        nq, nr, n = self.store.length, self.residual.length, k_new.shape[-2] - joined_n
         if nq + nr == 0:
             return k_new, v_new
         # Decode the whole stored sequence (at most unit - 1 tokens more than needed on a sliding layer).
@@ -301,11 +310,12 @@ class QuantizedLayer(KVLayer):
                 unscale_keys(keys[:, :, :nq], self.key_scale)
         if nr:
             self.residual_codec.decode(self.residual.views(), keys[:, :, nq : nq + nr], values[:, :, nq : nq + nr])
-        keys[:, :, nq + nr :].copy_(k_new)
-        values[:, :, nq + nr :].copy_(v_new)
+        if n:
+            keys[:, :, nq + nr :].copy_(k_new)
+            values[:, :, nq + nr :].copy_(v_new)
         if self.sink is not None:  # each row's exact sinks over their codes' copies
-            self.sink.patch(keys, values, self.dropped, self.cumulative_length)
-        skip = nq + nr - visible
+            self.sink.patch(keys, values, self.dropped, self.cumulative_length + joined_n)
+        skip = nq + nr - joined_n - visible
         return keys[:, :, skip:], values[:, :, skip:]
 
     def _joins_residual(self, n: int) -> bool:
