@@ -14,7 +14,7 @@ import torch
 from models import rotary, tiny_model
 
 from hf_kvcache import make_cache
-from hf_kvcache.formats import kivi
+from hf_kvcache.formats import codec_for, kivi
 from hf_kvcache.formats.kivi import KiviCodec
 from hf_kvcache.formats.rotated import RotatedCodec
 from hf_kvcache.kernels import cpu_native
@@ -238,6 +238,38 @@ def test_the_int8_encoder_equals_the_torch_encode_bit_for_bit(kind, group, monke
     assert all(torch.equal(a, b) for a, b in zip(native, reference))
 
 
+@pytest.mark.parametrize("group", [None, 16])
+@pytest.mark.parametrize("width", [64, 16])
+def test_rotated_int8_codes_decode_as_torch_decodes_them(group, width, monkeypatch):
+    """Hadamard-rotated int8 codes (an int8 residual's under the int3 / int2 defaults) decoded and rotated back by the
+    kernel: torch's decode to float32 rounding (the kernel's butterfly against torch's products)."""
+    if group is not None and group > width:
+        pytest.skip("a group wider than the head")
+    codec = codec_for(8, group_size=group, rotate=True)
+    g = torch.Generator().manual_seed(width)
+    k, v = (torch.randn(B, H, T, width, generator=g) * torch.linspace(0.2, 6, width) for _ in "kv")
+    native, reference, served = _decode_both(codec, codec.encode(k, v), width, None, monkeypatch)
+    assert served
+    _assert_equal_to_rounding(native, reference)
+
+
+def test_what_the_int8_decoder_does_not_read_is_refused_untouched():
+    codes = torch.randint(-127, 128, (B, H, T, 24), dtype=torch.int8)
+    scale = torch.rand(B, H, T, 1)
+    out = torch.full((B, H, T, 24), 7.0)
+    assert not cpu_native.decode_int8_rotated(codes, scale, out, 24)  # 24 channels: not a power of two
+    wide = codes.repeat(1, 1, 1, 2)[..., :32], torch.full((B, H, T, 32), 7.0)
+    assert not cpu_native.decode_int8_rotated(wide[0], scale.half(), wide[1], 32)  # 16-bit scales
+    assert not cpu_native.decode_int8_rotated(wide[0], scale, wide[1].half(), 32)
+    assert not cpu_native.decode_int8_rotated(wide[0][:, :, :8], scale, wide[1], 32)  # codes shorter than the output
+    assert not cpu_native.decode_int8_rotated(wide[0], scale, wide[1], 24)  # 32 channels are not groups of 24
+    assert (out == 7).all() and (wide[1] == 7).all()
+    assert not codec_for(8).decode_native({"k": codes, "ks": scale, "v": codes, "vs": scale}, out, out, None, False)
+    assert cpu_native.decode_int8_rotated(
+        wide[0].contiguous(), scale, wide[1], 32
+    )  # the same, contiguous codes: served
+
+
 def test_threads_split_the_tokens_and_agree(monkeypatch):
     codec = RotatedCodec(KiviCodec(3, 8, None))
     g = torch.Generator().manual_seed(1)
@@ -325,12 +357,21 @@ def test_a_bad_switch_is_a_clear_error(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "spec", ["int3:residual_length=4:group_size=8", "int2:residual_length=4:group_size=8", "int4:residual_length=4"]
+    "spec",
+    [
+        "int3:residual_length=4:group_size=8",
+        "int2:residual_length=4:group_size=8",
+        "int4:residual_length=4",
+        # the rotated int8 residual read by the kernel, and decoded by torch as its tokens leave for the codes
+        "int2:residual_length=4:group_size=8:residual_bits=8",
+    ],
 )
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_a_model_scores_the_same_through_either_decode(spec, family, monkeypatch):
     """Teacher-forced logits of a left-padded batch under sdpa with the defaults' layouts (int3 / int2:
-    Hadamard-rotated codes of pre-RoPE keys, 4 sinks), the history decoded by the kernel or in torch at every step."""
+    Hadamard-rotated codes of pre-RoPE keys, 4 sinks), the history decoded by the kernel or in torch at every step.
+    With an int8 residual the codes must not depend on the decoder: decoded by the kernel as tokens leave for the
+    codes, tiny Llama's logits moved 4e-3 (a code on a boundary a level away)."""
     model = tiny_model(family, "sdpa")
     ids = torch.randint(3, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(ids)

@@ -47,7 +47,7 @@ MAX_SMOOTH = 2.0  # the strength of the smoothed keys' scales: past 1 they over-
 # residual_bits = "auto" (docs/results/eval-residual.json, eval-ruler-residual.json; benchmarks/window_kl.py): full
 # precision at every width for now. At 2 bits a rotated int8 residual measured nearly free (KL from DynamicCache over
 # six windows 1.004x, perplexity +0.90% against +0.78%, copies, passkeys and RULER at 1k unchanged) for 0.85x of int2's
-# bytes at 2k tokens, but it decodes slower on the CPU (0.87x-0.94x of int2's tokens/s through SmolLM2),
+# bytes at 2k tokens, but it decodes slower on the CPU (0.90x-0.94x of int2's tokens/s through SmolLM2),
 # and a forward of several tokens is not decoding's (int8 rounds each token's numbers as a longer forward's float
 # order gives them), so the harness scores it one token per forward. At 3 bits it costs KL 1.075x.
 _PLAIN = {"rotate": None, "sinks": 0, "pre_rope": False, "smooth": 0.0, "scale_dtype": None, "residual_bits": None}

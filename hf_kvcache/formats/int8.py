@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import quant
-from ..kernels import torch_decode
+from ..kernels import cpu_native, torch_decode
 from ..kernels.append import append_kv
 from ..kernels.storage import INT8, KernelStorage, LaunchPlan
 from ._base import (
@@ -200,10 +200,25 @@ class Int8Codec:
         groups.copy_(channel_groups(codes, self.group(codes.shape[-1])))
         groups.mul_(scale.unsqueeze(-1))
 
+    def decode_native(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor, rope: KeyTurn | None,
+                      rotate: bool) -> bool:  # fmt: skip
+        """:class:`RotatedCodec`'s decode of these codes by the CPU kernel, rotated back in the same pass
+        (:func:`~hf_kvcache.kernels.cpu_native.decode_int8_rotated`; to float32 rounding). False where it cannot
+        serve (unrotated codes, whose two torch passes are faster; keys to turn; not float32 or not on the CPU):
+        the caller decodes in torch then."""
+        if not rotate or rope is not None or k_out.device.type != "cpu":
+            return False
+        return all(
+            cpu_native.decode_int8_rotated(parts[c], parts[s], out, self.group(out.shape[-1]))
+            for c, s, out in (("k", "ks", k_out), ("v", "vs", v_out))
+        )
+
     def decode(self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor, rope: KeyTurn | None = None) -> None:
         self._decode_one(parts["k"], parts["ks"], k_out)
         self._decode_one(parts["v"], parts["vs"], v_out)
         turn_keys(k_out, rope)
+
+    decode_reference = decode  # torch's decode, the one a layer encodes again from (RotatedCodec.decode_reference)
 
     @staticmethod
     def width(parts: Parts, name: str) -> int:

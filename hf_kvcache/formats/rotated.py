@@ -274,9 +274,17 @@ class RotatedCodec:
         (:func:`rotate_back`). Decoded in float32 where the K/V are float16 (a rotated token may not fit float16);
         rotated back in float32 there and on the CPU (whose 16-bit products run ~20x slower than float32's), else in
         the K/V dtype."""
-        native = getattr(self.inner, "decode_native", None)  # KIVI's CPU kernel undoes the rotation in its pass
+        native = getattr(self.inner, "decode_native", None)  # the CPU kernel undoes the rotation in its pass
         if native is not None and native(parts, k_out, v_out, rope, rotate=True):
             return
+        self.decode_reference(parts, k_out, v_out, rope)
+
+    def decode_reference(
+        self, parts: Parts, k_out: torch.Tensor, v_out: torch.Tensor, rope: KeyTurn | None = None
+    ) -> None:
+        """:meth:`decode` in torch, never by the CPU kernel: what a layer encodes again (an int8 residual's tokens
+        leaving for the codes) must not depend on which decoder ran, and the kernel's butterfly differs from torch's
+        products in the last bit, enough to move a code that sits on a boundary."""
         wide = k_out.dtype == torch.float16
         k_dec = torch.empty(k_out.shape, device=k_out.device) if wide else k_out
         v_dec = torch.empty(v_out.shape, device=v_out.device) if wide else v_out

@@ -1,5 +1,6 @@
 """KIVI codes decoded and encoded on the CPU by a small C kernel (``kivi_cpu.c``), built at first use with the
-machine's compiler; int8 token buffers' codes encoded by it too.
+machine's compiler; int8 token buffers' codes encoded by it too, and Hadamard-rotated int8 codes (an int8
+residual's at the int3 / int2 defaults' rotation) decoded and rotated back in one pass.
 
 Under sdpa (and wherever a quantized layer hands attention dequantized K/V) every forward decodes the whole history
 of every layer. In pure torch that is ~15 passes over it for the int3 / int2 defaults (unpack two bit planes,
@@ -39,6 +40,7 @@ import torch
 __all__ = [
     "BITS",
     "NATIVE_CPU_CHOICES",
+    "decode_int8_rotated",
     "decode_kivi",
     "encode_int8",
     "encode_kivi",
@@ -150,6 +152,8 @@ def _library() -> ctypes.CDLL | None:
     lib.kivi_encode_f32.restype = i32
     lib.int8_encode_f32.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i64]
     lib.int8_encode_f32.restype = i32
+    lib.int8_decode_rotated_f32.argtypes = [p, p, p, p, i64, i64, i64, i64, ctypes.c_float, i64, i64]
+    lib.int8_decode_rotated_f32.restype = None
     return lib
 
 
@@ -241,6 +245,32 @@ def decode_kivi(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, ou
     args = (codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), strides, h, t, width, bits, group,
             int(per_token), gain, int(rotate), angles.data_ptr() if angles is not None else None, first)  # fmt: skip
     _over_rows(lambda r0, r1: lib.kivi_decode_f32(*args, r0, r1), b * h * t, out.numel())
+    return True
+
+
+def decode_int8_rotated(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, group: int) -> bool:
+    """Decode Hadamard-rotated int8 ``codes`` ``(B, H, T, D)`` with float32 ``scale`` ``(B, H, T, D / group)`` into
+    float32 ``out`` of the codes' shape, rotated back: what :class:`~hf_kvcache.formats.RotatedCodec` over
+    :class:`~hf_kvcache.formats.Int8Codec` decodes, to float32 rounding (``D`` a power of two). Any strides with a
+    contiguous last dimension. Returns False, touching nothing, where the kernel cannot serve: the caller decodes in
+    torch then."""
+    if not _switched_on() or out.dim() != 4 or not out.numel() or group < 1:
+        return False
+    if codes.dtype != torch.int8 or scale.dtype != torch.float32 or out.dtype != torch.float32:
+        return False
+    b, h, t, width = out.shape
+    if not width_served(width, rotate=True) or width % group:
+        return False
+    if tuple(codes.shape) != tuple(out.shape) or tuple(scale.shape) != (b, h, t, width // group):
+        return False
+    tensors = (codes, scale, out)
+    if any(x.device.type != "cpu" or x.stride(-1) != 1 for x in tensors):
+        return False
+    lib = _library()
+    if lib is None:
+        return False
+    args = (*(x.data_ptr() for x in tensors), _strides(*tensors), h, t, width, group, 1 / math.sqrt(width))
+    _over_rows(lambda r0, r1: lib.int8_decode_rotated_f32(*args, r0, r1), b * h * t, out.numel())
     return True
 
 

@@ -434,7 +434,7 @@ class QuantizedLayer(KVLayer):
         b, h = self.batch_size, self.spec.num_kv_heads
         k = torch.empty((b, h, n, self.spec.key_dim), dtype=self.dtype, device=self.device)
         v = torch.empty((b, h, n, self.spec.value_dim), dtype=self.dtype, device=self.device)
-        self.residual_codec.decode(front, k, v)
+        self.residual_codec.decode_reference(front, k, v)  # what is encoded again: one decoder on every path
         return k, v
 
     def _residual_append(self, k: torch.Tensor, v: torch.Tensor) -> None:
