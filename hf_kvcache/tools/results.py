@@ -225,6 +225,13 @@ RUNS: dict[str, list[str]] = {
         *"--task ruler --chat-template --ruler-lengths 1024 --ruler-samples 10".split(),
         *["--caches", "dynamic,int2:scale_dtype=none,int2"],
     ],
+    # The same at 2,048 tokens.
+    "eval-ruler-scales-2k": [
+        "eval",
+        *REAL,
+        *"--task ruler --chat-template --ruler-lengths 2048 --ruler-samples 10".split(),
+        *["--caches", "dynamic,int2:scale_dtype=none,int2"],
+    ],
     # The int8 residual against the full-precision one on RULER's suite at 1,024 tokens (eval-ruler-scales' samples).
     "eval-ruler-residual": [
         "eval",
