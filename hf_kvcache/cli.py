@@ -1,6 +1,7 @@
 """``hf-kvcache`` command line: ``list`` the cache kinds, ``demo``, ``eval`` and ``bench`` them, ``plan`` memory.
 
-``calibrate`` measures per-layer key widths for ``key_bits=``.
+``calibrate`` measures per-layer key widths for ``key_bits=``; ``report`` renders a saved eval run again, any of its
+caches the baseline.
 
 Every subcommand defaults to the embedded reference model and runs offline; ``eval`` and ``bench`` need the ``eval``
 extra (``hf_kvcache.eval``). ``eval`` and ``bench`` take flags generated from their config dataclasses. Expected
@@ -115,6 +116,45 @@ def _eval(args) -> int:
     results = run_eval_distributed(config)  # plain run_eval unless started by `accelerate launch`
     if results is None:  # a non-main process of a data-parallel run
         return 0
+    print(format_eval_table(results))
+    if args.output:
+        command = "hf-kvcache " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("hf-kvcache") else None
+        files = write_report(results, args.output, command)
+        print(f"\nwrote {', '.join(files)} to {args.output}")
+    return 0
+
+
+def _add_report_parser(sub) -> None:
+    p = sub.add_parser(
+        "report",
+        help="a saved eval run's tables again, any of its caches the baseline (no model run)",
+        description="Print the tables of a saved eval run again: RESULTS is its results.json, the --output folder "
+        "holding it, or a run saved under docs/results/. --caches chooses which of its caches and in which order, the "
+        "first the baseline: perplexity and copy changes, bytes ratios and retrieval points with their paired "
+        "intervals are recomputed against it from what each cache measured (every cache of a run read the same "
+        "documents). --output writes report.md, results.json and plots for that selection.",
+    )
+    p.add_argument("results", metavar="RESULTS", help="results.json, the folder holding it, or docs/results/NAME.json")
+    p.add_argument(
+        "--caches",
+        default=None,
+        metavar="A,B,...",
+        help="caches of the run, spelled as the run names them, comma-separated; the first is the baseline "
+        "(default: the run's, in its order)",
+    )
+    _output_flag(p, "report.md, results.json and plots of the selection")
+    p.set_defaults(func=_report)
+
+
+def _report(args) -> int:
+    from .eval.report import check_output, format_eval_table, load_results, write_report
+    from .eval.runner import select_caches
+
+    results = load_results(args.results)
+    if args.caches is not None:
+        results = select_caches(results, _split(args.caches))
+    if args.output:
+        check_output(args.output)
     print(format_eval_table(results))
     if args.output:
         command = "hf-kvcache " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("hf-kvcache") else None
@@ -317,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("list", help="list the registered cache kinds and their options").set_defaults(func=_list)
     _add_demo_parser(sub)
     _add_eval_parser(sub)
+    _add_report_parser(sub)
     _add_bench_parser(sub)
     _add_plan_parser(sub)
     _add_calibrate_parser(sub)

@@ -323,3 +323,82 @@ def test_decode_rate_comes_from_the_steps_own_times(monkeypatch):
     assert timing.rates == [3 * 4 / 4.0] * 2  # 3 rows x 4 steps after the first, over 4 s
     assert timing.ttft_s == 1.0 and timing.spread == 0.0
     assert timing.output.shape == (3, 13)
+
+
+def test_a_saved_run_reports_again_against_any_of_its_caches(reference, tmp_path, capsys):
+    """A run's caches chosen afterwards, another one the baseline, give what a run of only those caches gives:
+    every number relative to the baseline (perplexity and copy changes, bytes ratios, retrieval points and their
+    paired intervals) recomputed from what each cache measured, with no model run."""
+    from hf_kvcache.eval import get_task, select_caches
+
+    model, tokenizer = reference
+    config = EvalConfig(task=("perplexity", "repeat", "passkey", "ruler"), caches=("dynamic", "int8", "int2"),
+                        max_tokens=768, context=256, prefill=128, distances=(0,), passage=32, samples=2,
+                        lengths=(256,), depths=(0.5,), ruler_tasks=("niah_single", "vt"), ruler_lengths=(512,),
+                        ruler_samples=2, quiet=True)  # fmt: skip
+    whole = run_eval(config, model, tokenizer)
+    pair = run_eval(config.replace(caches=("int2", "int8")), model, tokenizer)
+    selected = select_caches(whole, ["int2", "int8"])
+    assert [e["cache"] for e in selected["results"]] == ["int2", "int8"] == selected["config"]["caches"]
+    assert "seconds" not in selected  # the run's wall times were over three caches
+    for mine, theirs in zip(selected["results"], pair["results"]):
+        for key in ("perplexity_change", "bytes_ratio", "perplexity"):
+            assert mine["perplexity"][key] == theirs["perplexity"][key]
+        assert mine["repeat"]["second_copy_change"] == theirs["repeat"]["second_copy_change"]
+        assert mine["ruler"]["summary"] == theirs["ruler"]["summary"]
+        assert mine["ruler"]["cells"] == theirs["ruler"]["cells"]
+    for name in ("passkey", "ruler", "repeat"):
+        assert get_task(name).table(selected) == get_task(name).table(pair)
+    assert whole["results"][0]["perplexity"]["perplexity_change"] == 0  # the run itself is left as it was
+    assert [e["cache"] for e in whole["results"]] == ["dynamic", "int8", "int2"]
+
+    saved = tmp_path / "run"
+    saved.mkdir()
+    (saved / "results.json").write_text(json.dumps(whole))
+    out = tmp_path / "again"
+    assert main(["report", str(saved), "--caches", "int2,int8", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert list(table_rows(printed)) == ["cache", "int2", "int8"]  # every table: the baseline first
+    again = json.loads((out / "results.json").read_text())
+    assert [e["cache"] for e in again["results"]] == ["int2", "int8"]
+    assert (out / "report.md").read_text().count("| int8 ") >= 1
+    record = tmp_path / "saved.json"  # a run as scripts/build_results.py saves it
+    record.write_text(json.dumps({"command": "hf-kvcache eval ...", "kind": "eval", "results": whole}))
+    assert main(["report", str(record)]) == 0
+    assert list(table_rows(capsys.readouterr().out)) == ["cache", "dynamic", "int8", "int2"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--caches", "int4"], "--caches 'int4' is not a cache of this run; it has: dynamic, int8"),
+        (["--caches", "int8,int8"], "--caches names 'int8' twice"),
+        (["--caches", ","], "--caches must name at least one cache of the run"),
+    ],
+)
+def test_report_names_what_it_cannot_select(args, message, tmp_path, capsys):
+    results = {"config": {"task": ["perplexity"], "caches": ["dynamic", "int8"]}, "device": "cpu", "versions": {},
+               "results": [{"cache": "dynamic", "perplexity": {}}, {"cache": "int8", "perplexity": {}}]}  # fmt: skip
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    assert main(["report", str(path), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_report_refuses_what_is_not_an_eval_run(tmp_path, capsys):
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"command": "hf-kvcache bench", "kind": "bench", "results": {"rows": []}}))
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    other = tmp_path / "other.json"
+    other.write_text("[1, 2]")
+    for path, message in [
+        (bench, "holds a bench run; only eval runs have these tables"),
+        (broken, "is not JSON"),
+        (other, "is not an eval run's results.json"),
+        (tmp_path / "missing", "cannot be read: No such file or directory"),
+    ]:
+        assert main(["report", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"hf-kvcache: error: results {str(path)!r} {message}" in err, err

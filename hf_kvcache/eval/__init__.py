@@ -9,8 +9,8 @@ from pathlib import Path
 from .bench import BenchConfig, run_bench
 from .config import DEFAULT_CACHES, DEFAULT_TASKS, EvalConfig
 from .data import load_text
-from .report import format_bench_table, format_eval_table, write_bench_report, write_report
-from .runner import load_configured_model, merge_results, run_eval, run_eval_distributed
+from .report import format_bench_table, format_eval_table, load_results, write_bench_report, write_report
+from .runner import load_configured_model, merge_results, run_eval, run_eval_distributed, select_caches
 from .tasks import TASKS, get_task, register_task
 from .tasks.passkey import PasskeyOptions, build_passkey_document
 from .tasks.perplexity import PerplexityOptions, PerplexityResult, window_perplexity, windows
@@ -40,6 +40,7 @@ __all__ = [
     "format_eval_table",
     "get_task",
     "load_configured_model",
+    "load_results",
     "load_text",
     "merge_results",
     "metric_path",
@@ -48,6 +49,7 @@ __all__ = [
     "run_bench",
     "run_eval",
     "run_eval_distributed",
+    "select_caches",
     "stream_perplexity",
     "window_perplexity",
     "windows",

@@ -18,6 +18,7 @@ __all__ = [
     "check_output",
     "format_bench_table",
     "format_eval_table",
+    "load_results",
     "markdown_table",
     "render_saved_run",
     "write_bench_report",
@@ -97,6 +98,28 @@ def write_report(results: dict, output: str | Path, command: str | None = None) 
     write_atomic(out / "report.md", "\n".join(lines) + "\n")
     write_atomic(out / "results.json", json.dumps(results, indent=1) + "\n")
     return ["results.json", "report.md", *plots]
+
+
+def load_results(path: str | Path) -> dict:
+    """The ``results.json`` of an eval run from ``path``: that file, the ``--output`` folder holding it, or a run
+    saved by ``scripts/build_results.py`` (``docs/results/NAME.json``, whose ``results`` it is). ``ValueError``
+    naming ``path`` for anything else."""
+    file = Path(path).expanduser()
+    if file.is_dir():
+        file = file / "results.json"
+    try:
+        record = json.loads(file.read_text())
+    except OSError as err:
+        raise ValueError(f"results {str(path)!r} cannot be read: {err.strerror or type(err).__name__}") from err
+    except json.JSONDecodeError as err:
+        raise ValueError(f"results {str(path)!r} is not JSON ({err.msg}, line {err.lineno})") from err
+    if isinstance(record, dict) and "kind" in record and "results" in record:  # a run saved for the docs
+        if record["kind"] != "eval":
+            raise ValueError(f"results {str(path)!r} holds a {record['kind']} run; only eval runs have these tables")
+        record = record["results"]
+    if not (isinstance(record, dict) and isinstance(record.get("results"), list) and "config" in record):
+        raise ValueError(f"results {str(path)!r} is not an eval run's results.json (hf-kvcache eval --output DIR)")
+    return record
 
 
 def format_bench_table(bench: dict) -> str:

@@ -7,6 +7,7 @@ read from the registry (:mod:`hf_kvcache.eval.tasks`): this module names none.
 
 from __future__ import annotations
 
+import copy
 import math
 import platform
 import time
@@ -203,6 +204,31 @@ def merge_results(parts: list[dict]) -> dict:
         task.finish([entry[name] for entry in merged["results"]])
     merged["processes"] = len(parts)
     return merged
+
+
+def select_caches(results: dict, caches: list[str] | tuple[str, ...]) -> dict:
+    """``results`` of ``run_eval`` with only ``caches``, in that order, the first the baseline: every task's numbers
+    relative to the baseline (perplexity change, bytes ratio, second-copy change, points and their paired intervals)
+    are recomputed against it, from what each cache measured. No model runs: every cache of a run read the same
+    documents, so two caches that are not the run's first compare document by document as the first did.
+
+    ``caches`` names caches of the run as its ``config["caches"]`` spells them, each once; a copy is returned."""
+    run = [entry["cache"] for entry in results["results"]]
+    if not caches:
+        raise ValueError(f"--caches must name at least one cache of the run: {', '.join(run)}")
+    unknown = [spec for spec in caches if spec not in run]
+    if unknown:
+        raise ValueError(f"--caches {unknown[0]!r} is not a cache of this run; it has: {', '.join(run)}")
+    repeated = [spec for i, spec in enumerate(caches) if spec in caches[:i]]
+    if repeated:
+        raise ValueError(f"--caches names {repeated[0]!r} twice; name each cache once")
+    chosen = copy.deepcopy([next(e for e in results["results"] if e["cache"] == spec) for spec in caches])
+    for name in results["config"]["task"]:
+        get_task(name).finish([entry[name] for entry in chosen])
+    selected = results | {"config": results["config"] | {"caches": list(caches)}, "results": chosen}
+    if list(caches) != run:  # the run's wall times are over all its caches, not this selection's
+        selected.pop("seconds", None)
+    return selected
 
 
 def run_eval_distributed(config: EvalConfig) -> dict | None:
