@@ -239,6 +239,51 @@ RUNS: dict[str, list[str]] = {
         *"--task ruler --chat-template --ruler-lengths 1024 --ruler-samples 10".split(),
         *["--caches", "dynamic,int2:residual_bits=none,int2:residual_bits=8"],
     ],
+    # The calibrated widths at 2.25 key bits with the current defaults (8-bit scales), alone and with an int8
+    # residual: the combination `plan` puts under both of issue 36's int2 bytes targets (re-measured: eval-keywidths
+    # and eval-ruler-keywidths ran with 16-bit scales). Reads results/calibrate-int2-2.25 (RUNS order).
+    "eval-keywidths-residual": [
+        "eval",
+        *REAL,
+        *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
+        "--caches",
+        ",".join(
+            [
+                "dynamic",
+                "int2",
+                f"int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2-2.25')}",
+                f"int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2-2.25')}:residual_bits=8",
+            ]
+        ),
+    ],
+    "eval-ruler-keywidths-residual": [
+        "eval",
+        *REAL,
+        *"--task ruler --chat-template --ruler-lengths 1024 --ruler-samples 10".split(),
+        "--caches",
+        ",".join(
+            [
+                "dynamic",
+                "int2",
+                f"int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2-2.25')}",
+                f"int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2-2.25')}:residual_bits=8",
+            ]
+        ),
+    ],
+    # The same at 2,048 tokens, without plain int2 (eval-ruler-scales-2k's int2 row: the same documents).
+    "eval-ruler-keywidths-residual-2k": [
+        "eval",
+        *REAL,
+        *"--task ruler --chat-template --ruler-lengths 2048 --ruler-samples 10".split(),
+        "--caches",
+        ",".join(
+            [
+                "dynamic",
+                f"int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2-2.25')}",
+                f"int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2-2.25')}:residual_bits=8",
+            ]
+        ),
+    ],
     "eval-ruler-smooth": [
         "eval",
         *REAL,
