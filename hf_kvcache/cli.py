@@ -57,6 +57,18 @@ def _output_flag(parser, what: str) -> None:
     parser.add_argument("--output", default=None, metavar="DIR", help=f"directory for {what} (default: none)")
 
 
+def _show_eval(results: dict, output: str | None) -> int:
+    """Print an eval's tables; with ``output``, write its report there, recording the command line that made it."""
+    from .eval.report import format_eval_table, write_report
+
+    print(format_eval_table(results))
+    if output:
+        command = "hf-kvcache " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("hf-kvcache") else None
+        files = write_report(results, output, command)
+        print(f"\nwrote {', '.join(files)} to {output}")
+    return 0
+
+
 def _add_eval_parser(sub) -> None:
     from .eval.flags import add_flags
 
@@ -97,7 +109,7 @@ def _add_eval_parser(sub) -> None:
 def _eval(args) -> int:
     from .eval.config import EvalConfig, ModelOptions, RunOptions
     from .eval.flags import given_fields
-    from .eval.report import check_output, format_eval_table, write_report
+    from .eval.report import check_output
     from .eval.runner import run_eval_distributed
     from .eval.tasks import option_owners
 
@@ -116,12 +128,7 @@ def _eval(args) -> int:
     results = run_eval_distributed(config)  # plain run_eval unless started by `accelerate launch`
     if results is None:  # a non-main process of a data-parallel run
         return 0
-    print(format_eval_table(results))
-    if args.output:
-        command = "hf-kvcache " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("hf-kvcache") else None
-        files = write_report(results, args.output, command)
-        print(f"\nwrote {', '.join(files)} to {args.output}")
-    return 0
+    return _show_eval(results, args.output)
 
 
 def _add_report_parser(sub) -> None:
@@ -147,7 +154,7 @@ def _add_report_parser(sub) -> None:
 
 
 def _report(args) -> int:
-    from .eval.report import check_output, format_eval_table, load_results, write_report
+    from .eval.report import check_output, load_results
     from .eval.runner import select_caches
 
     results = load_results(args.results)
@@ -155,12 +162,7 @@ def _report(args) -> int:
         results = select_caches(results, _split(args.caches))
     if args.output:
         check_output(args.output)
-    print(format_eval_table(results))
-    if args.output:
-        command = "hf-kvcache " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("hf-kvcache") else None
-        files = write_report(results, args.output, command)
-        print(f"\nwrote {', '.join(files)} to {args.output}")
-    return 0
+    return _show_eval(results, args.output)
 
 
 def _add_bench_parser(sub) -> None:

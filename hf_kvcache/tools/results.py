@@ -62,6 +62,7 @@ SMOOTH_CACHES = (
     "int2:key_bits=3:smooth=1"
 )
 KEY_WIDTHS_FILE = "results/{}/key_bits.json"  # where a calibrate run writes its widths (relative to the checkout)
+KEYWIDTHS_225 = f"int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2-2.25')}"
 RUNS: dict[str, list[str]] = {
     "eval-default": [
         "eval",
@@ -246,43 +247,20 @@ RUNS: dict[str, list[str]] = {
         "eval",
         *REAL,
         *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
-        "--caches",
-        ",".join(
-            [
-                "dynamic",
-                "int2",
-                f"int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2-2.25')}",
-                f"int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2-2.25')}:residual_bits=8",
-            ]
-        ),
+        *["--caches", f"dynamic,int2,{KEYWIDTHS_225},{KEYWIDTHS_225}:residual_bits=8"],
     ],
     "eval-ruler-keywidths-residual": [
         "eval",
         *REAL,
         *"--task ruler --chat-template --ruler-lengths 1024 --ruler-samples 10".split(),
-        "--caches",
-        ",".join(
-            [
-                "dynamic",
-                "int2",
-                f"int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2-2.25')}",
-                f"int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2-2.25')}:residual_bits=8",
-            ]
-        ),
+        *["--caches", f"dynamic,int2,{KEYWIDTHS_225},{KEYWIDTHS_225}:residual_bits=8"],
     ],
     # The same at 2,048 tokens, without plain int2 (eval-ruler-scales-2k's int2 row: the same documents).
     "eval-ruler-keywidths-residual-2k": [
         "eval",
         *REAL,
         *"--task ruler --chat-template --ruler-lengths 2048 --ruler-samples 10".split(),
-        "--caches",
-        ",".join(
-            [
-                "dynamic",
-                f"int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2-2.25')}",
-                f"int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2-2.25')}:residual_bits=8",
-            ]
-        ),
+        *["--caches", f"dynamic,{KEYWIDTHS_225},{KEYWIDTHS_225}:residual_bits=8"],
     ],
     "eval-ruler-smooth": [
         "eval",
