@@ -111,6 +111,9 @@ RUNS: dict[str, list[str]] = {
     "calibrate-int2": ["calibrate", *REAL, *"--cache int2 --budget 2.5".split()],
     "calibrate-int2-2.25": ["calibrate", "--reuse", KEY_WIDTHS_FILE.format("calibrate-int2"), "--budget", "2.25"],
     "calibrate-int2-2.1": ["calibrate", "--reuse", KEY_WIDTHS_FILE.format("calibrate-int2"), "--budget", "2.1"],
+    # The search again with today's defaults (8-bit scales) and an int8 residual, at 2.25 key bits: what a user
+    # following the docs' recipe for int2:key_bits=FILE:residual_bits=8 measures.
+    "calibrate-int2-residual": ["calibrate", *REAL, *"--cache int2:residual_bits=8 --budget 2.25".split()],
     "eval-keywidths": [
         "eval",
         *REAL,
@@ -261,6 +264,13 @@ RUNS: dict[str, list[str]] = {
         *REAL,
         *"--task ruler --chat-template --ruler-lengths 2048 --ruler-samples 10".split(),
         *["--caches", f"dynamic,{KEYWIDTHS_225},{KEYWIDTHS_225}:residual_bits=8"],
+    ],
+    # At 4,096 tokens on eval-ruler-4k's documents (5 a cell), int2 again: that run predates its 8-bit scales.
+    "eval-ruler-keywidths-residual-4k": [
+        "eval",
+        *REAL,
+        *"--task ruler --chat-template --ruler-lengths 4096 --ruler-samples 5".split(),
+        *["--caches", f"dynamic,int2,{KEYWIDTHS_225}:residual_bits=8"],
     ],
     "eval-ruler-smooth": [
         "eval",
