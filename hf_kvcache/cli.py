@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 
 import torch
 
@@ -161,6 +162,9 @@ def _report(args) -> int:
     if args.caches is not None:
         results = select_caches(results, _split(args.caches))
     if args.output:
+        source = Path(args.results).expanduser().resolve()
+        if Path(args.output).expanduser().resolve() in (source, source.parent):
+            raise ValueError(f"--output {args.output!r} holds RESULTS, which the report would overwrite; name another")
         check_output(args.output)
     return _show_eval(results, args.output)
 

@@ -362,6 +362,11 @@ def test_a_saved_run_reports_again_against_any_of_its_caches(reference, tmp_path
     again = json.loads((out / "results.json").read_text())
     assert [e["cache"] for e in again["results"]] == ["int2", "int8"]
     assert (out / "report.md").read_text().count("| int8 ") >= 1
+    for where in (saved, out):  # never written over the run it reads
+        assert main(["report", str(where), "--caches", "int8", "--output", str(where)]) == 2
+        assert "holds RESULTS, which the report would overwrite" in capsys.readouterr().err
+    kept = json.loads((saved / "results.json").read_text())["results"]
+    assert [e["cache"] for e in kept] == ["dynamic", "int8", "int2"]
     record = tmp_path / "saved.json"  # a run as scripts/build_results.py saves it
     record.write_text(json.dumps({"command": "hf-kvcache eval ...", "kind": "eval", "results": whole}))
     assert main(["report", str(record)]) == 0
