@@ -137,12 +137,19 @@ def _add_report_parser(sub) -> None:
         "report",
         help="a saved eval run's tables again, any of its caches the baseline (no model run)",
         description="Print the tables of a saved eval run again: RESULTS is its results.json, the --output folder "
-        "holding it, or a run saved under docs/results/. --caches chooses which of its caches and in which order, the "
+        "holding it, or a run saved under docs/results/; several runs of other cells (lengths, depths, RULER tasks) "
+        "pool their retrieval cells into one table. --caches chooses which of its caches and in which order, the "
         "first the baseline: perplexity and copy changes, bytes ratios and retrieval points with their paired "
         "intervals are recomputed against it from what each cache measured (every cache of a run read the same "
         "documents). --output writes report.md, results.json and plots for that selection.",
     )
-    p.add_argument("results", metavar="RESULTS", help="results.json, the folder holding it, or docs/results/NAME.json")
+    p.add_argument(
+        "results",
+        metavar="RESULTS",
+        nargs="+",
+        help="results.json, the folder holding it, or docs/results/NAME.json; several: their retrieval cells pooled "
+        "(runs of other lengths, depths or RULER tasks)",
+    )
     p.add_argument(
         "--caches",
         default=None,
@@ -156,15 +163,18 @@ def _add_report_parser(sub) -> None:
 
 def _report(args) -> int:
     from .eval.report import check_output, load_results
-    from .eval.runner import select_caches
+    from .eval.runner import pool_runs, select_caches
 
-    results = load_results(args.results)
-    if args.caches is not None:
-        results = select_caches(results, _split(args.caches))
+    runs = [load_results(path) for path in args.results]
+    if args.caches is not None:  # each run has them (a cache missing from one is named with that run)
+        runs = [select_caches(run, _split(args.caches)) for run in runs]
+    results = pool_runs(runs)
     if args.output:
-        source = Path(args.results).expanduser().resolve()
-        if Path(args.output).expanduser().resolve() in (source, source.parent):
-            raise ValueError(f"--output {args.output!r} holds RESULTS, which the report would overwrite; name another")
+        target = Path(args.output).expanduser().resolve()
+        for path in args.results:
+            source = Path(path).expanduser().resolve()
+            if target in (source, source.parent):
+                raise ValueError(f"--output {args.output!r} holds {path}, which this report would replace")
         check_output(args.output)
     return _show_eval(results, args.output)
 

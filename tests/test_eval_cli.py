@@ -364,7 +364,7 @@ def test_a_saved_run_reports_again_against_any_of_its_caches(reference, tmp_path
     assert (out / "report.md").read_text().count("| int8 ") >= 1
     for where in (saved, out):  # never written over the run it reads
         assert main(["report", str(where), "--caches", "int8", "--output", str(where)]) == 2
-        assert "holds RESULTS, which the report would overwrite" in capsys.readouterr().err
+        assert f"holds {where}, which this report would replace" in capsys.readouterr().err
     kept = json.loads((saved / "results.json").read_text())["results"]
     assert [e["cache"] for e in kept] == ["dynamic", "int8", "int2"]
     record = tmp_path / "saved.json"  # a run as scripts/build_results.py saves it
@@ -407,3 +407,54 @@ def test_report_refuses_what_is_not_an_eval_run(tmp_path, capsys):
         assert main(["report", str(path)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"hf-kvcache: error: results {str(path)!r} {message}" in err, err
+
+
+def test_runs_of_other_lengths_pool_their_retrieval_cells(reference, tmp_path, capsys):
+    """Runs of one length each read as one: every cell of every run side by side, the averages and the paired
+    intervals over all of them (what a run's own table computes over its cells); refused where a cell could be
+    counted twice or a task cannot pool."""
+    from hf_kvcache.eval import get_task, pool_runs
+    from hf_kvcache.eval.tasks.base import paired_difference
+
+    model, tokenizer = reference
+    config = EvalConfig(task=("passkey", "ruler"), caches=("dynamic", "int2", "int8"), lengths=(256,), depths=(0.5,),
+                        samples=2, ruler_tasks=("niah_single", "vt"), ruler_lengths=(512,), ruler_samples=2,
+                        quiet=True)  # fmt: skip
+    short = run_eval(config, model, tokenizer)
+    long = run_eval(config.replace(caches=("int2", "dynamic"), lengths=(384,), ruler_lengths=(640,)), model, tokenizer)
+    pooled = pool_runs([short, long])
+    assert [e["cache"] for e in pooled["results"]] == ["dynamic", "int2"]  # the caches both runs have
+    assert pooled["runs"] == [short["config"], long["config"]] and "seconds" not in pooled
+    for mine, a, b in zip(pooled["results"], short["results"], [long["results"][1], long["results"][0]]):
+        assert mine["ruler"]["cells"] == a["ruler"]["cells"] + b["ruler"]["cells"]
+        assert mine["passkey"]["cells"] == a["passkey"]["cells"] + b["passkey"]["cells"]
+        scores = [c["score"] for c in mine["ruler"]["cells"]]
+        assert mine["ruler"]["summary"]["score"] == pytest.approx(sum(scores) / 4)
+        found = sum(c["correct"] for c in mine["passkey"]["cells"])
+        assert mine["passkey"]["summary"]["accuracy"] == found / 4
+    base, int2 = (e["ruler"]["cells"] for e in pooled["results"])
+    difference, low, high = paired_difference(int2, base)
+    assert f"{difference:+.1f} [{low:+.1f}, {high:+.1f}]" in table_rows(get_task("ruler").table(pooled))["int2"]
+    assert pooled["results"][1]["ruler"]["summary"]["points_vs_first"] == pytest.approx(
+        100 * (pooled["results"][1]["ruler"]["summary"]["score"] - pooled["results"][0]["ruler"]["summary"]["score"])
+    )
+
+    paths = []
+    for name, run in (("short", short), ("long", long)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(run))
+        paths.append(str(tmp_path / name))
+    assert main(["report", *paths, "--caches", "int2,dynamic"]) == 0
+    printed = capsys.readouterr().out
+    assert list(table_rows(printed)) == ["cache", "int2", "dynamic"]
+    assert "niah_single 512" in printed and "niah_single 640" in printed
+    assert main(["report", *paths, "--caches", "int8"]) == 2  # the long run has no int8
+    assert "--caches 'int8' is not a cache of this run; it has: int2, dynamic" in capsys.readouterr().err
+    assert main(["report", paths[0], paths[0]]) == 2  # the same documents twice
+    assert "two runs hold the passkey cell 256 0.5: their documents may be the same ones" in capsys.readouterr().err
+    ppl = run_eval(EvalConfig(task=("perplexity",), caches=("dynamic",), max_tokens=300, context=256, prefill=128,
+                              quiet=True), model, tokenizer)  # fmt: skip
+    with pytest.raises(ValueError, match="runs of other tasks cannot pool: passkey, ruler and perplexity"):
+        pool_runs([short, ppl])
+    with pytest.raises(ValueError, match="the perplexity task's results cannot be pooled across runs"):
+        pool_runs([ppl, ppl])

@@ -10,7 +10,7 @@ from .bench import BenchConfig, run_bench
 from .config import DEFAULT_CACHES, DEFAULT_TASKS, EvalConfig
 from .data import load_text
 from .report import format_bench_table, format_eval_table, load_results, write_bench_report, write_report
-from .runner import load_configured_model, merge_results, run_eval, run_eval_distributed, select_caches
+from .runner import load_configured_model, merge_results, pool_runs, run_eval, run_eval_distributed, select_caches
 from .tasks import TASKS, get_task, register_task
 from .tasks.passkey import PasskeyOptions, build_passkey_document
 from .tasks.perplexity import PerplexityOptions, PerplexityResult, window_perplexity, windows
@@ -44,6 +44,7 @@ __all__ = [
     "load_text",
     "merge_results",
     "metric_path",
+    "pool_runs",
     "register_task",
     "repeat_nll",
     "run_bench",

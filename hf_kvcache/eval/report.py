@@ -75,8 +75,12 @@ def _setup_line(results: dict) -> str:
 
     cfg = results["config"]
     parts = [f"Device {results['device']}, dtype {cfg['dtype']}."]
-    config = EvalConfig.from_dict(cfg)
-    parts += [line for task in _tasks(results) if (line := task.describe(config))]
+    runs = results.get("runs") or [cfg]  # a pooled report: each run's documents
+    if len(runs) > 1:
+        parts.append(f"Pooled from {len(runs)} runs:")
+    for run in runs:
+        config = EvalConfig.from_dict(run)
+        parts += [line for task in _tasks(results) if (line := task.describe(config))]
     parts.append(
         "Peak memory is CUDA's max_memory_allocated; on CPU it is not measured (n/a). Versions: "
         + ", ".join(f"{k} {v}" for k, v in results["versions"].items())

@@ -213,7 +213,7 @@ def select_caches(results: dict, caches: list[str] | tuple[str, ...]) -> dict:
     documents, so two caches that are not the run's first compare document by document as the first did.
 
     ``caches`` names caches of the run as its ``config["caches"]`` spells them, each once; a copy is returned."""
-    run = [entry["cache"] for entry in results["results"]]
+    run = _caches(results)
     if not caches:
         raise ValueError(f"--caches must name at least one cache of the run: {', '.join(run)}")
     unknown = [spec for spec in caches if spec not in run]
@@ -229,6 +229,40 @@ def select_caches(results: dict, caches: list[str] | tuple[str, ...]) -> dict:
     if list(caches) != run:  # the run's wall times are over all its caches, not this selection's
         selected.pop("seconds", None)
     return selected
+
+
+def pool_runs(runs: list[dict]) -> dict:
+    """Several ``run_eval`` results over other documents as one: each cache's retrieval cells (``ruler``,
+    ``passkey``) from every run side by side, averages and paired intervals over all of them, so a comparison made in
+    runs of one length each reads over every length. Every run must have the same tasks, each a task that pools
+    (:meth:`Task.pool`), and no cell twice (two runs of a cell may hold the same documents). The caches are those
+    every run has, in the first run's order; ``results["runs"]`` keeps each run's config."""
+    if len(runs) < 2:
+        return runs[0]
+    tasks = runs[0]["config"]["task"]
+    for run in runs[1:]:
+        if run["config"]["task"] != tasks:
+            other = ", ".join(run["config"]["task"])
+            raise ValueError(f"runs of other tasks cannot pool: {', '.join(tasks)} and {other}")
+    caches = [e["cache"] for e in runs[0]["results"] if all(e["cache"] in _caches(run) for run in runs[1:])]
+    if not caches:
+        raise ValueError("the runs have no cache in common to pool")
+    entries = []
+    for spec in caches:
+        parts = [next(e for e in run["results"] if e["cache"] == spec) for run in runs]
+        entries.append({"cache": spec} | {name: get_task(name).pool([p[name] for p in parts]) for name in tasks})
+    for name in tasks:
+        get_task(name).finish([entry[name] for entry in entries])
+    pooled = {k: v for k, v in runs[0].items() if k != "seconds"}
+    return pooled | {
+        "config": runs[0]["config"] | {"caches": caches},
+        "runs": [run["config"] for run in runs],
+        "results": entries,
+    }
+
+
+def _caches(results: dict) -> list[str]:
+    return [entry["cache"] for entry in results["results"]]
 
 
 def run_eval_distributed(config: EvalConfig) -> dict | None:

@@ -41,6 +41,7 @@ __all__ = [
     "option_fields",
     "option_owners",
     "paired_difference",
+    "pool_cells",
     "register_task",
     "wilson",
 ]
@@ -107,6 +108,11 @@ class Task:
     def merge(self, parts: list[dict]) -> dict:
         """One cache's result from the results of disjoint shards (``shardable`` tasks only)."""
         raise NotImplementedError(f"task {self.name!r} is not shardable")
+
+    def pool(self, parts: list[dict]) -> dict:
+        """One cache's result from runs over other documents (``hf-kvcache report`` of several runs): tasks whose
+        results are cells of documents pool them; the others cannot."""
+        raise ValueError(f"the {self.name} task's results cannot be pooled across runs; report its runs one at a time")
 
     def finish(self, entries: list[dict]) -> None:
         """Add numbers relative to the first cache (the baseline) to every cache's result, in place."""
@@ -266,6 +272,22 @@ def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
     centre = (rate + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(rate * (1 - rate) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def pool_cells(name: str, parts: list[dict], key) -> list[dict]:
+    """The cells of ``parts`` (one cache's results of a cell task from several runs) in one list; ``ValueError``
+    where two runs hold the same cell (``key(cell)``): their documents can be the same ones, counted twice."""
+    cells, seen = [], set()
+    for part in parts:
+        for cell in part["cells"]:
+            if key(cell) in seen:
+                raise ValueError(
+                    f"two runs hold the {name} cell {' '.join(map(str, key(cell)))}: their documents may be the same "
+                    "ones; pool runs of other cells (lengths, tasks, depths)"
+                )
+            seen.add(key(cell))
+            cells.append(cell)
+    return cells
 
 
 def paired_difference(cells: list[dict], base_cells: list[dict], z: float = 1.96) -> tuple[float, float, float]:

@@ -22,7 +22,16 @@ import torch
 
 from ..._compat import with_cache
 from ..._validate import check_int
-from .base import DocumentTask, EvalData, cache_for, check_lengths_fit, paired_difference, register_task, wilson
+from .base import (
+    DocumentTask,
+    EvalData,
+    cache_for,
+    check_lengths_fit,
+    paired_difference,
+    pool_cells,
+    register_task,
+    wilson,
+)
 
 __all__ = ["PasskeyOptions", "build_passkey_document"]
 
@@ -224,6 +233,11 @@ class PasskeyTask(DocumentTask):
             out.append({"task": self.name, "cells": mine, "summary": {"accuracy": accuracy}})
         return out
 
+    def pool(self, parts: list[dict]) -> dict:
+        cells = pool_cells(self.name, parts, lambda c: (c["length"], c["depth"]))
+        accuracy = sum(c["correct"] for c in cells) / sum(c["samples"] for c in cells)
+        return {"task": self.name, "cells": cells, "summary": {"accuracy": accuracy}}
+
     def table(self, results: dict) -> str:
         from ..tables import markdown_table
 
@@ -246,7 +260,8 @@ class PasskeyTask(DocumentTask):
                 difference, low, high = paired_difference(entry[self.name]["cells"], cells)
                 versus = ["" if entry is entries[0] else f"{difference:+.0f} [{low:+.0f}, {high:+.0f}]"]
             rows.append([entry["cache"], _rate(found, total), *versus, *(_rate(ok, n) for ok, n in by_length.values())])
-        per_length = sum(c["samples"] for c in cells if c["length"] == lengths[0])
+        counts = sorted({sum(c["samples"] for c in cells if c["length"] == n) for n in lengths})
+        per_length = "-".join(map(str, counts[:: max(len(counts) - 1, 1)]))  # "4", or "4-8" pooled
         note = f"\n\n{per_length} documents per length; brackets: the 95% interval (Wilson's)."
         if paired:
             note += (

@@ -37,7 +37,16 @@ from dataclasses import dataclass, field
 import torch
 
 from ..._validate import check_int
-from .base import DocumentTask, EvalData, cache_for, check_lengths_fit, paired_difference, register_task, wilson
+from .base import (
+    DocumentTask,
+    EvalData,
+    cache_for,
+    check_lengths_fit,
+    paired_difference,
+    pool_cells,
+    register_task,
+    wilson,
+)
 from .passkey import _encode, chat_parts, passkey_answer
 
 __all__ = ["RULER_TASKS", "RulerDocument", "RulerOptions", "build_ruler_document", "string_match_all"]
@@ -422,6 +431,10 @@ class RulerTask(DocumentTask):
             out.append({"task": self.name, "cells": cells, "summary": {"score": score}})
         return out
 
+    def pool(self, parts: list[dict]) -> dict:
+        cells = pool_cells(self.name, parts, lambda c: (c["task"], c["length"]))
+        return {"task": self.name, "cells": cells, "summary": {"score": sum(c["score"] for c in cells) / len(cells)}}
+
     def finish(self, entries: list[dict]) -> None:
         """Points against the first cache (the baseline), per cell and overall."""
         base = entries[0]
@@ -445,7 +458,8 @@ class RulerTask(DocumentTask):
                 [entry["cache"], f"{100 * mine['summary']['score']:.1f}", versus]
                 + [f"{100 * c['score']:.0f} [{100 * c['low']:.0f}-{100 * c['high']:.0f}]" for c in mine["cells"]]
             )  # fmt: skip
-        n = cells[0]["samples"] if cells else 0
+        counts = sorted({c["samples"] for c in cells})
+        n = "-".join(map(str, counts[:: max(len(counts) - 1, 1)])) if counts else "0"  # "10", or "5-10" pooled
         note = (
             f"\n\n{n} documents per cell; brackets: the cell's 95% interval. vs first: points of the average against "
             "the first cache (the baseline) over the same documents, with the 95% interval of the per-document "
