@@ -162,7 +162,7 @@ def _add_report_parser(sub) -> None:
 
 
 def _report(args) -> int:
-    from .eval.report import check_output, load_results
+    from .eval.report import check_output, load_results, results_file
     from .eval.runner import pool_runs, select_caches
 
     runs = [load_results(path) for path in args.results]
@@ -170,10 +170,9 @@ def _report(args) -> int:
         runs = [select_caches(run, _split(args.caches)) for run in runs]
     results = pool_runs(runs)
     if args.output:
-        target = Path(args.output).expanduser().resolve()
+        written = Path(args.output).expanduser().resolve() / "results.json"
         for path in args.results:
-            source = Path(path).expanduser().resolve()
-            if target in (source, source.parent):
+            if results_file(path).resolve() == written:
                 raise ValueError(f"--output {args.output!r} holds {path}, which this report would replace")
         check_output(args.output)
     return _show_eval(results, args.output)

@@ -365,6 +365,9 @@ def test_a_saved_run_reports_again_against_any_of_its_caches(reference, tmp_path
     for where in (saved, out):  # never written over the run it reads
         assert main(["report", str(where), "--caches", "int8", "--output", str(where)]) == 2
         assert f"holds {where}, which this report would replace" in capsys.readouterr().err
+    assert main(["report", str(saved), "--caches", "int8", "--output", str(tmp_path)]) == 0  # beside the run: allowed
+    assert json.loads((tmp_path / "results.json").read_text())["config"]["caches"] == ["int8"]
+    capsys.readouterr()
     kept = json.loads((saved / "results.json").read_text())["results"]
     assert [e["cache"] for e in kept] == ["dynamic", "int8", "int2"]
     record = tmp_path / "saved.json"  # a run as scripts/build_results.py saves it

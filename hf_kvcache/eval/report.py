@@ -104,13 +104,17 @@ def write_report(results: dict, output: str | Path, command: str | None = None) 
     return ["results.json", "report.md", *plots]
 
 
+def results_file(path: str | Path) -> Path:
+    """The file :func:`load_results` reads for ``path``: ``path``, or the ``results.json`` of the folder it names."""
+    file = Path(path).expanduser()
+    return file / "results.json" if file.is_dir() else file
+
+
 def load_results(path: str | Path) -> dict:
     """The ``results.json`` of an eval run from ``path``: that file, the ``--output`` folder holding it, or a run
     saved by ``scripts/build_results.py`` (``docs/results/NAME.json``, whose ``results`` it is). ``ValueError``
     naming ``path`` for anything else."""
-    file = Path(path).expanduser()
-    if file.is_dir():
-        file = file / "results.json"
+    file = results_file(path)
     try:
         record = json.loads(file.read_text())
     except OSError as err:
