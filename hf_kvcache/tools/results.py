@@ -135,7 +135,7 @@ RUNS: dict[str, list[str]] = {
         *REAL,
         *"--task ruler --chat-template --ruler-lengths 1024,2048 --ruler-samples 10".split(),
         *RULER_SIX,
-        *["--caches", f"dynamic,int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2-2.25')}"],
+        *["--caches", f"dynamic,{KEYWIDTHS_225}"],
     ],
     # RULER at twice the longest length above (4,096 tokens), every default width; 5 documents a cell (35 a cache).
     "eval-ruler-4k": [

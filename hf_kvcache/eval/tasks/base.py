@@ -35,6 +35,7 @@ __all__ = [
     "Task",
     "cache_for",
     "check_lengths_fit",
+    "count_range",
     "describe_forwards",
     "get_task",
     "model_context",
@@ -288,6 +289,12 @@ def pool_cells(name: str, parts: list[dict], key) -> list[dict]:
             seen.add(key(cell))
             cells.append(cell)
     return cells
+
+
+def count_range(counts) -> str:
+    """Documents per cell (or length) as a table's note says it: ``"10"``, or ``"5-10"`` where pooled runs differ."""
+    values = sorted(set(counts))
+    return "-".join(map(str, dict.fromkeys([values[0], values[-1]]))) if values else "0"
 
 
 def paired_difference(cells: list[dict], base_cells: list[dict], z: float = 1.96) -> tuple[float, float, float]:

@@ -27,6 +27,7 @@ from .base import (
     EvalData,
     cache_for,
     check_lengths_fit,
+    count_range,
     paired_difference,
     pool_cells,
     register_task,
@@ -260,8 +261,7 @@ class PasskeyTask(DocumentTask):
                 difference, low, high = paired_difference(entry[self.name]["cells"], cells)
                 versus = ["" if entry is entries[0] else f"{difference:+.0f} [{low:+.0f}, {high:+.0f}]"]
             rows.append([entry["cache"], _rate(found, total), *versus, *(_rate(ok, n) for ok, n in by_length.values())])
-        counts = sorted({sum(c["samples"] for c in cells if c["length"] == n) for n in lengths})
-        per_length = "-".join(map(str, counts[:: max(len(counts) - 1, 1)]))  # "4", or "4-8" pooled
+        per_length = count_range(sum(c["samples"] for c in cells if c["length"] == n) for n in lengths)
         note = f"\n\n{per_length} documents per length; brackets: the 95% interval (Wilson's)."
         if paired:
             note += (

@@ -42,6 +42,7 @@ from .base import (
     EvalData,
     cache_for,
     check_lengths_fit,
+    count_range,
     paired_difference,
     pool_cells,
     register_task,
@@ -458,8 +459,7 @@ class RulerTask(DocumentTask):
                 [entry["cache"], f"{100 * mine['summary']['score']:.1f}", versus]
                 + [f"{100 * c['score']:.0f} [{100 * c['low']:.0f}-{100 * c['high']:.0f}]" for c in mine["cells"]]
             )  # fmt: skip
-        counts = sorted({c["samples"] for c in cells})
-        n = "-".join(map(str, counts[:: max(len(counts) - 1, 1)])) if counts else "0"  # "10", or "5-10" pooled
+        n = count_range(c["samples"] for c in cells)
         note = (
             f"\n\n{n} documents per cell; brackets: the cell's 95% interval. vs first: points of the average against "
             "the first cache (the baseline) over the same documents, with the 95% interval of the per-document "
