@@ -137,8 +137,10 @@ def _add_report_parser(sub) -> None:
         "report",
         help="a saved eval run's tables again, any of its caches the baseline (no model run)",
         description="Print the tables of a saved eval run again: RESULTS is its results.json, the --output folder "
-        "holding it, or a run saved under docs/results/; several runs of other cells (lengths, depths, RULER tasks) "
-        "pool their retrieval cells into one table. --caches chooses which of its caches and in which order, the "
+        "holding it, or a run saved under docs/results/. Several runs of the same documents (the same settings "
+        "but their caches) join: every run's caches side by side, a cache two runs hold checked to agree. Several "
+        "runs of other documents (other lengths, depths, RULER tasks or --seed values) pool their retrieval cells "
+        "into one table. --caches chooses which of its caches and in which order, the "
         "first the baseline: perplexity and copy changes, bytes ratios and retrieval points with their paired "
         "intervals are recomputed against it from what each cache measured (every cache of a run read the same "
         "documents). --output writes report.md, results.json and plots for that selection.",
@@ -147,8 +149,8 @@ def _add_report_parser(sub) -> None:
         "results",
         metavar="RESULTS",
         nargs="+",
-        help="results.json, the folder holding it, or docs/results/NAME.json; several: their retrieval cells pooled "
-        "(runs of other lengths, depths or RULER tasks)",
+        help="results.json, the folder holding it, or docs/results/NAME.json; several: joined (the same documents) "
+        "or their retrieval cells pooled (other lengths, depths, RULER tasks or seeds)",
     )
     p.add_argument(
         "--caches",
@@ -163,12 +165,10 @@ def _add_report_parser(sub) -> None:
 
 def _report(args) -> int:
     from .eval.report import check_output, load_results, results_file
-    from .eval.runner import pool_runs, select_caches
+    from .eval.runner import combine_runs
 
     runs = [load_results(path) for path in args.results]
-    if args.caches is not None:  # each run has them (a cache missing from one is named with that run)
-        runs = [select_caches(run, _split(args.caches)) for run in runs]
-    results = pool_runs(runs)
+    results = combine_runs(runs, None if args.caches is None else _split(args.caches))
     if args.output:
         written = Path(args.output).expanduser().resolve() / "results.json"
         for path in args.results:

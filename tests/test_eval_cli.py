@@ -453,11 +453,90 @@ def test_runs_of_other_lengths_pool_their_retrieval_cells(reference, tmp_path, c
     assert "niah_single 512" in printed and "niah_single 640" in printed
     assert main(["report", *paths, "--caches", "int8"]) == 2  # the long run has no int8
     assert "--caches 'int8' is not a cache of this run; it has: int2, dynamic" in capsys.readouterr().err
-    assert main(["report", paths[0], paths[0]]) == 2  # the same documents twice
-    assert "two runs hold the passkey cell 256 0.5: their documents may be the same ones" in capsys.readouterr().err
+    other = json.loads(json.dumps(short))  # the same documents, read otherwise: pooled, they would count twice
+    other["config"]["separate_prefill"] = True
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert main(["report", paths[0], str(tmp_path / "other.json")]) == 2
+    assert "two runs hold the passkey cell 256 0.5 over the same documents" in capsys.readouterr().err
     ppl = run_eval(EvalConfig(task=("perplexity",), caches=("dynamic",), max_tokens=300, context=256, prefill=128,
                               quiet=True), model, tokenizer)  # fmt: skip
     with pytest.raises(ValueError, match="runs of other tasks cannot pool: passkey, ruler and perplexity"):
         pool_runs([short, ppl])
     with pytest.raises(ValueError, match="the perplexity task's results cannot be pooled across runs"):
         pool_runs([ppl, ppl])
+
+
+def test_runs_of_other_seeds_pool_as_one_run_of_their_documents(reference):
+    """A cell two runs of other --seed values hold becomes one cell over both runs' documents: seeds 0 and 2 with two
+    documents a cell are one run of seed 0 with four (RULER's documents are the same ones; a passkey run's filler
+    span grows with its documents, so there the documents pool without being that run's)."""
+    from hf_kvcache.eval import pool_runs
+
+    model, tokenizer = reference
+    config = EvalConfig(task=("passkey", "ruler"), caches=("dynamic", "int2"), lengths=(256,), depths=(0.5,),
+                        samples=2, ruler_tasks=("niah_single", "fwe"), ruler_lengths=(384,), ruler_samples=2,
+                        quiet=True)  # fmt: skip
+    first = run_eval(config, model, tokenizer)
+    second = run_eval(config.replace(seed=2), model, tokenizer)
+    whole = run_eval(config.replace(ruler_samples=4, task=("ruler",)), model, tokenizer)
+    pooled = pool_runs([first, second])
+    for mine, a, b, one in zip(pooled["results"], first["results"], second["results"], whole["results"]):
+        assert mine["ruler"]["cells"] == one["ruler"]["cells"]
+        assert mine["ruler"]["summary"] == one["ruler"]["summary"]
+        (cell,) = mine["passkey"]["cells"]
+        assert (
+            cell["samples"] == 4
+            and cell["scores"] == a["passkey"]["cells"][0]["scores"] + b["passkey"]["cells"][0]["scores"]
+        )
+        assert mine["passkey"]["summary"]["accuracy"] == sum(cell["scores"]) / 4
+    with pytest.raises(ValueError, match="two runs hold the passkey cell 256 0.5 over the same documents"):
+        pool_runs([first, second | {"config": second["config"] | {"seed": 1}}])  # seeds 1-2 meet 0-1
+    with pytest.raises(ValueError, match="runs of another dtype cannot pool: 'float32' and 'bfloat16'"):
+        pool_runs([first, second | {"config": second["config"] | {"dtype": "bfloat16"}}])
+
+
+def test_runs_of_the_same_documents_join_as_one_run(reference, tmp_path, capsys):
+    """A cache run later on another run's documents reads as one of that run's caches: two runs of the same settings
+    joined equal one run of all their caches, on every task and every number relative to the baseline; a cache both
+    runs hold must have measured the same in each (else the documents or the code were not the same)."""
+    from hf_kvcache.eval import combine_runs, get_task, join_runs, select_caches
+
+    model, tokenizer = reference
+    config = EvalConfig(task=("perplexity", "passkey", "ruler"), caches=("dynamic", "int8"), max_tokens=768,
+                        context=256, prefill=128, samples=2, lengths=(256,), depths=(0.5,), ruler_tasks=("fwe",),
+                        ruler_lengths=(384,), ruler_samples=2, quiet=True)  # fmt: skip
+    earlier = run_eval(config, model, tokenizer)
+    later = run_eval(config.replace(caches=("dynamic", "int2"), threads=1), model, tokenizer)
+    whole = run_eval(config.replace(caches=("dynamic", "int8", "int2")), model, tokenizer)
+    joined = join_runs([earlier, later])
+    assert [e["cache"] for e in joined["results"]] == ["dynamic", "int8", "int2"] == joined["config"]["caches"]
+    assert joined["joined"] == [["dynamic", "int8"], ["dynamic", "int2"]] and "seconds" not in joined
+    for mine, theirs in zip(joined["results"], whole["results"]):
+        for key in ("perplexity_change", "bytes_ratio"):
+            assert mine["perplexity"][key] == pytest.approx(theirs["perplexity"][key], rel=1e-6)
+        assert mine["ruler"]["cells"] == theirs["ruler"]["cells"]
+        assert mine["passkey"]["cells"] == theirs["passkey"]["cells"]
+    for name in ("passkey", "ruler"):
+        assert get_task(name).table(joined) == get_task(name).table(whole)
+    assert combine_runs([earlier, later], ["int2", "int8"]) == select_caches(joined, ["int2", "int8"])
+
+    moved = json.loads(json.dumps(later))  # dynamic found a passkey in one run and not the other
+    cell = moved["results"][0]["passkey"]["cells"][0]
+    cell["scores"][0] = 1.0 - cell["scores"][0]
+    with pytest.raises(
+        ValueError, match="run 2 holds 'dynamic' as an earlier run does, but its passkey numbers differ"
+    ):
+        join_runs([earlier, moved])
+    with pytest.raises(ValueError, match="run 1 is a report of several runs"):
+        combine_runs([joined, later])
+
+    paths = []
+    for name, run in (("earlier", earlier), ("later", later)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(run))
+        paths.append(str(tmp_path / name))
+    out = tmp_path / "joined"
+    assert main(["report", *paths, "--caches", "int8,int2", "--output", str(out)]) == 0
+    assert list(table_rows(capsys.readouterr().out)) == ["cache", "int8", "int2"]
+    report = (out / "report.md").read_text()
+    assert "Joined from 2 runs of the same documents (their caches: dynamic, int8; dynamic, int2)." in report

@@ -10,7 +10,17 @@ from .bench import BenchConfig, run_bench
 from .config import DEFAULT_CACHES, DEFAULT_TASKS, EvalConfig
 from .data import load_text
 from .report import format_bench_table, format_eval_table, load_results, write_bench_report, write_report
-from .runner import load_configured_model, merge_results, pool_runs, run_eval, run_eval_distributed, select_caches
+from .runner import (
+    combine_runs,
+    join_runs,
+    load_configured_model,
+    merge_results,
+    pool_runs,
+    run_eval,
+    run_eval_distributed,
+    same_documents,
+    select_caches,
+)
 from .tasks import TASKS, get_task, register_task
 from .tasks.passkey import PasskeyOptions, build_passkey_document
 from .tasks.perplexity import PerplexityOptions, PerplexityResult, window_perplexity, windows
@@ -36,9 +46,11 @@ __all__ = [
     "StreamOptions",
     "StreamResult",
     "build_passkey_document",
+    "combine_runs",
     "format_bench_table",
     "format_eval_table",
     "get_task",
+    "join_runs",
     "load_configured_model",
     "load_results",
     "load_text",
@@ -50,6 +62,7 @@ __all__ = [
     "run_bench",
     "run_eval",
     "run_eval_distributed",
+    "same_documents",
     "select_caches",
     "stream_perplexity",
     "window_perplexity",

@@ -78,6 +78,9 @@ def _setup_line(results: dict) -> str:
     runs = results.get("runs") or [cfg]  # a pooled report: each run's documents
     if len(runs) > 1:
         parts.append(f"Pooled from {len(runs)} runs:")
+    if results.get("joined"):  # a joined report: one set of documents, each run's caches
+        each = "; ".join(", ".join(caches) for caches in results["joined"])
+        parts.append(f"Joined from {len(results['joined'])} runs of the same documents (their caches: {each}).")
     for run in runs:
         config = EvalConfig.from_dict(run)
         parts += [line for task in _tasks(results) if (line := task.describe(config))]

@@ -23,10 +23,15 @@ __all__ = [
     "DEFAULT_CACHES",
     "DEFAULT_TASKS",
     "EvalConfig",
+    "combine_runs",
+    "join_runs",
     "load_configured_model",
     "merge_results",
+    "pool_runs",
     "run_eval",
     "run_eval_distributed",
+    "same_documents",
+    "select_caches",
     "tokenize",
 ]
 
@@ -231,12 +236,81 @@ def select_caches(results: dict, caches: list[str] | tuple[str, ...]) -> dict:
     return selected
 
 
+# Settings that change no number a run measures: runs that differ in nothing else read the same documents.
+_UNMEASURED = ("caches", "quiet", "threads")
+# What pooled runs must share for their documents to count as one sample: the model, its precision, the text and
+# the prompt's form.
+_POOLED_ALIKE = ("model", "dtype", "dataset", "chat_template")
+
+
+def same_documents(runs: list[dict]) -> bool:
+    """Whether the ``run_eval`` results ``runs`` read the same documents: their configs are the same but for their
+    caches and the settings that change no number (threads, progress bars)."""
+
+    def documents(run: dict) -> dict:  # tuples of a run made here are the lists of a run read from its JSON
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in run["config"].items() if k not in _UNMEASURED}
+
+    return all(documents(run) == documents(runs[0]) for run in runs[1:])
+
+
+def combine_runs(runs: list[dict], caches: list[str] | None = None) -> dict:
+    """What ``hf-kvcache report`` shows of one or several ``run_eval`` results: runs over the same documents joined
+    (:func:`join_runs`), runs over other documents pooled (:func:`pool_runs`), then ``caches`` chosen
+    (:func:`select_caches`; where runs pool, from each run, which must have them all)."""
+    if len(runs) > 1:
+        for i, run in enumerate(runs, 1):
+            if "runs" in run or "joined" in run:
+                raise ValueError(
+                    f"run {i} is a report of several runs (pooled or joined); report the runs it was made from"
+                )
+    if len(runs) == 1 or same_documents(runs):
+        combined = join_runs(runs)
+        return combined if caches is None else select_caches(combined, caches)
+    if caches is not None:
+        runs = [select_caches(run, caches) for run in runs]
+    return pool_runs(runs)
+
+
+def join_runs(runs: list[dict]) -> dict:
+    """``run_eval`` results over the same documents (:func:`same_documents`) as one run with every run's caches, in
+    the order given: a cache run later on a published run's documents compares with that run's caches document by
+    document, as if it had been one of them. A cache several runs hold is kept once, from the first, and must have
+    measured the same in each (:meth:`Task.agrees`): the check that the documents, and the code that read them, were
+    the same. ``results["joined"]`` keeps each run's caches."""
+    if len(runs) < 2:
+        return runs[0]
+    if not same_documents(runs):
+        raise ValueError("runs of other documents or settings cannot be joined; runs of other cells pool (pool_runs)")
+    tasks = runs[0]["config"]["task"]
+    entries = {entry["cache"]: entry for entry in runs[0]["results"]}
+    for i, run in enumerate(runs[1:], 2):
+        for entry in run["results"]:
+            first = entries.setdefault(entry["cache"], entry)
+            for name in tasks if first is not entry else ():
+                if not get_task(name).agrees(first[name], entry[name]):
+                    raise ValueError(
+                        f"run {i} holds {entry['cache']!r} as an earlier run does, but its {name} numbers differ: "
+                        "joined runs must have read the same documents with the same code (another version or device "
+                        "measures otherwise)"
+                    )
+    joined = copy.deepcopy(list(entries.values()))
+    for name in tasks:
+        get_task(name).finish([entry[name] for entry in joined])
+    head = {k: v for k, v in runs[0].items() if k != "seconds"}  # each run timed its own caches
+    return head | {
+        "config": runs[0]["config"] | {"caches": list(entries)},
+        "joined": [_caches(run) for run in runs],
+        "results": joined,
+    }
+
+
 def pool_runs(runs: list[dict]) -> dict:
     """Several ``run_eval`` results over other documents as one: each cache's retrieval cells (``ruler``,
     ``passkey``) from every run side by side, averages and paired intervals over all of them, so a comparison made in
-    runs of one length each reads over every length. Every run must have the same tasks, each a task that pools
-    (:meth:`Task.pool`), and no cell twice (two runs of a cell may hold the same documents). The caches are those
-    every run has, in the first run's order; ``results["runs"]`` keeps each run's config."""
+    runs of one length each reads over every length; a cell two runs of other ``--seed`` values hold becomes one
+    over both runs' documents. Every run must have the same tasks, each a task that pools (:meth:`Task.pool`), the
+    same model, dtype, text and prompt form, and no document twice (:func:`~hf_kvcache.eval.tasks.base.pool_cells`).
+    The caches are those every run has, in the first run's order; ``results["runs"]`` keeps each run's config."""
     if len(runs) < 2:
         return runs[0]
     tasks = runs[0]["config"]["task"]
@@ -244,13 +318,19 @@ def pool_runs(runs: list[dict]) -> dict:
         if run["config"]["task"] != tasks:
             other = ", ".join(run["config"]["task"])
             raise ValueError(f"runs of other tasks cannot pool: {', '.join(tasks)} and {other}")
+        for key in _POOLED_ALIKE:
+            mine, first = run["config"].get(key), runs[0]["config"].get(key)
+            if mine != first:
+                raise ValueError(f"runs of another {key} cannot pool: {first!r} and {mine!r}")
     caches = [e["cache"] for e in runs[0]["results"] if all(e["cache"] in _caches(run) for run in runs[1:])]
     if not caches:
         raise ValueError("the runs have no cache in common to pool")
+    configs = [EvalConfig.from_dict(run["config"]) for run in runs]
     entries = []
     for spec in caches:
         parts = [next(e for e in run["results"] if e["cache"] == spec) for run in runs]
-        entries.append({"cache": spec} | {name: get_task(name).pool([p[name] for p in parts]) for name in tasks})
+        pooled = {name: get_task(name).pool([p[name] for p in parts], configs) for name in tasks}
+        entries.append({"cache": spec} | pooled)
     for name in tasks:
         get_task(name).finish([entry[name] for entry in entries])
     pooled = {k: v for k, v in runs[0].items() if k != "seconds"}

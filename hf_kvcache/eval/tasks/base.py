@@ -34,6 +34,7 @@ __all__ = [
     "EvalData",
     "Task",
     "cache_for",
+    "cells_agree",
     "check_lengths_fit",
     "count_range",
     "describe_forwards",
@@ -110,10 +111,18 @@ class Task:
         """One cache's result from the results of disjoint shards (``shardable`` tasks only)."""
         raise NotImplementedError(f"task {self.name!r} is not shardable")
 
-    def pool(self, parts: list[dict]) -> dict:
-        """One cache's result from runs over other documents (``hf-kvcache report`` of several runs): tasks whose
-        results are cells of documents pool them; the others cannot."""
+    def pool(self, parts: list[dict], configs: list) -> dict:
+        """One cache's result from runs over other documents (``hf-kvcache report`` of several runs; ``configs``:
+        each part's run config, an :class:`~hf_kvcache.eval.EvalConfig`): tasks whose results are cells of seeded
+        documents pool them (:func:`pool_cells`); the others cannot."""
         raise ValueError(f"the {self.name} task's results cannot be pooled across runs; report its runs one at a time")
+
+    def agrees(self, mine: dict, other: dict) -> bool:
+        """Whether two runs' results of one cache measured the same: runs joined as one run (``hf-kvcache report`` of
+        runs over the same documents) must agree on every cache they share, which checks that their documents were
+        the same. Default: the ``summary_keys`` numbers, to float noise (another thread count sums in another
+        order)."""
+        return all(math.isclose(mine["summary"][k], other["summary"][k], rel_tol=1e-6) for k in self.summary_keys)
 
     def finish(self, entries: list[dict]) -> None:
         """Add numbers relative to the first cache (the baseline) to every cache's result, in place."""
@@ -275,20 +284,38 @@ def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def pool_cells(name: str, parts: list[dict], key) -> list[dict]:
-    """The cells of ``parts`` (one cache's results of a cell task from several runs) in one list; ``ValueError``
-    where two runs hold the same cell (``key(cell)``): their documents can be the same ones, counted twice."""
-    cells, seen = [], set()
-    for part in parts:
+def pool_cells(name: str, parts: list[dict], configs: list, key, seeds, merge) -> list[dict]:
+    """The cells of ``parts`` (one cache's results of a cell task from several runs, each run's config in ``configs``)
+    in one list, in the order first seen. Two runs may hold the same cell (``key(cell)``) only over other documents:
+    ``seeds(config, cell)``, the seeds of the documents the cell read in that run, must not meet (runs of other
+    ``--seed`` values); such cells become one, ``merge(a, b)`` (the documents of ``a``, then ``b``: every cache's
+    cells pool in the same order, so their documents stay paired). Where the seeds meet, ``ValueError``: the same
+    documents would count twice."""
+    pooled: dict[tuple, tuple[dict, set[int]]] = {}
+    for part, config in zip(parts, configs, strict=True):
         for cell in part["cells"]:
-            if key(cell) in seen:
+            mine = set(seeds(config, cell))
+            if key(cell) not in pooled:
+                pooled[key(cell)] = cell, mine
+                continue
+            held, read = pooled[key(cell)]
+            if read & mine:
                 raise ValueError(
-                    f"two runs hold the {name} cell {' '.join(map(str, key(cell)))}: their documents may be the same "
-                    "ones; pool runs of other cells (lengths, tasks, depths)"
+                    f"two runs hold the {name} cell {' '.join(map(str, key(cell)))} over the same documents; pool "
+                    "runs of other cells (lengths, tasks, depths) or of other --seed values (with --seed S and N "
+                    "documents a cell, a run reads each cell's documents S to S+N-1)"
                 )
-            seen.add(key(cell))
-            cells.append(cell)
-    return cells
+            pooled[key(cell)] = merge(held, cell), read | mine
+    return [cell for cell, _ in pooled.values()]
+
+
+def cells_agree(mine: dict, other: dict, key) -> bool:
+    """Whether two results of a cell task hold the same cells (``key``) with the same per-document ``scores``."""
+
+    def read(result: dict) -> list:
+        return [(key(c), c.get("scores"), c.get("samples")) for c in result["cells"]]
+
+    return read(mine) == read(other)
 
 
 def count_range(counts) -> str:

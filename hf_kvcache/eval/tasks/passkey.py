@@ -26,6 +26,7 @@ from .base import (
     DocumentTask,
     EvalData,
     cache_for,
+    cells_agree,
     check_lengths_fit,
     count_range,
     paired_difference,
@@ -46,6 +47,14 @@ ANSWER_TOKENS = 8  # greedy tokens decoded for the answer
 
 def needle(key: str) -> str:
     return f" The pass key is {key}. Remember it. {key} is the pass key. "
+
+
+def document_seeds(config, length: int, depth: float, samples: int | None = None) -> range:
+    """The seeds of a cell's documents (``samples`` of them, default ``config.samples``): a document's key and filler
+    depend on its seed alone, so every cache of a run reads the same ones, and a run of ``--seed S`` reads seeds
+    ``S`` to ``S + samples - 1`` past the cell's own offset (runs of other seeds pool: ``hf-kvcache report``)."""
+    first = config.seed + 1000 * length + 10 * round(100 * depth)
+    return range(first, first + (config.samples if samples is None else samples))
 
 
 def _rate(found: int, total: int) -> str:
@@ -211,9 +220,8 @@ class PasskeyTask(DocumentTask):
         for length in config.lengths:
             for depth in config.depths:
                 found: list[list[float]] = [[] for _ in specs]  # per cache, 1 or 0 per document
-                for sample in range(config.samples):
-                    # The same keys and filler for every cache: the cell's documents depend on the seed only.
-                    generator.manual_seed(config.seed + 1000 * length + 10 * round(100 * depth) + sample)
+                for seed in document_seeds(config, length, depth):
+                    generator.manual_seed(seed)
                     key = "".join(
                         str(d) for d in torch.randint(0, 10, (config.key_digits,), generator=generator).tolist()
                     )
@@ -234,10 +242,22 @@ class PasskeyTask(DocumentTask):
             out.append({"task": self.name, "cells": mine, "summary": {"accuracy": accuracy}})
         return out
 
-    def pool(self, parts: list[dict]) -> dict:
-        cells = pool_cells(self.name, parts, lambda c: (c["length"], c["depth"]))
+    def pool(self, parts: list[dict], configs: list) -> dict:
+        def seeds(config, cell: dict) -> range:
+            return document_seeds(config, cell["length"], cell["depth"], cell["samples"])
+
+        def merge(a: dict, b: dict) -> dict:
+            both = {"correct": a["correct"] + b["correct"], "samples": a["samples"] + b["samples"]}
+            if "scores" in a and "scores" in b:  # runs saved before per-document scores have none to pair
+                both["scores"] = a["scores"] + b["scores"]
+            return {"length": a["length"], "depth": a["depth"]} | both
+
+        cells = pool_cells(self.name, parts, configs, lambda c: (c["length"], c["depth"]), seeds, merge)
         accuracy = sum(c["correct"] for c in cells) / sum(c["samples"] for c in cells)
         return {"task": self.name, "cells": cells, "summary": {"accuracy": accuracy}}
+
+    def agrees(self, mine: dict, other: dict) -> bool:
+        return cells_agree(mine, other, lambda c: (c["length"], c["depth"]))
 
     def table(self, results: dict) -> str:
         from ..tables import markdown_table

@@ -41,6 +41,7 @@ from .base import (
     DocumentTask,
     EvalData,
     cache_for,
+    cells_agree,
     check_lengths_fit,
     count_range,
     paired_difference,
@@ -359,6 +360,20 @@ def _sentence_ends(tokenizer, fill: list[int], needed: int) -> list[int]:
     return ends if len(ends) >= needed else list(range(1, len(fill)))
 
 
+def document_seeds(config, task: str, length: int, samples: int | None = None) -> range:
+    """The seeds of a cell's documents (``samples`` of them, default ``config.ruler_samples``): a document depends on
+    its seed alone, so every cache of a run reads the same ones, and a run of ``--seed S`` reads seeds ``S`` to
+    ``S + samples - 1`` past the cell's own offset (runs of other seeds pool: ``hf-kvcache report``)."""
+    first = config.seed + 100_003 * config.ruler_tasks.index(task) + 1009 * length
+    return range(first, first + (config.ruler_samples if samples is None else samples))
+
+
+def _cell(task: str, length: int, scores: list[float]) -> dict:
+    low, high = interval(scores)
+    return {"task": task, "length": length, "score": sum(scores) / len(scores), "low": low, "high": high,
+            "samples": len(scores), "scores": scores}  # fmt: skip
+
+
 def interval(scores: list[float], z: float = 1.96) -> tuple[float, float]:
     """95% interval of the mean of ``scores``: Wilson's for all-or-nothing scores, else the normal interval of the
     mean (clipped to [0, 1]); where every score is the same fraction, Wilson's at that rate (a score in [0, 1] varies
@@ -402,11 +417,9 @@ class RulerTask(DocumentTask):
 
         span = data.ids.numel() - max(config.ruler_lengths) - (CWE_POOL_TOKENS if "cwe" in config.ruler_tasks else 0)
         scores: list[dict[tuple[str, int], list[float]]] = [{} for _ in specs]
-        for t, task in enumerate(config.ruler_tasks):
+        for task in config.ruler_tasks:
             for length in config.ruler_lengths:
-                for sample in range(config.ruler_samples):
-                    # the cell's documents depend on the seed only: the same for every cache
-                    seed = config.seed + 100_003 * t + 1009 * length + sample
+                for seed in document_seeds(config, task, length):
                     start = random.Random(seed).randrange(max(span, 1))
                     doc = build_ruler_document(
                         data.tokenizer, data.ids[start:], task, length, seed, chat=config.chat_template
@@ -421,20 +434,23 @@ class RulerTask(DocumentTask):
                         scores[i].setdefault((task, length), []).append(string_match_all(answer, doc.answers))
                         if progress is not None:
                             progress(1)
-        out = []
-        for mine in scores:
-            cells = []
-            for (task, length), values in mine.items():
-                low, high = interval(values)
-                cells.append({"task": task, "length": length, "score": sum(values) / len(values), "low": low,
-                              "high": high, "samples": len(values), "scores": values})  # fmt: skip
-            score = sum(c["score"] for c in cells) / len(cells)
-            out.append({"task": self.name, "cells": cells, "summary": {"score": score}})
-        return out
+        return [self._result([_cell(task, length, values) for (task, length), values in mine.items()])
+                for mine in scores]  # fmt: skip
 
-    def pool(self, parts: list[dict]) -> dict:
-        cells = pool_cells(self.name, parts, lambda c: (c["task"], c["length"]))
+    def _result(self, cells: list[dict]) -> dict:
         return {"task": self.name, "cells": cells, "summary": {"score": sum(c["score"] for c in cells) / len(cells)}}
+
+    def pool(self, parts: list[dict], configs: list) -> dict:
+        def seeds(config, cell: dict) -> range:
+            return document_seeds(config, cell["task"], cell["length"], cell["samples"])
+
+        def merge(a: dict, b: dict) -> dict:
+            return _cell(a["task"], a["length"], a["scores"] + b["scores"])
+
+        return self._result(pool_cells(self.name, parts, configs, lambda c: (c["task"], c["length"]), seeds, merge))
+
+    def agrees(self, mine: dict, other: dict) -> bool:
+        return cells_agree(mine, other, lambda c: (c["task"], c["length"]))
 
     def finish(self, entries: list[dict]) -> None:
         """Points against the first cache (the baseline), per cell and overall."""
