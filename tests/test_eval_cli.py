@@ -540,3 +540,9 @@ def test_runs_of_the_same_documents_join_as_one_run(reference, tmp_path, capsys)
     assert list(table_rows(capsys.readouterr().out)) == ["cache", "int8", "int2"]
     report = (out / "report.md").read_text()
     assert "Joined from 2 runs of the same documents (their caches: dynamic, int8; dynamic, int2)." in report
+    record = tmp_path / "saved.json"  # a report as scripts/build_results.py saves it: rendered again, never re-joined
+    record.write_text(json.dumps({"command": "hf-kvcache report ...", "kind": "report", "results": joined}))
+    assert main(["report", str(record)]) == 0
+    assert list(table_rows(capsys.readouterr().out)) == ["cache", "dynamic", "int8", "int2"]
+    assert main(["report", str(record), paths[1]]) == 2
+    assert "run 1 is a report of several runs (pooled or joined)" in capsys.readouterr().err

@@ -115,8 +115,8 @@ def results_file(path: str | Path) -> Path:
 
 def load_results(path: str | Path) -> dict:
     """The ``results.json`` of an eval run from ``path``: that file, the ``--output`` folder holding it, or a run
-    saved by ``scripts/build_results.py`` (``docs/results/NAME.json``, whose ``results`` it is). ``ValueError``
-    naming ``path`` for anything else."""
+    saved by ``scripts/build_results.py`` (``docs/results/NAME.json``, whose ``results`` it is; a saved report holds
+    its joined or pooled run). ``ValueError`` naming ``path`` for anything else."""
     file = results_file(path)
     try:
         record = json.loads(file.read_text())
@@ -124,8 +124,8 @@ def load_results(path: str | Path) -> dict:
         raise ValueError(f"results {str(path)!r} cannot be read: {err.strerror or type(err).__name__}") from err
     except json.JSONDecodeError as err:
         raise ValueError(f"results {str(path)!r} is not JSON ({err.msg}, line {err.lineno})") from err
-    if isinstance(record, dict) and "kind" in record and "results" in record:  # a run saved for the docs
-        if record["kind"] != "eval":
+    if isinstance(record, dict) and "kind" in record and "results" in record:  # a run (or a report) saved for the docs
+        if record["kind"] not in ("eval", "report"):
             raise ValueError(f"results {str(path)!r} holds a {record['kind']} run; only eval runs have these tables")
         record = record["results"]
     if not (isinstance(record, dict) and isinstance(record.get("results"), list) and "config" in record):

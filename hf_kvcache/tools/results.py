@@ -63,6 +63,15 @@ SMOOTH_CACHES = (
 )
 KEY_WIDTHS_FILE = "results/{}/key_bits.json"  # where a calibrate run writes its widths (relative to the checkout)
 KEYWIDTHS_225 = f"int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2-2.25')}"
+# (name suffix, length, documents a cell, seed) of the calibrated widths' RULER runs at further seeds
+KEYWIDTHS_SEEDS = [("", 1024, 10, 10), ("-2k", 2048, 10, 10), ("-4k", 4096, 5, 5), ("", 1024, 10, 20),
+                   ("-2k", 2048, 10, 20)]  # fmt: skip
+KEYWIDTHS_POOLED = [
+    "eval-ruler-keywidths-residual",
+    "eval-ruler-keywidths-residual-2k",
+    "eval-ruler-keywidths-residual-4k",
+    *(f"eval-ruler-keywidths-residual{suffix}-seed{seed}" for suffix, _, _, seed in KEYWIDTHS_SEEDS),
+]
 RUNS: dict[str, list[str]] = {
     "eval-default": [
         "eval",
@@ -272,6 +281,23 @@ RUNS: dict[str, list[str]] = {
         *"--task ruler --chat-template --ruler-lengths 4096 --ruler-samples 5".split(),
         *["--caches", f"dynamic,int2,{KEYWIDTHS_225}:residual_bits=8"],
     ],
+    # More documents for the same pair (DynamicCache, the widths with an int8 residual): the commands above at seeds
+    # they never read (with --seed S and N documents a cell, a run reads each cell's documents S to S+N-1), then
+    # every run of the pair pooled into one table by `hf-kvcache report` (RUNS order: the runs first).
+    **{
+        f"eval-ruler-keywidths-residual{suffix}-seed{seed}": [
+            "eval",
+            *REAL,
+            *f"--task ruler --chat-template --ruler-lengths {length} --ruler-samples {samples} --seed {seed}".split(),
+            *["--caches", f"dynamic,{KEYWIDTHS_225}:residual_bits=8"],
+        ]
+        for suffix, length, samples, seed in KEYWIDTHS_SEEDS
+    },
+    "report-ruler-keywidths-residual": [
+        "report",
+        *(f"docs/results/{name}.json" for name in KEYWIDTHS_POOLED),
+        *["--caches", f"dynamic,{KEYWIDTHS_225}:residual_bits=8"],
+    ],
     "eval-ruler-smooth": [
         "eval",
         *REAL,
@@ -396,7 +422,7 @@ def run(name: str) -> None:
         if cli([*argv, "--output", KEY_WIDTHS_FILE.format(name)]) != 0:
             raise SystemExit(f"{name} failed")
         results = json.loads((ROOT / KEY_WIDTHS_FILE.format(name)).read_text())
-    else:
+    else:  # eval, bench, and report (of saved runs: its results.json is their pooled or joined run)
         if cli([*argv, "--output", str(out)]) != 0:
             raise SystemExit(f"{name} failed")
         results = json.loads((out / ("bench.json" if kind == "bench" else "results.json")).read_text())
