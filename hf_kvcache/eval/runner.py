@@ -329,8 +329,9 @@ def pool_runs(runs: list[dict]) -> dict:
     entries = []
     for spec in caches:
         parts = [next(e for e in run["results"] if e["cache"] == spec) for run in runs]
-        pooled = {name: get_task(name).pool([p[name] for p in parts], configs) for name in tasks}
-        entries.append({"cache": spec} | pooled)
+        entries.append(
+            {"cache": spec} | {name: get_task(name).pool([p[name] for p in parts], configs) for name in tasks}
+        )
     for name in tasks:
         get_task(name).finish([entry[name] for entry in entries])
     pooled = {k: v for k, v in runs[0].items() if k != "seconds"}
