@@ -16,7 +16,10 @@ first, a layer that attends broadly does not. :func:`search_key_bits` measures i
    another budget from a saved record without running the model again).
 
 :func:`copy_rows` builds rows whose scored tail repeats their beginning, so the measurement is of copying from far
-back, where low-bit keys show their cost (perplexity on running text hides it).
+back, where low-bit keys show their cost (perplexity on running text hides it). :func:`random_copy_rows` builds the
+same rows from uniformly random token ids: a search that needs no text and no tokenizer, only the model (a model
+copies a random sequence through the same heads as a text; on SmolLM2 the two searches chose nearly the same widths,
+docs/results.md "Calibrated without a text").
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from .caches.quantized import QuantizedKVCache
 from .layer_widths import KEY_WIDTHS, LayerKeyWidths, check_budget
 from .prefill import SharedPrefill, every_token_cache
 
-__all__ = ["copy_rows", "search_key_bits"]
+__all__ = ["copy_rows", "random_copy_rows", "search_key_bits"]
 
 
 def copy_rows(ids: torch.Tensor, rows: int, tokens: int, scored_tokens: int) -> torch.Tensor:
@@ -46,6 +49,16 @@ def copy_rows(ids: torch.Tensor, rows: int, tokens: int, scored_tokens: int) -> 
         raise ValueError(f"copy_rows: {rows} rows of {context} tokens of text need {rows * context} tokens of ids")
     body = ids[: rows * context].view(rows, context)
     return torch.cat([body, body[:, :scored_tokens]], dim=1)
+
+
+def random_copy_rows(vocab_size: int, rows: int, tokens: int, scored_tokens: int, seed: int = 0) -> torch.Tensor:
+    """:func:`copy_rows` of uniformly random token ids in ``[0, vocab_size)`` (``seed`` chooses them): the copy
+    without a text, so a model's widths can be searched from the model alone."""
+    check_int("vocab_size", vocab_size, 1)
+    check_int("tokens", tokens, 2 * check_int("scored_tokens", scored_tokens, 1))
+    count = check_int("rows", rows, 1) * (tokens - scored_tokens)
+    ids = torch.randint(0, vocab_size, (count,), generator=torch.Generator().manual_seed(seed))
+    return copy_rows(ids, rows, tokens, scored_tokens)
 
 
 @torch.inference_mode()

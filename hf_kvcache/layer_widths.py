@@ -35,6 +35,7 @@ class LayerKeyWidths:
     budget: float  # average key bits per key element the search was allowed
     model_type: str = ""
     calibration_tokens: int = 0
+    calibration_rows: str = ""  # what the rows were: "text" (the dataset's) or "random tokens"; "" unrecorded
     scored_tokens: int = 0
     baseline: float = 0.0
     sensitivity: tuple[dict[str, float], ...] = field(default_factory=tuple)

@@ -12,7 +12,7 @@ from models import prompt, tiny_model
 from transformers import DynamicCache, LlamaConfig
 
 from hf_kvcache import QuantizedKVCache, make_cache
-from hf_kvcache.calibrate import copy_rows, search_key_bits
+from hf_kvcache.calibrate import copy_rows, random_copy_rows, search_key_bits
 from hf_kvcache.cli import main
 from hf_kvcache.layer_widths import LayerKeyWidths
 from hf_kvcache.plan import kv_bytes
@@ -171,6 +171,16 @@ def test_copy_rows_repeat_their_beginning():
         copy_rows(torch.arange(200), rows=3, tokens=100, scored_tokens=20)
 
 
+def test_random_copy_rows_repeat_random_ids_of_the_vocabulary():
+    rows = random_copy_rows(vocab_size=50, rows=2, tokens=40, scored_tokens=10, seed=3)
+    assert rows.shape == (2, 40) and 0 <= int(rows.min()) and int(rows.max()) < 50
+    assert torch.equal(rows[:, 30:], rows[:, :10]) and not torch.equal(rows[0], rows[1])
+    assert torch.equal(rows, random_copy_rows(50, 2, 40, 10, seed=3))
+    assert not torch.equal(rows, random_copy_rows(50, 2, 40, 10, seed=4))
+    with pytest.raises(ValueError, match="tokens must be an integer >= 20"):
+        random_copy_rows(50, 2, 19, 10)
+
+
 def test_search_measures_each_layer_and_keeps_the_budget():
     """On a tiny model: the baseline is the all-widest cache's KL, each layer's row the KL with that layer alone at
     the narrower width (recomputed here from the caches), the widths are within the budget, and the saved record
@@ -226,7 +236,12 @@ def test_calibrate_cli_writes_a_widths_file_and_reuses_it(tmp_path, capsys):
     assert set(LayerKeyWidths.load(narrow).key_bits) == {2}
     assert LayerKeyWidths.load(narrow).sensitivity == saved.sensitivity
     capsys.readouterr()
+    free = tmp_path / "random.json"  # from the model alone: rows of random token ids
+    assert main(["calibrate", *args, "--scored-tokens", "64", "--random-tokens", "--output", str(free)]) == 0
+    assert "(rows of random tokens)" in capsys.readouterr().out
+    assert LayerKeyWidths.load(free).calibration_rows == "random tokens" and saved.calibration_rows == "text"
     for bad, message in (
+        (["--random-tokens", "--dataset", "reference", "--output", "x.json"], "--random-tokens reads no text"),
         (["--budget", "2.5"], "--output: name the widths file to write"),
         (["--cache", "int8", "--output", "x.json"], "--cache must be an int4, int3 or int2 spec, got 'int8'"),
         (["--cache", "int2:key_bits=3", "--output", "x.json"], "key_bits sets layers' key widths"),

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._validate import check_int
 from ..caches.quantized import QuantizedKVCache
-from ..calibrate import copy_rows, search_key_bits
+from ..calibrate import copy_rows, random_copy_rows, search_key_bits
 from ..layer_widths import KEY_WIDTHS, LayerKeyWidths
 from ..registry import check_spec, parse_spec
 from . import runner  # its loader looked up when called, as eval's own path does: a patched loader applies
@@ -36,6 +37,13 @@ class CalibrateConfig(ModelOptions):
         default=128, metadata={"help": "tokens scored per row: the row's first ones again (a copy from far back)"}
     )
     dataset: str | None = field(default=None, metadata={"help": DATASET_HELP})
+    random_tokens: bool = field(
+        default=False,
+        metadata={
+            "help": "rows of uniformly random token ids (then their beginning again) instead of the text: a search "
+            "from the model alone, no text or tokenizer read"
+        },
+    )
     reuse: str | None = field(
         default=None,
         metadata={
@@ -63,6 +71,8 @@ class CalibrateConfig(ModelOptions):
         check_int("--scored-tokens", self.scored_tokens, 1)
         check_int("--tokens", self.tokens, 2 * self.scored_tokens)
         check_dataset(self.dataset)
+        if self.random_tokens and self.dataset is not None:
+            raise ValueError("--random-tokens reads no text: leave out --dataset, or --random-tokens")
 
 
 def run_calibration(config: CalibrateConfig) -> LayerKeyWidths:
@@ -76,8 +86,13 @@ def run_calibration(config: CalibrateConfig) -> LayerKeyWidths:
         return widths
     name, options = parse_spec(config.cache)
     model, tokenizer = runner.load_configured_model(config)
-    ids = tokenize(tokenizer, load_text(config.dataset))
-    rows = copy_rows(ids, config.rows, config.tokens, config.scored_tokens)
+    if config.random_tokens:
+        vocab = model.get_input_embeddings().num_embeddings
+        rows = random_copy_rows(vocab, config.rows, config.tokens, config.scored_tokens)
+    else:
+        rows = copy_rows(
+            tokenize(tokenizer, load_text(config.dataset)), config.rows, config.tokens, config.scored_tokens
+        )
     layers = len(QuantizedKVCache(model, bits=int(name[3:]), **options).layers)  # bad option values fail here
     update, close = _progress(1 + layers * (len(KEY_WIDTHS) - 1), "calibrate", config.quiet)
     try:
@@ -86,6 +101,7 @@ def run_calibration(config: CalibrateConfig) -> LayerKeyWidths:
         )
     finally:
         close()
+    widths = dataclasses.replace(widths, calibration_rows="random tokens" if config.random_tokens else "text")
     widths.save(config.output)
     return widths
 
@@ -101,5 +117,6 @@ def format_widths(widths: LayerKeyWidths) -> str:
     lines.append(
         f"\nkey bits {widths.mean_bits:.2f} on average (budget {widths.budget}), values {widths.bits} bits; KL is "
         f"nats per scored token against a full-precision cache, {widths.scored_tokens} tokens scored"
+        + (f" (rows of {widths.calibration_rows})" if widths.calibration_rows else "")
     )
     return "\n".join(lines)

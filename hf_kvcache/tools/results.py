@@ -123,6 +123,19 @@ RUNS: dict[str, list[str]] = {
     # The search again with today's defaults (8-bit scales) and an int8 residual, at 2.25 key bits: what a user
     # following the docs' recipe for int2:key_bits=FILE:residual_bits=8 measures.
     "calibrate-int2-residual": ["calibrate", *REAL, *"--cache int2:residual_bits=8 --budget 2.25".split()],
+    # The same search from the model alone (rows of random token ids, no text), then the default run's protocol with
+    # its widths; hf-kvcache report joins it with eval-keywidths-residual (the same documents).
+    "calibrate-int2-random": [
+        "calibrate",
+        *REAL,
+        *"--cache int2:residual_bits=8 --budget 2.25 --random-tokens".split(),
+    ],
+    "eval-keywidths-random": [
+        "eval",
+        *REAL,
+        *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
+        *["--caches", f"dynamic,int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2-random')}:residual_bits=8"],
+    ],
     "eval-keywidths": [
         "eval",
         *REAL,
