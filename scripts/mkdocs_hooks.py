@@ -27,7 +27,7 @@ def on_files(files, config):
         with tempfile.TemporaryDirectory() as tmp:
             if record["kind"] == "bench":
                 write_bench_report(record["results"], tmp)
-            elif record["kind"] == "eval":  # (bench-cpu and gpu-run runs have tables only)
+            elif record["kind"] in ("eval", "report"):  # (bench-cpu and gpu-run runs have tables only)
                 write_report(record["results"], tmp)
             for png in sorted(Path(tmp).glob("*.png")):
                 files.append(File.generated(config, f"results/{saved.stem}/{png.name}", content=png.read_bytes()))

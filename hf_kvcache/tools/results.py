@@ -274,6 +274,14 @@ RUNS: dict[str, list[str]] = {
         *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
         *["--caches", f"dynamic,int2,{KEYWIDTHS_225},{KEYWIDTHS_225}:residual_bits=8"],
     ],
+    # The widths searched on random tokens beside the text's, on the same documents (two runs joined).
+    "report-keywidths-random": [
+        "report",
+        *["docs/results/eval-keywidths-residual.json", "docs/results/eval-keywidths-random.json"],
+        "--caches",
+        f"dynamic,int2,{KEYWIDTHS_225}:residual_bits=8,"
+        f"int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2-random')}:residual_bits=8",
+    ],
     "eval-ruler-keywidths-residual": [
         "eval",
         *REAL,

@@ -120,9 +120,10 @@ class Task:
     def agrees(self, mine: dict, other: dict) -> bool:
         """Whether two runs' results of one cache measured the same: runs joined as one run (``hf-kvcache report`` of
         runs over the same documents) must agree on every cache they share, which checks that their documents were
-        the same. Default: the ``summary_keys`` numbers, to float noise (another thread count sums in another
-        order)."""
-        return all(math.isclose(mine["summary"][k], other["summary"][k], rel_tol=1e-6) for k in self.summary_keys)
+        the same. Default: the ``summary_keys`` numbers, to float noise: another thread count or CPU sums in
+        another order (SmolLM2's perplexity 46.03261 and 46.03224 on two machines of one kind, 8e-6 apart), where
+        other documents move it by percents."""
+        return all(math.isclose(mine["summary"][k], other["summary"][k], rel_tol=1e-4) for k in self.summary_keys)
 
     def finish(self, entries: list[dict]) -> None:
         """Add numbers relative to the first cache (the baseline) to every cache's result, in place."""
