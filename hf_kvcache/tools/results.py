@@ -288,6 +288,21 @@ RUNS: dict[str, list[str]] = {
         *"--task ruler --chat-template --ruler-lengths 1024 --ruler-samples 10".split(),
         *["--caches", f"dynamic,int2,{KEYWIDTHS_225},{KEYWIDTHS_225}:residual_bits=8"],
     ],
+    # RULER at 1,024 tokens with the widths searched on random tokens, on eval-ruler-keywidths-residual's documents,
+    # then the two runs joined: int2, the text's widths and these side by side.
+    "eval-ruler-keywidths-random": [
+        "eval",
+        *REAL,
+        *"--task ruler --chat-template --ruler-lengths 1024 --ruler-samples 10".split(),
+        *["--caches", f"dynamic,int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2-random')}:residual_bits=8"],
+    ],
+    "report-ruler-keywidths-random": [
+        "report",
+        *["docs/results/eval-ruler-keywidths-residual.json", "docs/results/eval-ruler-keywidths-random.json"],
+        "--caches",
+        f"dynamic,int2,{KEYWIDTHS_225}:residual_bits=8,"
+        f"int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2-random')}:residual_bits=8",
+    ],
     # The same at 2,048 tokens, without plain int2 (eval-ruler-scales-2k's int2 row: the same documents).
     "eval-ruler-keywidths-residual-2k": [
         "eval",

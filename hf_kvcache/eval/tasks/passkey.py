@@ -49,6 +49,11 @@ def needle(key: str) -> str:
     return f" The pass key is {key}. Remember it. {key} is the pass key. "
 
 
+def _cell_key(cell: dict) -> tuple:
+    """What names a cell: runs pool or join a cell by it."""
+    return cell["length"], cell["depth"]
+
+
 def document_seeds(config, length: int, depth: float, samples: int | None = None) -> range:
     """The seeds of a cell's documents (``samples`` of them, default ``config.samples``): a document's key and filler
     depend on its seed alone, so every cache of a run reads the same ones, and a run of ``--seed S`` reads seeds
@@ -252,12 +257,12 @@ class PasskeyTask(DocumentTask):
                 both["scores"] = a["scores"] + b["scores"]
             return {"length": a["length"], "depth": a["depth"]} | both
 
-        cells = pool_cells(self.name, parts, configs, lambda c: (c["length"], c["depth"]), seeds, merge)
+        cells = pool_cells(self.name, parts, configs, _cell_key, seeds, merge)
         accuracy = sum(c["correct"] for c in cells) / sum(c["samples"] for c in cells)
         return {"task": self.name, "cells": cells, "summary": {"accuracy": accuracy}}
 
     def agrees(self, mine: dict, other: dict) -> bool:
-        return cells_agree(mine, other, lambda c: (c["length"], c["depth"]))
+        return cells_agree(mine, other, _cell_key)
 
     def table(self, results: dict) -> str:
         from ..tables import markdown_table

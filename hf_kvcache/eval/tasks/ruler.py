@@ -360,6 +360,11 @@ def _sentence_ends(tokenizer, fill: list[int], needed: int) -> list[int]:
     return ends if len(ends) >= needed else list(range(1, len(fill)))
 
 
+def _cell_key(cell: dict) -> tuple:
+    """What names a cell: runs pool or join a cell by it."""
+    return cell["task"], cell["length"]
+
+
 def document_seeds(config, task: str, length: int, samples: int | None = None) -> range:
     """The seeds of a cell's documents (``samples`` of them, default ``config.ruler_samples``): a document depends on
     its seed alone, so every cache of a run reads the same ones, and a run of ``--seed S`` reads seeds ``S`` to
@@ -447,10 +452,10 @@ class RulerTask(DocumentTask):
         def merge(a: dict, b: dict) -> dict:
             return _cell(a["task"], a["length"], a["scores"] + b["scores"])
 
-        return self._result(pool_cells(self.name, parts, configs, lambda c: (c["task"], c["length"]), seeds, merge))
+        return self._result(pool_cells(self.name, parts, configs, _cell_key, seeds, merge))
 
     def agrees(self, mine: dict, other: dict) -> bool:
-        return cells_agree(mine, other, lambda c: (c["task"], c["length"]))
+        return cells_agree(mine, other, _cell_key)
 
     def finish(self, entries: list[dict]) -> None:
         """Points against the first cache (the baseline), per cell and overall."""
