@@ -7,10 +7,17 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["DTYPES", "check_bool", "check_choice", "check_int", "dtype_from_name", "dtype_name"]
+__all__ = ["DTYPES", "check_bool", "check_choice", "check_distinct", "check_int", "dtype_from_name", "dtype_name"]
 
 # The floating dtypes a user can name (CLI flags, spec strings, scale dtypes).
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_distinct(name: str, values) -> None:
+    """Refuse, naming ``name``, a list of options that names one value twice (a cell of documents read twice)."""
+    repeated = [v for i, v in enumerate(values) if v in list(values)[:i]]
+    if repeated:
+        raise ValueError(f"{name} names {repeated[0]!r} twice; name each once")
 
 
 def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:

@@ -142,6 +142,18 @@ def test_ruler_flags_are_checked_before_the_model_loads(capsys):
     assert "--ruler-tasks: unknown task 'bogus'" in capsys.readouterr().err
     assert main(["eval", "--task", "ruler", "--ruler-lengths", "100", "--quiet"]) == 2
     assert "--ruler-lengths must be an integer >= 256" in capsys.readouterr().err
+    for flag, value, message in (
+        ("--ruler-tasks", "vt,niah_single,vt", "--ruler-tasks names 'vt' twice; name each once"),
+        ("--ruler-lengths", "512,512", "--ruler-lengths names 512 twice; name each once"),
+    ):
+        assert main(["eval", "--task", "ruler", flag, value, "--quiet"]) == 2
+        assert message in capsys.readouterr().err
+    for flag, value, message in (
+        ("--lengths", "256,256", "--lengths names 256 twice"),
+        ("--depths", "0.5,0.5", "--depths names 0.5 twice"),
+    ):
+        assert main(["eval", "--task", "passkey", flag, value, "--quiet"]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_ruler_through_the_cli_writes_its_table_and_heatmap(tmp_path, capsys):

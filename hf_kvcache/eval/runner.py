@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from .._validate import DTYPES
+from .._validate import DTYPES, check_distinct
 from .config import DEFAULT_CACHES, DEFAULT_TASKS, EvalConfig, ModelOptions
 from .data import hub_offline, load_text
 from .tasks import EvalData, get_task
@@ -224,9 +224,7 @@ def select_caches(results: dict, caches: list[str] | tuple[str, ...]) -> dict:
     unknown = [spec for spec in caches if spec not in run]
     if unknown:
         raise ValueError(f"--caches {unknown[0]!r} is not a cache of this run; it has: {', '.join(run)}")
-    repeated = [spec for i, spec in enumerate(caches) if spec in caches[:i]]
-    if repeated:
-        raise ValueError(f"--caches names {repeated[0]!r} twice; name each cache once")
+    check_distinct("--caches", caches)
     chosen = copy.deepcopy([next(e for e in results["results"] if e["cache"] == spec) for spec in caches])
     for name in results["config"]["task"]:
         get_task(name).finish([entry[name] for entry in chosen])

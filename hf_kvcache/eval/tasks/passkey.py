@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..._compat import with_cache
-from ..._validate import check_int
+from ..._validate import check_distinct, check_int
 from .base import (
     DocumentTask,
     EvalData,
@@ -94,6 +94,8 @@ class PasskeyOptions:
                 raise ValueError(f"--depths must be numbers from 0 to 1, got {depth!r}")
         check_int("--samples", self.samples, 1)
         check_int("--key-digits", self.key_digits, 1, 12)
+        check_distinct("--lengths", self.lengths)  # a cell's documents are its length's and depth's
+        check_distinct("--depths", self.depths)
 
 
 def _encode(tokenizer, text: str, special: bool = False) -> list[int]:

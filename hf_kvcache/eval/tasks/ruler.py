@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..._validate import check_int
+from ..._validate import check_distinct, check_int
 from .base import (
     DocumentTask,
     EvalData,
@@ -149,6 +149,8 @@ class RulerOptions:
         for length in self.ruler_lengths:
             check_int("--ruler-lengths", length, 256)
         check_int("--ruler-samples", self.ruler_samples, 1)
+        check_distinct("--ruler-tasks", self.ruler_tasks)  # a cell's documents are its task's and length's
+        check_distinct("--ruler-lengths", self.ruler_lengths)
 
 
 @dataclass
