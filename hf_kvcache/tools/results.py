@@ -64,8 +64,7 @@ SMOOTH_CACHES = (
 KEY_WIDTHS_FILE = "results/{}/key_bits.json"  # where a calibrate run writes its widths (relative to the checkout)
 KEYWIDTHS_225 = f"int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2-2.25')}"
 # (name suffix, length, documents a cell, seed) of the calibrated widths' RULER runs at further seeds
-KEYWIDTHS_SEEDS = [("", 1024, 10, 10), ("-2k", 2048, 10, 10), ("-4k", 4096, 5, 5), ("", 1024, 10, 20),
-                   ("-2k", 2048, 10, 20)]  # fmt: skip
+KEYWIDTHS_SEEDS = [("", 1024, 10, 10), ("-2k", 2048, 10, 10), ("-4k", 4096, 5, 5)]
 KEYWIDTHS_POOLED = [
     "eval-ruler-keywidths-residual",
     "eval-ruler-keywidths-residual-2k",
