@@ -20,21 +20,45 @@ back, where low-bit keys show their cost (perplexity on running text hides it). 
 same rows from uniformly random token ids: a search that needs no text and no tokenizer, only the model (a model
 copies a random sequence through the same heads as a text; on SmolLM2 the two searches chose nearly the same widths,
 docs/results.md "Calibrated without a text").
+
+:func:`auto_key_bits` is that search with fixed rows and budget, run once per model and cache options and kept on
+disk: what ``QuantizedKVCache(model, bits=2, key_bits="auto")`` (spec ``int2:key_bits=auto``) reads.
+
+The caches measured are built through the registry (``int2``, ``int3``, ``int4``: :class:`QuantizedKVCache`'s
+kinds), so ``QuantizedKVCache`` can resolve ``key_bits="auto"`` here without this module importing it back.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
 
 from ._compat import with_cache
+from ._config import resolve_config
 from ._validate import check_choice, check_int
-from .caches.quantized import QuantizedKVCache
 from .layer_widths import KEY_WIDTHS, LayerKeyWidths, check_budget
+from .models import model_cache_dir
 from .prefill import SharedPrefill, every_token_cache
+from .registry import make_cache
 
-__all__ = ["copy_rows", "random_copy_rows", "search_key_bits"]
+__all__ = ["AUTO_SEARCH", "auto_key_bits", "copy_rows", "random_copy_rows", "search_key_bits"]
+
+logger = logging.getLogger(__name__)
+
+# What key_bits="auto" searches on: calibrate --random-tokens' defaults (4 rows of 1,024 random token ids, their first
+# 128 scored again), under a budget of a quarter bit above the values' width. On SmolLM2 at 2 bits with an int8
+# residual these are the rows and budget of docs/results/calibrate-int2-random.json, whose widths measured +0.36%
+# perplexity, +11.7% second copies and RULER 1k 50.4 against DynamicCache's 51.2 (int2: +0.78%, +36.3%, 34.0).
+AUTO_SEARCH = {"rows": 4, "tokens": 1024, "scored_tokens": 128, "extra_bits": 0.25, "seed": 0}
+_FORMAT = "hf_kvcache.auto_key_bits/1"  # part of every fingerprint: a change of the search's recipe bumps it
+_FOUND: dict[str, LayerKeyWidths] = {}  # fingerprint -> widths, so a process reads each file once
 
 
 def copy_rows(ids: torch.Tensor, rows: int, tokens: int, scored_tokens: int) -> torch.Tensor:
@@ -105,7 +129,7 @@ def search_key_bits(
     context = input_ids.shape[1] - scored_tokens
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
-    probe = QuantizedKVCache(model, bits=bits, **cache_options)
+    probe = make_cache(f"int{bits}", model, **cache_options)
     layers = len(probe.layers)
     quantized_from = probe.residual_length + probe.sinks
     if context <= quantized_from:
@@ -125,7 +149,7 @@ def search_key_bits(
     exact = log_probs(every_token_cache(model))
 
     def loss(key_bits: list[int]) -> float:
-        measured = log_probs(QuantizedKVCache(model, bits=bits, key_bits=key_bits, **cache_options))
+        measured = log_probs(make_cache(f"int{bits}", model, key_bits=key_bits, **cache_options))
         kl = (exact.exp() * (exact - measured)).sum(-1).mean().item()
         if progress is not None:
             progress(1)
@@ -154,3 +178,89 @@ def search_key_bits(
         key_elements=tuple(spec.num_kv_heads * spec.key_dim for spec in probe.layer_specs),
     )
     return measured.with_budget(budget)
+
+
+def auto_key_bits(
+    model: torch.nn.Module, bits: int = 2, progress: Callable[[int], None] | None = None, **cache_options: object
+) -> LayerKeyWidths:
+    """The per-layer key widths ``QuantizedKVCache(model, bits=bits, key_bits="auto", **cache_options)`` uses:
+    :func:`search_key_bits` on :func:`random_copy_rows` (``AUTO_SEARCH``: 4 rows of 1,024 tokens, or the model's
+    context if shorter) under a budget of ``bits + 0.25`` key bits per element, for the cache of ``cache_options``.
+
+    The search costs ``1 + 2 x layers`` forwards of the rows (SmolLM2-135M: ~7 minutes on one CPU thread, seconds on
+    a GPU), so its record is kept as a widths file in ``<cache dir>/key_bits/`` (``$HF_KVCACHE_CACHE``, else
+    ``~/.cache/hf_kvcache``), named by a fingerprint of the model's config, dtype and weights (a sample of each
+    parameter) and of the cache's resolved options: the same model and cache read it back, another model or a
+    fine-tuned one searches again. The file is an ordinary widths file (``key_bits=PATH`` reads it; ``plan`` counts
+    its bytes). ``progress`` is called with 1 after each forward of a search that runs (not when the file is read).
+    """
+    if bits not in (3, 2):
+        raise ValueError(
+            f"key_bits='auto' chooses keys among 2, 3 and 4 bits a quarter bit above the values' width: bits must be "
+            f"3 or 2, got {bits!r} (int4's keys are already the widest)"
+        )
+    for name in ("key_bits", "boundary_layers"):
+        if name in cache_options:
+            raise ValueError(f"key_bits='auto': {name} sets layers' key widths, which the search chooses; leave it out")
+    probe = make_cache(f"int{bits}", model, **cache_options)  # bad options fail here, before any forward
+    context = getattr(resolve_config(model), "max_position_embeddings", None) or AUTO_SEARCH["tokens"]
+    tokens = min(AUTO_SEARCH["tokens"], context)
+    key = _fingerprint(model, repr(probe), tokens)
+    if key in _FOUND:
+        return _FOUND[key]
+    path = model_cache_dir() / "key_bits" / f"{key}.json"
+    try:
+        found = LayerKeyWidths.load(path)
+    except (ValueError, OSError):  # not searched yet, or a file or folder that cannot be read: search
+        logger.warning(  # once per model and cache: minutes on a CPU, where a user should know why it waits
+            "key_bits='auto': searching the key widths of %s (%d forwards, once: kept in %s)",
+            repr(probe),
+            1 + 2 * len(probe.layers),
+            path,
+        )
+        rows = random_copy_rows(
+            model.get_input_embeddings().num_embeddings,
+            AUTO_SEARCH["rows"],
+            tokens,
+            AUTO_SEARCH["scored_tokens"],
+            AUTO_SEARCH["seed"],
+        )
+        found = search_key_bits(
+            model, rows, bits, bits + AUTO_SEARCH["extra_bits"], AUTO_SEARCH["scored_tokens"], progress=progress,
+            **cache_options,
+        )  # fmt: skip
+        found = dataclasses.replace(found, calibration_rows="random tokens")
+        _save(found, path)
+    _FOUND[key] = found
+    return found
+
+
+def _fingerprint(model: torch.nn.Module, cache: str, tokens: int) -> str:
+    """A digest of what the widths depend on: the search's recipe, the model's config and dtype, a strided sample of
+    each parameter (4,096 numbers: a fine-tuned model differs everywhere, so a sample tells it from its base without
+    reading every weight) and the cache's resolved options (its repr)."""
+    digest = hashlib.sha256()
+    config = {k: v for k, v in model.config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
+    header = {"format": _FORMAT, "search": AUTO_SEARCH, "tokens": tokens, "cache": cache, "config": config}
+    digest.update(json.dumps(header, sort_keys=True, default=str).encode())
+    for name, param in model.named_parameters():
+        flat = param.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)].float().cpu()
+        digest.update(f"{name}:{tuple(param.shape)}:{param.dtype}".encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:24]
+
+
+def _save(found: LayerKeyWidths, path) -> None:
+    """Write the record where the next process finds it (via a temporary file, so a reader never sees half of it);
+    a folder that cannot be written costs the next process the search again, not this one its widths."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        found.save(partial)
+        partial.replace(path)
+    except OSError as err:
+        warnings.warn(
+            f"key_bits='auto': could not keep the widths in {path} ({err}); the next process searches again",
+            stacklevel=3,
+        )

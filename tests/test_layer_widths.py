@@ -11,8 +11,8 @@ import torch
 from models import prompt, tiny_model
 from transformers import DynamicCache, LlamaConfig
 
-from hf_kvcache import QuantizedKVCache, make_cache
-from hf_kvcache.calibrate import copy_rows, random_copy_rows, search_key_bits
+from hf_kvcache import QuantizedKVCache, calibrate, make_cache
+from hf_kvcache.calibrate import auto_key_bits, copy_rows, random_copy_rows, search_key_bits
 from hf_kvcache.cli import main
 from hf_kvcache.layer_widths import LayerKeyWidths
 from hf_kvcache.plan import kv_bytes
@@ -216,6 +216,62 @@ def test_search_measures_each_layer_and_keeps_the_budget():
     ):
         with pytest.raises(ValueError, match=match):
             search_key_bits(model, ids, **{"scored_tokens": 24, **options, **kwargs})
+
+
+def test_auto_widths_are_the_search_on_random_rows_kept_once_per_model_and_cache(tmp_path, monkeypatch):
+    """``key_bits="auto"``: the widths are search_key_bits' on random_copy_rows (4 rows of the model's context, 128
+    scored) under bits + 0.25; the record is kept under $HF_KVCACHE_CACHE and read back by the next cache (no search),
+    through the class and the spec alike; another model's weights or another cache's options search again."""
+    torch.set_num_threads(1)
+    monkeypatch.setenv("HF_KVCACHE_CACHE", str(tmp_path))
+    model = tiny_llama(head_dim=16, layers=4)
+    model.config.max_position_embeddings = 384  # rows of the model's context where it is under 1,024 tokens
+    rows = random_copy_rows(model.config.vocab_size, 4, 384, 128)
+    want = search_key_bits(model, rows, bits=2, budget=2.25, scored_tokens=128, residual_length=16)
+    calls = []
+    found = auto_key_bits(model, 2, progress=calls.append, residual_length=16)
+    assert len(calls) == 1 + 4 * 2 and found.calibration_rows == "random tokens"
+    assert found.key_bits == want.key_bits and found.sensitivity == want.sensitivity and found.budget == 2.25
+    (saved,) = (tmp_path / "key_bits").glob("*.json")
+    assert LayerKeyWidths.load(saved) == found
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("searched again")
+
+    monkeypatch.setattr(calibrate, "search_key_bits", no_search)
+    monkeypatch.setattr(calibrate, "_FOUND", {})  # a new process: only the file
+    for cache in (
+        QuantizedKVCache(model, bits=2, key_bits="auto", residual_length=16),
+        make_cache("int2:key_bits=auto:residual_length=16", model),
+    ):
+        assert (
+            cache.key_bits == QuantizedKVCache(model, bits=2, key_bits=list(want.key_bits), residual_length=16).key_bits
+        )
+    for other, options in ((tiny_llama(head_dim=16, layers=4, seed=1), {}), (model, {"residual_length": 32})):
+        with pytest.raises(AssertionError, match="searched again"):
+            auto_key_bits(other, 2, **{"residual_length": 16, **options})
+
+
+def test_auto_widths_refusals(tmp_path, monkeypatch):
+    torch.set_num_threads(1)
+    model = tiny_llama(head_dim=16, layers=2)
+    for kwargs, match in (
+        (dict(bits=4), "bits must be 3 or 2, got 4"),
+        (dict(bits=8), "key_bits applies to the 4/3/2-bit kinds"),
+        (dict(bits=2, boundary_layers=1), "boundary_layers: key_bits='auto' chooses every layer's key width"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            QuantizedKVCache(model, key_bits="auto", **kwargs)
+    with pytest.raises(ValueError, match="build the cache from the model"):
+        make_cache("int2:key_bits=auto", model.config)
+    with pytest.raises(ValueError, match="key_bits sets layers' key widths"):
+        auto_key_bits(model, 2, key_bits=3)
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # the cache folder's parent is a file: nothing can be kept, the widths still come back
+    monkeypatch.setenv("HF_KVCACHE_CACHE", str(blocked))
+    model.config.max_position_embeddings = 320
+    with pytest.warns(UserWarning, match="could not keep the widths"):
+        assert len(auto_key_bits(model, 3, residual_length=16).key_bits) == 2
 
 
 def test_calibrate_cli_writes_a_widths_file_and_reuses_it(tmp_path, capsys):

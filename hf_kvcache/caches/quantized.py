@@ -14,6 +14,7 @@ from transformers.cache_utils import Cache
 from .. import quant
 from .._config import LayerSpec, is_latent_attention
 from .._validate import check_choice, check_int, dtype_from_name
+from ..calibrate import auto_key_bits
 from ..formats import KEY_AXES, ROTATIONS, codec_for
 from ..layer_widths import LayerKeyWidths, resolve_key_bits
 from ..layers._storage import Workspace
@@ -154,7 +155,11 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             ``bits``. Per layer: a sequence of widths, one per decoder layer, or the path of a widths file (spec
             ``int2:key_bits=widths.json``) that :func:`hf_kvcache.calibrate.search_key_bits` (``hf-kvcache
             calibrate``) writes after measuring which layers' keys cost most at fewer bits (KVTuner's idea); the
-            attribute is then a tuple, :meth:`layer_key_bits` gives one layer's.
+            attribute is then a tuple, :meth:`layer_key_bits` gives one layer's. ``"auto"`` (3 and 2 bits, built
+            from the model, not its config): the widths that search finds for this model and cache on rows of random
+            token ids under a quarter bit more per key element (:func:`hf_kvcache.calibrate.auto_key_bits`): the
+            first cache of a model pays ``1 + 2 x layers`` forwards of 4 x 1,024 tokens (SmolLM2-135M: ~7 minutes on
+            one CPU thread), which are kept as a widths file under ``$HF_KVCACHE_CACHE`` for every later one.
         residual_bits: 4/3/2 bits only: ``None`` (the residual holds its tokens in full precision), 8 (the residual
             holds them in int8 as ``bits=8`` stores tokens, one float32 scale per token and head, Hadamard-rotated
             where the codes are: about half of a bf16 residual's bytes; at 2k tokens and 2 bits a bf16 residual is
@@ -209,6 +214,12 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         codebook: str = "uniform",
         smooth: float | str = AUTO,
     ):
+        # The options as given: key_bits="auto" measures the cache they build (their "auto"s resolved as here).
+        given = dict(
+            group_size=group_size, residual_length=residual_length, backend=backend, scale_dtype=scale_dtype,
+            key_axis=key_axis, rotate=rotate, sinks=sinks, pre_rope=pre_rope, residual_bits=residual_bits,
+            codebook=codebook, smooth=smooth,
+        )  # fmt: skip
         model, config = split_model(config)
         check_choice("bits", bits, (*quant.SUPPORTED_BITS, "fp8"))
         width = 8 if bits == "fp8" else bits  # bits per stored element
@@ -260,6 +271,16 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
                 )
         smooth = smooth if smooth == AUTO else _check_smooth(smooth, rotate)
         specs = self._bind_model(model, config)
+        if key_bits == AUTO:
+            if model is None:
+                raise ValueError(
+                    "key_bits='auto' measures the model's layers: build the cache from the model "
+                    "(QuantizedKVCache(model, bits=2, key_bits='auto')), not from its config; from a config (as plan "
+                    "reads), name the widths file the search kept: key_bits=PATH, under $HF_KVCACHE_CACHE/key_bits"
+                )
+            if boundary_layers:
+                raise ValueError("boundary_layers: key_bits='auto' chooses every layer's key width; leave it at 0")
+            key_bits = auto_key_bits(model, bits, **given)
         key_bits = resolve_key_bits(key_bits, len(specs))
         if 2 * boundary_layers >= len(specs):
             raise ValueError(
