@@ -499,7 +499,7 @@ def test_runs_of_the_same_documents_join_as_one_run(reference, tmp_path, capsys)
     """A cache run later on another run's documents reads as one of that run's caches: two runs of the same settings
     joined equal one run of all their caches, on every task and every number relative to the baseline; a cache both
     runs hold must have measured the same in each (else the documents or the code were not the same)."""
-    from hf_kvcache.eval import combine_runs, get_task, join_runs, select_caches
+    from hf_kvcache.eval import combine_runs, get_task, join_runs, select_caches, write_report
 
     model, tokenizer = reference
     config = EvalConfig(task=("perplexity", "passkey", "ruler"), caches=("dynamic", "int8"), max_tokens=768,
@@ -529,6 +529,22 @@ def test_runs_of_the_same_documents_join_as_one_run(reference, tmp_path, capsys)
         join_runs([earlier, moved])
     with pytest.raises(ValueError, match="run 1 is a report of several runs"):
         combine_runs([joined, later])
+
+    # runs of the same documents at each of two seeds: each pair joins, the pairs pool, as two runs of all the
+    # caches at those seeds pool
+    ruler = config.replace(task=("ruler",))
+    pairs = [[run_eval(ruler.replace(caches=c, seed=seed), model, tokenizer) for c in (("dynamic", "int8"), ("int2",))]
+             for seed in (0, 2)]  # fmt: skip
+    alone = [
+        run_eval(ruler.replace(caches=("dynamic", "int8", "int2"), seed=seed), model, tokenizer) for seed in (0, 2)
+    ]
+    both = combine_runs([*pairs[0], *pairs[1]], ["dynamic", "int2"])
+    assert both["results"] == combine_runs(alone, ["dynamic", "int2"])["results"]
+    assert both["joined_groups"] == [[["dynamic", "int8"], ["int2"]]] * 2 and "joined" not in both
+    write_report(both, tmp_path / "pooled")
+    assert (
+        "Pooled from 2 sets of documents, each joined from runs of them" in (tmp_path / "pooled/report.md").read_text()
+    )
 
     paths = []
     for name, run in (("earlier", earlier), ("later", later)):

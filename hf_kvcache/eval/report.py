@@ -76,7 +76,13 @@ def _setup_line(results: dict) -> str:
     cfg = results["config"]
     parts = [f"Device {results['device']}, dtype {cfg['dtype']}."]
     runs = results.get("runs") or [cfg]  # a pooled report: each run's documents
-    if len(runs) > 1:
+    groups = results.get("joined_groups")  # pooled sets of documents, each joined from runs of its own
+    if groups:
+        each = "; ".join(" + ".join(", ".join(caches) for caches in group) for group in groups)
+        parts.append(
+            f"Pooled from {len(runs)} sets of documents, each joined from runs of them (their caches: {each}):"
+        )
+    elif len(runs) > 1:
         parts.append(f"Pooled from {len(runs)} runs:")
     if results.get("joined"):  # a joined report: one set of documents, each run's caches
         each = "; ".join(", ".join(caches) for caches in results["joined"])

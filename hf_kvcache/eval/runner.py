@@ -241,32 +241,46 @@ _UNMEASURED = ("caches", "quiet", "threads")
 _POOLED_ALIKE = ("model", "dtype", "dataset", "chat_template")
 
 
+def _documents(run: dict) -> dict:
+    """The settings that choose a run's documents: its config but for its caches and what changes no number (tuples
+    of a run made here are the lists of a run read from its JSON)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in run["config"].items() if k not in _UNMEASURED}
+
+
 def same_documents(runs: list[dict]) -> bool:
     """Whether the ``run_eval`` results ``runs`` read the same documents: their configs are the same but for their
     caches and the settings that change no number (threads, progress bars)."""
-
-    def documents(run: dict) -> dict:  # tuples of a run made here are the lists of a run read from its JSON
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in run["config"].items() if k not in _UNMEASURED}
-
-    return all(documents(run) == documents(runs[0]) for run in runs[1:])
+    return all(_documents(run) == _documents(runs[0]) for run in runs[1:])
 
 
 def combine_runs(runs: list[dict], caches: list[str] | None = None) -> dict:
     """What ``hf-kvcache report`` shows of one or several ``run_eval`` results: runs over the same documents joined
-    (:func:`join_runs`), runs over other documents pooled (:func:`pool_runs`), then ``caches`` chosen
-    (:func:`select_caches`; where runs pool, from each run, which must have them all)."""
+    (:func:`join_runs`), then, where runs read other documents too, those joined groups pooled (:func:`pool_runs`;
+    a cache run alone on a published run's documents at each of several lengths joins that run at each, and the
+    lengths pool), then ``caches`` chosen (:func:`select_caches`; where groups pool, from each, which must have them
+    all)."""
     if len(runs) > 1:
         for i, run in enumerate(runs, 1):
             if "runs" in run or "joined" in run:
                 raise ValueError(
                     f"run {i} is a report of several runs (pooled or joined); report the runs it was made from"
                 )
-    if len(runs) == 1 or same_documents(runs):
-        combined = join_runs(runs)
-        return combined if caches is None else select_caches(combined, caches)
+    groups: list[list[dict]] = []  # runs of the same documents, in the order their first run was given
+    for run in runs:
+        group = next((g for g in groups if same_documents([g[0], run])), None)
+        if group is None:
+            groups.append([run])
+        else:
+            group.append(run)
+    joined = [join_runs(group) for group in groups]
+    if len(joined) == 1:
+        return joined[0] if caches is None else select_caches(joined[0], caches)
     if caches is not None:
-        runs = [select_caches(run, caches) for run in runs]
-    return pool_runs(runs)
+        joined = [select_caches(run, caches) for run in joined]
+    pooled = pool_runs(joined)
+    if any(len(group) > 1 for group in groups):
+        pooled["joined_groups"] = [[_caches(run) for run in group] for group in groups]
+    return pooled
 
 
 def join_runs(runs: list[dict]) -> dict:
@@ -332,7 +346,7 @@ def pool_runs(runs: list[dict]) -> dict:
         )
     for name in tasks:
         get_task(name).finish([entry[name] for entry in entries])
-    pooled = {k: v for k, v in runs[0].items() if k != "seconds"}
+    pooled = {k: v for k, v in runs[0].items() if k not in ("seconds", "joined")}  # "runs" has each part's caches
     return pooled | {
         "config": runs[0]["config"] | {"caches": caches},
         "runs": [run["config"] for run in runs],
