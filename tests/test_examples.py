@@ -95,6 +95,16 @@ def check_hybrid_model(out: str, cwd: Path) -> None:
     assert int(rows["int4"]) > int(rows["dynamic"]) > 0
 
 
+def check_auto_key_widths(out: str, cwd: Path) -> None:
+    widths = json.loads(re.search(r"key widths per layer: (\[[\d, ]+\])", out).group(1))
+    assert len(widths) == 4 and set(widths) <= {2, 3, 4} and sum(widths) / 4 <= 2.25  # the reference model's layers
+    assert "same widths the second time: True" in out
+    rows = dict(re.findall(r"\n  (.+?) +copy perplexity +[\d.]+ \(.+?\) +([\d,]+) bytes", out))
+    assert list(rows) == ["DynamicCache", "int2", 'int2, key_bits="auto", residual_bits=8'], out
+    nbytes = [int(n.replace(",", "")) for n in rows.values()]
+    assert nbytes[2] < nbytes[1] < nbytes[0]  # an int8 residual under int2's, both under full precision
+
+
 CHECKS = {
     "int8_generation": check_int8_generation,
     "streaming_sinks": check_streaming_sinks,
@@ -102,6 +112,7 @@ CHECKS = {
     "compare_caches": check_compare_caches,
     "device_map_split": check_device_map_split,
     "hybrid_model": check_hybrid_model,
+    "auto_key_widths": check_auto_key_widths,
 }
 
 
