@@ -63,8 +63,17 @@ SMOOTH_CACHES = (
 )
 KEY_WIDTHS_FILE = "results/{}/key_bits.json"  # where a calibrate run writes its widths (relative to the checkout)
 KEYWIDTHS_225 = f"int2:key_bits={KEY_WIDTHS_FILE.format('calibrate-int2-2.25')}"
+# int2 with the key widths the cache searches for itself (key_bits="auto") and an int8 residual
+AUTO_INT2 = "int2:key_bits=auto:residual_bits=8"
 # (name suffix, length, documents a cell, seed) of the calibrated widths' RULER runs at further seeds
-KEYWIDTHS_SEEDS = [("", 1024, 10, 10), ("-2k", 2048, 10, 10), ("-4k", 4096, 5, 5)]
+KEYWIDTHS_SEEDS = [
+    ("", 1024, 10, 10),
+    ("-2k", 2048, 10, 10),
+    ("-4k", 4096, 5, 5),
+    ("", 1024, 10, 20),
+    ("-2k", 2048, 10, 20),
+    ("", 1024, 10, 30),
+]
 KEYWIDTHS_POOLED = [
     "eval-ruler-keywidths-residual",
     "eval-ruler-keywidths-residual-2k",
@@ -328,6 +337,27 @@ RUNS: dict[str, list[str]] = {
         ]
         for suffix, length, samples, seed in KEYWIDTHS_SEEDS
     },
+    # key_bits="auto" (the random-token search, run by the cache itself once per model) alone on the calibrated
+    # widths' seed-0 documents at 1k, 2k and 4k, then joined with those runs at each length and pooled over the three
+    # by report-ruler-auto. At 1k its widths are calibrate-int2-random's, so it scores as that run's cache does.
+    **{
+        f"eval-ruler-auto{suffix}": [
+            "eval",
+            *REAL,
+            *f"--task ruler --chat-template --ruler-lengths {length} --ruler-samples {samples}".split(),
+            *["--caches", AUTO_INT2],
+        ]
+        for suffix, length, samples in (("", 1024, 10), ("-2k", 2048, 10), ("-4k", 4096, 5))
+    },
+    "report-ruler-auto": [
+        "report",
+        *(
+            f"docs/results/{name}{suffix}.json"
+            for suffix in ("", "-2k", "-4k")
+            for name in ("eval-ruler-keywidths-residual", "eval-ruler-auto")
+        ),
+        *["--caches", f"dynamic,{AUTO_INT2}"],
+    ],
     "report-ruler-keywidths-residual": [
         "report",
         *(f"docs/results/{name}.json" for name in KEYWIDTHS_POOLED),
