@@ -64,8 +64,8 @@ def main() -> None:
     started = time.perf_counter()
     again = QuantizedKVCache(model, bits=2, key_bits="auto", residual_bits=8)
     second = time.perf_counter() - started
-    widths = auto.key_bits if isinstance(auto.key_bits, tuple) else (auto.key_bits,) * len(auto.layers)
-    print(f"key widths per layer: {list(widths)} ({sum(widths) / len(widths):.2f} bits on average)")
+    widths = [auto.layer_key_bits(i) for i in range(len(auto.layers))]
+    print(f"key widths per layer: {widths} ({sum(widths) / len(widths):.2f} bits on average)")
     print(f"first cache: {first:.1f} s (the search, unless an earlier run kept its file); second: {second:.2f} s")
     print(f"same widths the second time: {again.key_bits == auto.key_bits}")
 

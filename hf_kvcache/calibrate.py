@@ -120,9 +120,7 @@ def search_key_bits(
     if not widths:
         raise ValueError("widths must name at least one of 4, 3, 2")
     check_budget(budget, widths)  # before the model runs: with_budget checks it again, after
-    for name in ("key_bits", "boundary_layers"):
-        if name in cache_options:
-            raise ValueError(f"cache_options: {name} sets layers' key widths, which the search chooses; leave it out")
+    _check_chosen_by_search(cache_options, "cache_options")
     check_int("scored_tokens", scored_tokens, 1)
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be (rows, tokens), got shape {tuple(input_ids.shape)}")
@@ -200,9 +198,7 @@ def auto_key_bits(
             f"key_bits='auto' chooses keys among 2, 3 and 4 bits a quarter bit above the values' width: bits must be "
             f"3 or 2, got {bits!r} (int4's keys are already the widest)"
         )
-    for name in ("key_bits", "boundary_layers"):
-        if name in cache_options:
-            raise ValueError(f"key_bits='auto': {name} sets layers' key widths, which the search chooses; leave it out")
+    _check_chosen_by_search(cache_options, "key_bits='auto'")
     probe = make_cache(f"int{bits}", model, **cache_options)  # bad options fail here, before any forward
     context = getattr(resolve_config(model), "max_position_embeddings", None) or AUTO_SEARCH["tokens"]
     tokens = min(AUTO_SEARCH["tokens"], context)
@@ -234,6 +230,13 @@ def auto_key_bits(
         _save(found, path)
     _FOUND[key] = found
     return found
+
+
+def _check_chosen_by_search(cache_options: dict, where: str) -> None:
+    """Refuse the options that set layers' key widths, which the search chooses."""
+    for name in ("key_bits", "boundary_layers"):
+        if name in cache_options:
+            raise ValueError(f"{where}: {name} sets layers' key widths, which the search chooses; leave it out")
 
 
 def _fingerprint(model: torch.nn.Module, cache: str, tokens: int) -> str:

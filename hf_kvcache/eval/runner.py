@@ -241,16 +241,14 @@ _UNMEASURED = ("caches", "quiet", "threads")
 _POOLED_ALIKE = ("model", "dtype", "dataset", "chat_template")
 
 
-def _documents(run: dict) -> dict:
-    """The settings that choose a run's documents: its config but for its caches and what changes no number (tuples
-    of a run made here are the lists of a run read from its JSON)."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in run["config"].items() if k not in _UNMEASURED}
-
-
 def same_documents(runs: list[dict]) -> bool:
     """Whether the ``run_eval`` results ``runs`` read the same documents: their configs are the same but for their
     caches and the settings that change no number (threads, progress bars)."""
-    return all(_documents(run) == _documents(runs[0]) for run in runs[1:])
+
+    def documents(run: dict) -> dict:  # tuples of a run made here are the lists of a run read from its JSON
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in run["config"].items() if k not in _UNMEASURED}
+
+    return all(documents(run) == documents(runs[0]) for run in runs[1:])
 
 
 def combine_runs(runs: list[dict], caches: list[str] | None = None) -> dict:
