@@ -349,6 +349,17 @@ RUNS: dict[str, list[str]] = {
         ]
         for suffix, length, samples in (("", 1024, 10), ("-2k", 2048, 10), ("-4k", 4096, 5))
     },
+    # The same cache on every further document the calibrated widths read (KEYWIDTHS_SEEDS), fixed before these runs
+    # so that both caches are pooled over the same 560 documents, whatever they score (report-ruler-auto-pooled).
+    **{
+        f"eval-ruler-auto{suffix}-seed{seed}": [
+            "eval",
+            *REAL,
+            *f"--task ruler --chat-template --ruler-lengths {length} --ruler-samples {samples} --seed {seed}".split(),
+            *["--caches", AUTO_INT2],
+        ]
+        for suffix, length, samples, seed in KEYWIDTHS_SEEDS
+    },
     "report-ruler-auto": [
         "report",
         *(
@@ -357,6 +368,14 @@ RUNS: dict[str, list[str]] = {
             for name in ("eval-ruler-keywidths-residual", "eval-ruler-auto")
         ),
         *["--caches", f"dynamic,{AUTO_INT2}"],
+    ],
+    # Every run of the two caches and DynamicCache's on the same 560 documents: KEYWIDTHS_POOLED's runs, each joined
+    # with the auto cache's run of its documents, pooled.
+    "report-ruler-auto-pooled": [
+        "report",
+        *(f"docs/results/{name}.json" for name in KEYWIDTHS_POOLED),
+        *(f"docs/results/{name.replace('keywidths-residual', 'auto')}.json" for name in KEYWIDTHS_POOLED),
+        *["--caches", f"dynamic,{KEYWIDTHS_225}:residual_bits=8,{AUTO_INT2}"],
     ],
     "report-ruler-keywidths-residual": [
         "report",
