@@ -30,6 +30,7 @@ kinds), so ``QuantizedKVCache`` can resolve ``key_bits="auto"`` here without thi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -154,13 +155,16 @@ def search_key_bits(
         return kl
 
     top = widths[-1]
-    baseline = loss([top] * layers)
+    replay = _LayerReplay.of(model, layers)
+    with replay.recording():
+        baseline = loss([top] * layers)
     sensitivity = []
     for layer in range(layers):
         row = {str(top): baseline}
         for width in widths[:-1]:
             if probe.layer_specs[layer].holds_kv:
-                row[str(width)] = loss([top if i != layer else width for i in range(layers)])
+                with replay.replaying(layer):
+                    row[str(width)] = loss([top if i != layer else width for i in range(layers)])
             else:  # a recurrent layer of a hybrid model stores no keys: every width is the same cache
                 row[str(width)] = baseline
         sensitivity.append(row)
@@ -230,6 +234,73 @@ def auto_key_bits(
         _save(found, path)
     _FOUND[key] = found
     return found
+
+
+class _LayerReplay:
+    """The baseline forward's decoder-layer outputs, replayed where a configuration cannot change them.
+
+    A configuration that narrows layer ``l``'s keys alone differs from the baseline (every layer at the widest width)
+    from layer ``l`` on: each layer before it reads the same input, weights and stored context as in the baseline's
+    forward, so it returns what it returned there instead of computing it again, and the configuration's forward
+    costs the layers from ``l`` on (about half the search's layers over all). Layers that are skipped leave their
+    cache layers unread and unwritten, which no later layer looks at; a model where one layer reads another's keys and
+    values (``num_kv_shared_layers``), or whose decoder layers cannot be found as one module per cache layer, runs
+    every layer (``of`` returns a replay that does nothing).
+    """
+
+    def __init__(self, layers: list[torch.nn.Module] | None):
+        self.layers = layers
+        self.outputs: list[object] = []
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, count: int) -> _LayerReplay:
+        if getattr(resolve_config(model), "num_kv_shared_layers", 0):
+            return cls(None)
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        layers = getattr(decoder, "layers", getattr(decoder, "h", None))  # GPT-2's family names them h
+        if not isinstance(layers, torch.nn.ModuleList) or len({id(layer) for layer in layers}) != count:
+            return cls(None)  # not found, or one module at two depths, whose outputs could not be told apart
+        return cls(list(layers))
+
+    @contextlib.contextmanager
+    def recording(self):
+        if self.layers is None:
+            yield
+            return
+        self.outputs = [None] * len(self.layers)
+
+        def keep(index):
+            def hook(module, args, output):
+                self.outputs[index] = output
+
+            return hook
+
+        hooks = [layer.register_forward_hook(keep(i)) for i, layer in enumerate(self.layers)]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    @contextlib.contextmanager
+    def replaying(self, first: int):
+        """Layers before ``first`` return the recorded outputs (an instance ``forward`` another library set, such as
+        accelerate's offloading hook, is put back after)."""
+        if self.layers is None or first == 0:
+            yield
+            return
+        saved = []
+        for layer, output in zip(self.layers[:first], self.outputs):
+            saved.append(layer.__dict__.get("forward"))
+            layer.forward = lambda *args, _output=output, **kwargs: _output
+        try:
+            yield
+        finally:
+            for layer, forward in zip(self.layers, saved):
+                if forward is None:
+                    del layer.forward
+                else:
+                    layer.forward = forward
 
 
 def _check_chosen_by_search(cache_options: dict, where: str) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 
@@ -216,6 +217,40 @@ def test_search_measures_each_layer_and_keeps_the_budget():
     ):
         with pytest.raises(ValueError, match=match):
             search_key_bits(model, ids, **{"scored_tokens": 24, **options, **kwargs})
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma3"])
+def test_search_replays_the_layers_before_the_one_it_narrows(family, monkeypatch):
+    """Each configuration's forward runs the layers from the narrowed one on and replays the baseline's outputs
+    before it: the measurements are those of a search that runs every layer, to the bit; a forward set on a layer
+    instance is put back; a model where layers share keys and values runs every layer."""
+    torch.set_num_threads(1)
+    model = tiny_model(family)
+    layers = calibrate._LayerReplay.of(model, model.config.num_hidden_layers).layers
+    assert layers is not None and len(layers) == model.config.num_hidden_layers
+    n = len(layers)
+    ids = torch.randint(3, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    options = dict(group_size=8, residual_length=8)
+    computed = []
+    forward = type(layers[0]).forward
+
+    def counted(self, *args, **kwargs):
+        computed.append(layers.index(self))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(layers[0]), "forward", counted)
+    wrapped = functools.partial(counted, layers[0])  # as accelerate's hooks set a module's forward
+    layers[0].forward = wrapped
+    with torch.no_grad():
+        replayed = search_key_bits(model, ids, bits=2, budget=3, scored_tokens=16, **options)
+        # the prefill, the exact forward and the baseline run every layer; layer i the configurations of layers <= i
+        assert [computed.count(i) for i in range(n)] == [3 + 2 * (i + 1) for i in range(n)]
+        assert layers[0].forward is wrapped and not any("forward" in layer.__dict__ for layer in layers[1:])
+        computed.clear()
+        model.config.num_kv_shared_layers = 1
+        every = search_key_bits(model, ids, bits=2, budget=3, scored_tokens=16, **options)
+        assert [computed.count(i) for i in range(n)] == [3 + 2 * n] * n
+    assert replayed.sensitivity == every.sensitivity and replayed.baseline == every.baseline
 
 
 def test_auto_widths_are_the_search_on_random_rows_kept_once_per_model_and_cache(tmp_path, monkeypatch):
