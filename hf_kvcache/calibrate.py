@@ -95,6 +95,7 @@ def search_key_bits(
     scored_tokens: int = 128,
     widths: Sequence[int] = KEY_WIDTHS,
     progress: Callable[[int], None] | None = None,
+    replay: bool = True,
     **cache_options: object,
 ) -> LayerKeyWidths:
     """Each decoder layer's key width, measured on ``model`` (see the module docstring).
@@ -110,6 +111,9 @@ def search_key_bits(
         scored_tokens: tokens per row scored.
         widths: the key widths to choose from (a subset of 4, 3, 2).
         progress: called with 1 after each measured configuration (``1 + layers x (len(widths) - 1)`` of them).
+        replay: each configuration's forward replays the baseline's outputs of the layers before the one it narrows
+            instead of computing them again (:class:`_LayerReplay`; the same measurements to the bit, SmolLM2's
+            search in 0.72x of the time); False runs every layer of every configuration.
         cache_options: the other ``QuantizedKVCache`` options (``residual_length``, ``group_size``, ``rotate``, ...)
             the widths are for; measured with them.
 
@@ -155,7 +159,7 @@ def search_key_bits(
         return kl
 
     top = widths[-1]
-    replay = _LayerReplay.of(model, layers)
+    replay = _LayerReplay.of(model, layers) if replay else _LayerReplay(None)
     with replay.recording():
         baseline = loss([top] * layers)
     sensitivity = []
@@ -189,13 +193,13 @@ def auto_key_bits(
     :func:`search_key_bits` on :func:`random_copy_rows` (``AUTO_SEARCH``: 4 rows of 1,024 tokens, or the model's
     context if shorter) under a budget of ``bits + 0.25`` key bits per element, for the cache of ``cache_options``.
 
-    The search costs ``1 + 2 x layers`` forwards of the rows (SmolLM2-135M: 61 forwards, 380 s on one CPU thread;
-    not yet timed on a GPU), so its record is kept as a widths file in ``<cache dir>/key_bits/``
-    (``$HF_KVCACHE_CACHE``, else ``~/.cache/hf_kvcache``), named by a fingerprint of the model's config, dtype and
-    weights (a sample of each parameter) and of the cache's resolved options: the same model and cache read it back,
-    another model or a fine-tuned one searches again. The file is an ordinary widths file (``key_bits=PATH`` reads
-    it; ``plan`` counts its bytes). ``progress`` is called with 1 after each forward of a search that runs (not when
-    the file is read).
+    The search costs ``1 + 2 x layers`` forwards of the rows, most of them through the later layers only
+    (SmolLM2-135M: 61 forwards, 273 s on one CPU thread; not yet timed on a GPU), so its record is kept as a widths
+    file in ``<cache dir>/key_bits/`` (``$HF_KVCACHE_CACHE``, else ``~/.cache/hf_kvcache``), named by a fingerprint
+    of the model's config, dtype and weights (a sample of each parameter) and of the cache's resolved options: the
+    same model and cache read it back, another model or a fine-tuned one searches again. The file is an ordinary
+    widths file (``key_bits=PATH`` reads it; ``plan`` counts its bytes). ``progress`` is called with 1 after each
+    forward of a search that runs (not when the file is read).
     """
     if bits not in (3, 2):
         raise ValueError(
