@@ -113,7 +113,7 @@ def search_key_bits(
         progress: called with 1 after each measured configuration (``1 + layers x (len(widths) - 1)`` of them).
         replay: each configuration's forward replays the baseline's outputs of the layers before the one it narrows
             instead of computing them again (:class:`_LayerReplay`; the same measurements to the bit, SmolLM2's
-            search in 0.72x of the time); False runs every layer of every configuration.
+            search in 0.74x of the time); False runs every layer of every configuration.
         cache_options: the other ``QuantizedKVCache`` options (``residual_length``, ``group_size``, ``rotate``, ...)
             the widths are for; measured with them.
 
@@ -194,7 +194,7 @@ def auto_key_bits(
     context if shorter) under a budget of ``bits + 0.25`` key bits per element, for the cache of ``cache_options``.
 
     The search costs ``1 + 2 x layers`` forwards of the rows, most of them through the later layers only
-    (SmolLM2-135M: 61 forwards, 273 s on one CPU thread; not yet timed on a GPU), so its record is kept as a widths
+    (SmolLM2-135M: 61 forwards, 256 s on one CPU thread; not yet timed on a GPU), so its record is kept as a widths
     file in ``<cache dir>/key_bits/`` (``$HF_KVCACHE_CACHE``, else ``~/.cache/hf_kvcache``), named by a fingerprint
     of the model's config, dtype and weights (a sample of each parameter) and of the cache's resolved options: the
     same model and cache read it back, another model or a fine-tuned one searches again. The file is an ordinary

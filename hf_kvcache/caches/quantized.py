@@ -158,7 +158,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             attribute is then a tuple, :meth:`layer_key_bits` gives one layer's. ``"auto"`` (3 and 2 bits, built
             from the model, not its config): the widths that search finds for this model and cache on rows of random
             token ids under a quarter bit more per key element (:func:`hf_kvcache.calibrate.auto_key_bits`): the
-            first cache of a model pays ``1 + 2 x layers`` forwards of 4 x 1,024 tokens (SmolLM2-135M: 380 s on
+            first cache of a model pays ``1 + 2 x layers`` forwards of 4 x 1,024 tokens (SmolLM2-135M: 256 s on
             one CPU thread), which are kept as a widths file under ``$HF_KVCACHE_CACHE`` for every later one.
         residual_bits: 4/3/2 bits only: ``None`` (the residual holds its tokens in full precision), 8 (the residual
             holds them in int8 as ``bits=8`` stores tokens, one float32 scale per token and head, Hadamard-rotated

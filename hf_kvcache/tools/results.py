@@ -377,6 +377,13 @@ RUNS: dict[str, list[str]] = {
         *(f"docs/results/{name.replace('keywidths-residual', 'auto')}.json" for name in KEYWIDTHS_POOLED),
         *["--caches", f"dynamic,{KEYWIDTHS_225}:residual_bits=8,{AUTO_INT2}"],
     ],
+    # The same documents, the auto cache paired with the text's widths (vs first: auto against them).
+    "report-ruler-auto-vs-text": [
+        "report",
+        *(f"docs/results/{name}.json" for name in KEYWIDTHS_POOLED),
+        *(f"docs/results/{name.replace('keywidths-residual', 'auto')}.json" for name in KEYWIDTHS_POOLED),
+        *["--caches", f"{KEYWIDTHS_225}:residual_bits=8,{AUTO_INT2}"],
+    ],
     "report-ruler-keywidths-residual": [
         "report",
         *(f"docs/results/{name}.json" for name in KEYWIDTHS_POOLED),
