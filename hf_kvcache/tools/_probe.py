@@ -24,16 +24,23 @@ def add_common_flags(parser: argparse.ArgumentParser, tokens: int | None, tokens
 def run_probe(args: argparse.Namespace, check: Callable[[], None], measure, table: Callable[[dict], str]) -> int:
     """``check()`` the flags, load ``--model``, ``measure(model, ids)`` on the held-out text's first ``--tokens``
     tokens, print ``table(result)`` and write ``--json``; a ``ValueError`` is one line on stderr and exit code 2."""
-    from ..models import load_model
     from ..reference import reference_text
+
+    def on_text(model, tokenizer) -> dict:
+        text = reference_text()[: 16 * args.tokens]  # enough characters for the tokens, not the whole novel
+        return measure(model, tokenizer(text, return_tensors="pt").input_ids[:, : args.tokens])
+
+    return run_model_probe(args, check, on_text, table)
+
+
+def run_model_probe(args: argparse.Namespace, check: Callable[[], None], measure, table: Callable[[dict], str]) -> int:
+    """:func:`run_probe` for a probe that reads no text: ``measure(model, tokenizer)``."""
+    from ..models import load_model
 
     torch.set_num_threads(args.threads)
     try:
         check()
-        model, tokenizer = load_model(args.model)
-        text = reference_text()[: 16 * args.tokens]  # enough characters for the tokens, not the whole novel
-        ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.tokens]
-        result = measure(model, ids)
+        result = measure(*load_model(args.model))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -12,11 +12,9 @@ running every layer measures, to the bit: a difference is an error (exit code 1)
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 
-import torch
+from ._probe import add_common_flags, run_model_probe
 
 __all__ = ["main", "measure"]
 
@@ -77,25 +75,19 @@ def table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="reference", help="smollm2, reference or a local folder")
+    add_common_flags(parser, None)
     parser.add_argument("--cache", default="int2", help="the int2 / int3 spec the widths are searched for")
     parser.add_argument("--rows", type=int, help="calibration rows (default: AUTO_SEARCH's 4)")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args(argv)
-    from ..models import load_model
+    results = []
 
-    torch.set_num_threads(args.threads)
-    try:
+    def check() -> None:
         if args.rows is not None and args.rows < 1:
             raise ValueError(f"--rows must be >= 1, got {args.rows}")
-        model, _ = load_model(args.model)
-        result = measure(model, args.cache, args.rows)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(table(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0 if result["same_record"] else 1
+
+    def run(model, tokenizer) -> dict:
+        results.append(measure(model, args.cache, args.rows))
+        return results[-1]
+
+    code = run_model_probe(args, check, run, table)
+    return 1 if code == 0 and not results[0]["same_record"] else code
