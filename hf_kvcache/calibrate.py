@@ -159,15 +159,15 @@ def search_key_bits(
         return kl
 
     top = widths[-1]
-    replay = _LayerReplay.of(model, layers) if replay else _LayerReplay(None)
-    with replay.recording():
+    replayer = _LayerReplay.of(model, layers) if replay else _LayerReplay(None)
+    with replayer.recording():
         baseline = loss([top] * layers)
     sensitivity = []
     for layer in range(layers):
         row = {str(top): baseline}
         for width in widths[:-1]:
             if probe.layer_specs[layer].holds_kv:
-                with replay.replaying(layer):
+                with replayer.replaying(layer):
                     row[str(width)] = loss([top if i != layer else width for i in range(layers)])
             else:  # a recurrent layer of a hybrid model stores no keys: every width is the same cache
                 row[str(width)] = baseline
