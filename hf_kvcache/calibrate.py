@@ -49,7 +49,14 @@ from .models import model_cache_dir
 from .prefill import SharedPrefill, every_token_cache
 from .registry import make_cache
 
-__all__ = ["AUTO_SEARCH", "auto_key_bits", "copy_rows", "random_copy_rows", "search_key_bits"]
+__all__ = [
+    "AUTO_SEARCH",
+    "auto_key_bits",
+    "auto_search_rows",
+    "copy_rows",
+    "random_copy_rows",
+    "search_key_bits",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -208,9 +215,7 @@ def auto_key_bits(
         )
     _check_chosen_by_search(cache_options, "key_bits='auto'")
     probe = make_cache(f"int{bits}", model, **cache_options)  # bad options fail here, before any forward
-    context = getattr(resolve_config(model), "max_position_embeddings", None) or AUTO_SEARCH["tokens"]
-    tokens = min(AUTO_SEARCH["tokens"], context)
-    key = _fingerprint(model, repr(probe), tokens)
+    key = _fingerprint(model, repr(probe), _auto_tokens(model))
     if key in _FOUND:
         return _FOUND[key]
     path = model_cache_dir() / "key_bits" / f"{key}.json"
@@ -223,21 +228,26 @@ def auto_key_bits(
             1 + 2 * len(probe.layers),
             path,
         )
-        rows = random_copy_rows(
-            model.get_input_embeddings().num_embeddings,
-            AUTO_SEARCH["rows"],
-            tokens,
-            AUTO_SEARCH["scored_tokens"],
-            AUTO_SEARCH["seed"],
-        )
         found = search_key_bits(
-            model, rows, bits, bits + AUTO_SEARCH["extra_bits"], AUTO_SEARCH["scored_tokens"], progress=progress,
-            **cache_options,
+            model, auto_search_rows(model), bits, bits + AUTO_SEARCH["extra_bits"], AUTO_SEARCH["scored_tokens"],
+            progress=progress, **cache_options,
         )  # fmt: skip
         found = dataclasses.replace(found, calibration_rows="random tokens")
         _save(found, path)
     _FOUND[key] = found
     return found
+
+
+def _auto_tokens(model: torch.nn.Module) -> int:
+    """Tokens per row of the auto search: ``AUTO_SEARCH``'s, or the model's context where it is shorter."""
+    context = getattr(resolve_config(model), "max_position_embeddings", None) or AUTO_SEARCH["tokens"]
+    return min(AUTO_SEARCH["tokens"], context)
+
+
+def auto_search_rows(model: torch.nn.Module, rows: int = AUTO_SEARCH["rows"]) -> torch.Tensor:
+    """The random copy rows :func:`auto_key_bits` searches on (``rows`` of them)."""
+    vocab = model.get_input_embeddings().num_embeddings
+    return random_copy_rows(vocab, rows, _auto_tokens(model), AUTO_SEARCH["scored_tokens"], AUTO_SEARCH["seed"])
 
 
 class _LayerReplay:

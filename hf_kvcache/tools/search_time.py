@@ -22,7 +22,7 @@ __all__ = ["main", "measure"]
 def measure(model, cache: str, rows: int | None = None) -> dict:
     """Seconds of the search with the replay and without, their ratio, whether their records are equal, and the
     widths (``rows`` overrides ``AUTO_SEARCH``'s 4 rows)."""
-    from ..calibrate import AUTO_SEARCH, random_copy_rows, search_key_bits
+    from ..calibrate import AUTO_SEARCH, auto_search_rows, search_key_bits
     from ..registry import check_spec, parse_spec
 
     check_spec(cache)
@@ -30,15 +30,8 @@ def measure(model, cache: str, rows: int | None = None) -> dict:
     if kind not in ("int2", "int3"):
         raise ValueError(f"--cache must be an int2 or int3 spec (key_bits='auto' searches those), got {cache!r}")
     bits = int(kind[3])
-    context = getattr(model.config, "max_position_embeddings", None) or AUTO_SEARCH["tokens"]
     scored = AUTO_SEARCH["scored_tokens"]
-    ids = random_copy_rows(
-        model.get_input_embeddings().num_embeddings,
-        rows or AUTO_SEARCH["rows"],
-        min(AUTO_SEARCH["tokens"], context),
-        scored,
-        AUTO_SEARCH["seed"],
-    )
+    ids = auto_search_rows(model, rows or AUTO_SEARCH["rows"])
     found, seconds = {}, {}
     for replay in (True, False):
         start = time.perf_counter()
