@@ -16,6 +16,7 @@ can compare caches on long prompts without paying for the prompt once per cache.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Iterable
 
 import torch
@@ -37,7 +38,20 @@ from ._config import has_indexed_layers, has_state_layers, resolve_config
 from .layers._common import KVLayer
 from .layers.inside import AttentionInside
 
-__all__ = ["SharedPrefill", "every_token_cache", "store_prefill", "write_tokens"]
+__all__ = ["SharedPrefill", "every_token_cache", "padded_positions", "store_prefill", "write_tokens"]
+
+
+def padded_positions(model, attention_mask: torch.Tensor | None) -> dict:
+    """``{"position_ids": ...}`` for the forward of a left-padded prompt: each row's positions counted from its first
+    real token, as ``generate`` counts them (a forward given no positions numbers the columns, so a padded row that
+    ``generate`` then continues would sit its padding's width of positions apart from its own prompt). ``{}`` where no
+    row is padded (the columns are the positions) or the model's forward takes no ``position_ids``."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return {}
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return {}
+    positions = attention_mask.long().cumsum(-1) - 1
+    return {"position_ids": positions.masked_fill(attention_mask == 0, 0)}
 
 
 def write_tokens(cache: Cache, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -163,7 +177,9 @@ class SharedPrefill:
     cache kind we ship, sliding-window eviction and pages included).
 
     ``logits``: the prompt's last ``logits_to_keep`` positions' logits ``(B, n, vocab)`` (0: every position), which
-    are the same through every cache (a prefill attends to its own full-precision K/V).
+    are the same through every cache (a prefill attends to its own full-precision K/V). A left-padded batch
+    (``attention_mask`` with zeros) is run at ``generate``'s positions (:func:`padded_positions`), so ``generate`` can
+    continue it from any cache it was stored in.
 
     >>> from transformers import LlamaConfig, LlamaForCausalLM
     >>> from hf_kvcache import make_cache
@@ -184,7 +200,8 @@ class SharedPrefill:
         if input_ids.ndim != 2 or input_ids.shape[1] < 1:
             raise ValueError(f"input_ids must be (batch, tokens) with at least one token, got {tuple(input_ids.shape)}")
         once = every_token_cache(model)
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, **with_cache(model, once)}
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, **padded_positions(model, attention_mask)}
+        inputs |= with_cache(model, once)
         with torch.no_grad():
             try:  # the last positions' logits only: a long prompt's full logits can take more memory than its K/V
                 logits = model(**inputs, logits_to_keep=logits_to_keep).logits

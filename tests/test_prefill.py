@@ -106,3 +106,22 @@ def test_chunked_writes_store_what_a_chunked_prefill_stores(spec, lossless, batc
             a = model(input_ids=step, attention_mask=mask, past_key_values=through).logits
             b = model(input_ids=step, attention_mask=mask, past_key_values=written).logits
             torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_left_padded_shared_prefill_is_continued_by_generate_as_its_own_prompt(family):
+    """A left-padded batch's prefill runs at generate's positions (each row counted from its first real token), so
+    generate continuing it from a cache it was stored in computes what it computes on the whole prompt at once."""
+    from hf_kvcache.prefill import SharedPrefill
+
+    model = tiny_model(family)
+    inputs = prompt("padded", length=20)
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    settings = {"max_new_tokens": 4, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
+    with torch.inference_mode():
+        whole = model.generate(**inputs, past_key_values=DynamicCache(), **settings)
+        cache = SharedPrefill(model, ids[:, :16], mask[:, :16]).into(make_cache("dynamic", model))
+        continued = model.generate(**inputs, past_key_values=cache, **settings)
+    assert torch.equal(continued.sequences, whole.sequences)
+    for a, b in zip(continued.logits, whole.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
