@@ -137,11 +137,36 @@ def test_the_suite_scores_every_cache_on_the_same_documents_with_one_prefill(ref
             assert cell["low"] <= cell["score"] <= cell["high"]
 
 
+def test_documents_answered_in_batches_score_as_one_at_a_time_where_padding_changes_nothing(reference):
+    """``--generate-batch``: a cell's documents answered several at a time (left-padded) through caches whose state
+    padding cannot move score every document as one at a time; the run says so, and joins no run of another batch
+    size (its lossy caches' answers may differ), while a run saved before the option existed joins a run at 1."""
+    from hf_kvcache.eval import get_task
+    from hf_kvcache.eval.runner import same_documents
+
+    model, tokenizer = reference
+    config = EvalConfig(task=("ruler", "passkey"), caches=("dynamic", "int8"), ruler_tasks=("niah_multikey", "vt"),
+                        ruler_lengths=(384,), ruler_samples=3, lengths=(256,), depths=(0.5,), samples=3,
+                        quiet=True)  # fmt: skip
+    one = run_eval(config, model, tokenizer)
+    batched = run_eval(config.replace(generate_batch=2), model, tokenizer)
+    for name in ("ruler", "passkey"):
+        assert [r[name]["cells"] for r in batched["results"]] == [r[name]["cells"] for r in one["results"]]
+        assert "at a time" in get_task(name).describe(EvalConfig.from_dict(batched["config"]))
+        assert "at a time" not in get_task(name).describe(EvalConfig.from_dict(one["config"]))
+    assert batched["config"]["generate_batch"] == 2 and one["config"]["generate_batch"] == 1
+    assert not same_documents([one, batched])
+    older = one | {"config": {k: v for k, v in one["config"].items() if k != "generate_batch"}}
+    assert same_documents([older, one]) and not same_documents([older, batched])
+
+
 def test_ruler_flags_are_checked_before_the_model_loads(capsys):
     assert main(["eval", "--task", "ruler", "--ruler-tasks", "niah_single,bogus", "--quiet"]) == 2
     assert "--ruler-tasks: unknown task 'bogus'" in capsys.readouterr().err
     assert main(["eval", "--task", "ruler", "--ruler-lengths", "100", "--quiet"]) == 2
     assert "--ruler-lengths must be an integer >= 256" in capsys.readouterr().err
+    assert main(["eval", "--task", "ruler", "--generate-batch", "0", "--quiet"]) == 2
+    assert "--generate-batch must be an integer >= 1" in capsys.readouterr().err
     for flag, value, message in (
         ("--ruler-tasks", "vt,niah_single,vt", "--ruler-tasks names 'vt' twice; name each once"),
         ("--ruler-lengths", "512,512", "--ruler-lengths names 512 twice; name each once"),
@@ -169,7 +194,7 @@ def test_ruler_through_the_cli_writes_its_table_and_heatmap(tmp_path, capsys):
 def test_a_ruler_length_past_the_model_context_fails_before_the_first_document(capsys, monkeypatch):
     import hf_kvcache.eval.tasks.ruler as ruler
 
-    monkeypatch.setattr(ruler, "passkey_answer", lambda *a, **k: pytest.fail("a document ran"))
+    monkeypatch.setattr(ruler, "answers_of", lambda *a, **k: pytest.fail("a document ran"))
     args = ["eval", "--model", "reference", "--quiet", "--task", "ruler", "--ruler-lengths", "1024,4096"]
     assert main(args) == 2
     err = capsys.readouterr().err

@@ -112,7 +112,7 @@ def test_task_flags_are_checked_before_the_model_loads(args, message, capsys, mo
 def test_a_passkey_length_past_the_model_context_fails_before_the_first_document(capsys, monkeypatch):
     import hf_kvcache.eval.tasks.passkey as passkey
 
-    monkeypatch.setattr(passkey, "passkey_answer", lambda *a, **k: pytest.fail("a document ran"))
+    monkeypatch.setattr(passkey, "answers_of", lambda *a, **k: pytest.fail("a document ran"))
     assert main(["eval", "--model", "reference", "--quiet", "--task", "passkey", "--lengths", "512,5000"]) == 2
     err = capsys.readouterr().err
     assert "--lengths 5000: longer than the model's context (2048 tokens" in err
@@ -135,7 +135,7 @@ def test_passkey_shares_each_documents_prefill_and_answers_as_each_cache_alone(r
     every cache answers exactly what it answers after its own prefill, for one forward over the document instead of
     one per cache."""
     from hf_kvcache.eval.tasks import EvalData
-    from hf_kvcache.eval.tasks.passkey import _answers
+    from hf_kvcache.eval.tasks.passkey import answers_of
 
     model, tokenizer = reference
     data = EvalData(model, tokenizer, ids)
@@ -151,19 +151,78 @@ def test_passkey_shares_each_documents_prefill_and_answers_as_each_cache_alone(r
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(type(model), "forward", counting)
-    separate = _answers(data, doc, SHARED_SPECS, separate=True)
+    separate = answers_of(data, [doc], SHARED_SPECS, separate=True)
     assert len(long_forwards) == len(SHARED_SPECS)  # the context through each cache (generate forwards the question)
     long_forwards.clear()
-    shared = _answers(data, doc, SHARED_SPECS, separate=False)
+    shared = answers_of(data, [doc], SHARED_SPECS, separate=False)
     assert len(long_forwards) == 1
     assert shared == separate
-    assert separate[0].strip().startswith("70431")  # the model finds it through DynamicCache: a real comparison
+    assert separate[0][0].strip().startswith("70431")  # the model finds it through DynamicCache: a real comparison
+
+
+def _long_forwards(model, monkeypatch, columns: int) -> list[int]:
+    """The widths of the model's forwards of at least ``columns`` columns, recorded as they run."""
+    seen: list[int] = []
+    forward = type(model).forward
+
+    @functools.wraps(forward)  # the signature kept: caches check that the forward takes past_key_values
+    def counting(self, *args, **kwargs):
+        ids_ = kwargs.get("input_ids")
+        if ids_ is not None and ids_.shape[1] >= columns:
+            seen.append(ids_.shape[1])
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", counting)
+    return seen
+
+
+def test_documents_of_one_length_answered_together_answer_as_each_alone(reference, ids, monkeypatch):
+    """Documents of one length and question share no padding: answered as one batch (one prefill for every cache),
+    each cache gives each document the answer it gives it alone, the lossy ones' included."""
+    from hf_kvcache.eval.tasks import EvalData
+    from hf_kvcache.eval.tasks.passkey import answers_of
+
+    model, tokenizer = reference
+    data = EvalData(model, tokenizer, ids)
+    docs = [build_passkey_document(tokenizer, ids[3000 + 700 * i :], 500, 0.3 + 0.2 * i, key)
+            for i, key in enumerate(["70431", "2291", "86003"])]  # fmt: skip
+    alone = [[answers_of(data, [doc], [spec], separate=False)[0][0] for doc in docs] for spec in SHARED_SPECS]
+    long_forwards = _long_forwards(model, monkeypatch, 400)
+    together = answers_of(data, docs, SHARED_SPECS, separate=False)
+    assert long_forwards == [len(docs[0].context)]  # one prefill, the three documents' contexts in it
+    assert together == alone
+    assert sum(answer.strip().startswith(doc.key) for answer, doc in zip(together[0], docs)) >= 2  # found: a real test
+
+
+def test_left_padded_documents_answer_as_alone_through_the_caches_padding_cannot_move(reference, ids):
+    """Documents of other lengths and questions go left-padded, the rows with shorter questions putting their
+    context's last tokens through the cache with the question. Where padding changes nothing a cache stores (lossless
+    caches, int8's per-token codes, a window whose sinks are each row's first real tokens), every answer is the one
+    the document gets alone; int4 / int3 / int2 groups tokens, so padding can move their answers (not tested equal)."""
+    from hf_kvcache.eval.tasks import EvalData
+    from hf_kvcache.eval.tasks.passkey import answers_of, padded_batch
+    from hf_kvcache.eval.tasks.ruler import build_ruler_document
+
+    model, tokenizer = reference
+    data = EvalData(model, tokenizer, ids)
+    docs = [build_passkey_document(tokenizer, ids[3000 + 500 * i :], 400 + 60 * i, 0.4, key)
+            for i, key in enumerate(["70431", "1234", "99812"])]  # fmt: skip
+    docs.append(build_ruler_document(tokenizer, ids[9000:], "niah_multikey", 400, 3))
+    batch, mask, context = padded_batch(docs, "cpu")
+    # the passkey rows' questions are shorter than RULER's: their contexts' last tokens fall after the prefill
+    assert context == batch.shape[1] - max(len(doc.question) for doc in docs) < batch.shape[1] - len(docs[0].question)
+    assert mask.sum(1).tolist() == [len(doc.context) + len(doc.question) for doc in docs]
+    specs = ["dynamic", "int8", "sink:window=128:sinks=4", "paged:block_size=16"]
+    together = answers_of(data, docs, specs, separate=False, answer_tokens=12)
+    alone = [[answers_of(data, [doc], [spec], False, 12)[0][0] for doc in docs] for spec in specs]
+    assert together == alone
+    assert answers_of(data, docs, specs, separate=True, answer_tokens=12) == together
 
 
 def test_a_cache_that_refuses_a_handed_over_prefill_prefills_itself(reference, ids, monkeypatch):
     from hf_kvcache import prefill
     from hf_kvcache.eval.tasks import EvalData
-    from hf_kvcache.eval.tasks.passkey import _answers
+    from hf_kvcache.eval.tasks.passkey import answers_of
 
     model, tokenizer = reference
     data = EvalData(model, tokenizer, ids)
@@ -177,7 +236,8 @@ def test_a_cache_that_refuses_a_handed_over_prefill_prefills_itself(reference, i
         return into(self, cache)
 
     monkeypatch.setattr(prefill.SharedPrefill, "into", refusing)
-    assert _answers(data, doc, ["dynamic", "int8"], separate=False) == _answers(data, doc, ["dynamic", "int8"], True)
+    specs = ["dynamic", "int8"]
+    assert answers_of(data, [doc], specs, separate=False) == answers_of(data, [doc], specs, separate=True)
 
 
 def test_eval_results_are_the_same_with_a_shared_or_a_separate_prefill(reference):

@@ -246,7 +246,9 @@ def same_documents(runs: list[dict]) -> bool:
     caches and the settings that change no number (threads, progress bars)."""
 
     def documents(run: dict) -> dict:  # tuples of a run made here are the lists of a run read from its JSON
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in run["config"].items() if k not in _UNMEASURED}
+        # an option a run's version did not have reads as its default: options are added defaulting to what ran before
+        values = EvalConfig.from_dict(run["config"]).as_dict() | run["config"]
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items() if k not in _UNMEASURED}
 
     return all(documents(run) == documents(runs[0]) for run in runs[1:])
 

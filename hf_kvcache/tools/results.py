@@ -206,6 +206,17 @@ RUNS: dict[str, list[str]] = {
         *"--task ruler --chat-template --ruler-lengths 1024,2048 --ruler-samples 10 --ruler-tasks fwe".split(),
         *["--caches", "dynamic,int8,int4,int3,int2,int2:key_bits=3"],
     ],
+    # --generate-batch: RULER's documents answered 8 at a time (left-padded) against one at a time, the same
+    # documents and caches, run side by side: the wall time it saves, and what padding moves in the lossy caches.
+    **{
+        f"eval-ruler-batch{size}": [
+            "eval",
+            *REAL,
+            *"--task ruler --chat-template --ruler-lengths 1024 --ruler-samples 8".split(),
+            *["--caches", "dynamic,int4,int2", "--generate-batch", str(size)],
+        ]
+        for size in (1, 8)
+    },
     # The residual in int8 (residual_bits=8) next to the full-precision residual, on the default run's protocol.
     "eval-residual": [
         "eval",

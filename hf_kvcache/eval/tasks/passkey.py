@@ -43,6 +43,11 @@ INSTRUCTION = (
 )
 QUESTION = "\n\nWhat is the pass key? The pass key is"
 ANSWER_TOKENS = 8  # greedy tokens decoded for the answer
+GENERATE_BATCH_HELP = (
+    "documents of a cell answered together (passkey, ruler): left-padded into one batch, prefilled once, each cache "
+    "decoding them in one generate; 1 (the default, as the published results): one at a time. Padding moves a lossy "
+    "cache's groups, so its answers can differ from one at a time's; every cache reads the same batches"
+)
 
 
 def needle(key: str) -> str:
@@ -85,6 +90,7 @@ class PasskeyOptions:
         default=False,
         metadata={"help": "the document and question as one user turn of the model's chat template"},
     )
+    generate_batch: int = field(default=1, metadata={"help": GENERATE_BATCH_HELP})
 
     def validate(self) -> None:
         for length in self.lengths:
@@ -94,6 +100,7 @@ class PasskeyOptions:
                 raise ValueError(f"--depths must be numbers from 0 to 1, got {depth!r}")
         check_int("--samples", self.samples, 1)
         check_int("--key-digits", self.key_digits, 1, 12)
+        check_int("--generate-batch", self.generate_batch, 1)
         check_distinct("--lengths", self.lengths)  # a cell's documents are its length's and depth's
         check_distinct("--depths", self.depths)
 
@@ -156,42 +163,83 @@ def _answer_key(text: str) -> str | None:
     return match.group(0) if match else None
 
 
+def padded_batch(documents, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``documents`` (each with ``context`` and ``question`` token ids) as one left-padded batch: the ``(B, L)``
+    prompts (context, then question) and their mask, and how many leading columns are context in every row (``L``
+    less the longest question). Those columns are the batch's prefill; the rest, the questions and the context of the
+    rows whose question is shorter than the longest (at most the difference of the questions' lengths), go through the
+    cache with the question. One document: its context is the prefill, its question the rest."""
+    prompts = [doc.context + doc.question for doc in documents]
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)  # the padding's ids are never attended to
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    return ids.to(device), mask.to(device), width - max(len(doc.question) for doc in documents)
+
+
 @torch.inference_mode()
-def passkey_answer(
-    model, tokenizer, document, cache, prefilled: bool = False, answer_tokens: int = ANSWER_TOKENS
-) -> str:
-    """Greedy answer of ``model`` to ``document`` (its ``context`` and ``question`` token ids: a passkey or a RULER
-    document) through ``cache`` (see the module docstring), ``answer_tokens`` tokens at most; ``prefilled``: the
-    cache already holds the document's context (:class:`~hf_kvcache.prefill.SharedPrefill`)."""
-    device = next(model.parameters()).device
+def generate_answers(
+    model, tokenizer, documents, cache, prefilled: bool = False, answer_tokens: int = ANSWER_TOKENS
+) -> list[str]:
+    """Greedy answers of ``model`` to ``documents`` (passkey or RULER documents: ``context`` and ``question`` token
+    ids), decoded together through ``cache`` as one left-padded batch (:func:`padded_batch`), ``answer_tokens``
+    tokens at most each (see the module docstring); ``prefilled``: the cache already holds the batch's prefill
+    columns (:class:`~hf_kvcache.prefill.SharedPrefill` of them)."""
+    from ...prefill import padded_positions
+
+    ids, mask, context = padded_batch(documents, next(model.parameters()).device)
     if not prefilled:
-        context = torch.tensor([document.context], device=device)
-        model(input_ids=context, attention_mask=torch.ones_like(context), **with_cache(model, cache))
-    full = torch.tensor([document.context + document.question], device=device)
+        head = mask[:, :context]
+        positions = padded_positions(model, head)
+        model(input_ids=ids[:, :context], attention_mask=head, **positions, **with_cache(model, cache))
     out = model.generate(
-        input_ids=full,
-        attention_mask=torch.ones_like(full),
+        input_ids=ids,
+        attention_mask=mask,
         **with_cache(model, cache),
         max_new_tokens=answer_tokens,
         do_sample=False,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
     )
-    return tokenizer.decode(out[0, full.shape[1] :], skip_special_tokens=True)
+    return [tokenizer.decode(row[ids.shape[1] :], skip_special_tokens=True) for row in out]
 
 
-def _answers(data: EvalData, doc: PasskeyDocument, specs: list[str], separate: bool) -> list[str]:
-    """Each cache's answer to ``doc``: the context prefilled once for all of them unless ``separate``."""
+def passkey_answer(
+    model, tokenizer, document, cache, prefilled: bool = False, answer_tokens: int = ANSWER_TOKENS
+) -> str:
+    """Greedy answer of ``model`` to one ``document`` through ``cache`` (:func:`generate_answers` of one)."""
+    return generate_answers(model, tokenizer, [document], cache, prefilled, answer_tokens)[0]
+
+
+def answers_of(data: EvalData, documents, specs: list[str], separate: bool, answer_tokens: int = ANSWER_TOKENS):
+    """Each cache's answers to ``documents`` (one batch, :func:`generate_answers`): ``answers[i][j]`` is cache
+    ``specs[i]``'s to document ``j``. The batch's prefill runs once for every cache unless ``separate`` (or for a
+    cache that refuses a handed-over prefill, which prefills itself)."""
     from ...prefill import SharedPrefill
 
     shared = None
     if not separate:
-        context = torch.tensor([doc.context], device=data.device)
-        shared = SharedPrefill(data.model, context, torch.ones_like(context))
+        ids, mask, context = padded_batch(documents, data.device)
+        shared = SharedPrefill(data.model, ids[:, :context], mask[:, :context])
     answers = []
     for spec in specs:
         cache, prefilled = cache_for(spec, data.model, shared)
-        answers.append(passkey_answer(data.model, data.tokenizer, doc, cache, prefilled=prefilled))
+        answers.append(generate_answers(data.model, data.tokenizer, documents, cache, prefilled, answer_tokens))
     return answers
+
+
+def batched(config) -> str:
+    """The clause a task's setup line adds for ``--generate-batch`` above 1."""
+    if config.generate_batch == 1:
+        return ""
+    return f", answered {config.generate_batch} at a time (left-padded batches)"
+
+
+def batches(seeds, size: int):
+    """``seeds`` (a cell's documents) ``size`` at a time, in order; the last batch may be shorter."""
+    seeds = list(seeds)
+    return [seeds[i : i + size] for i in range(0, len(seeds), size)]
 
 
 @register_task
@@ -210,36 +258,38 @@ class PasskeyTask(DocumentTask):
 
     def describe(self, config) -> str:
         return (
-            f"passkey: {config.samples} documents per (length, depth), {config.key_digits}-digit keys; the document "
-            "is prefilled (once, its K/V handed to every cache, unless --separate-prefill), the question goes "
-            "through the cache, the answer is decoded greedily."
+            f"passkey: {config.samples} documents per (length, depth){batched(config)}, {config.key_digits}-digit "
+            "keys; the document is prefilled (once, its K/V handed to every cache, unless --separate-prefill), the "
+            "question goes through the cache, the answer is decoded greedily."
         )
 
     def tokens_needed(self, config) -> int:
         return max(config.lengths) * config.samples * 2
 
     def run_caches(self, data: EvalData, specs: list[str], config, progress=None) -> list[dict]:
-        """Every cache on the same documents, one document at a time: its context prefilled once and handed to each
-        cache (unless ``config.separate_prefill``, or for a cache that refuses it: then through that cache)."""
+        """Every cache on the same documents, ``config.generate_batch`` at a time (:func:`answers_of`): their
+        prefill run once and handed to each cache (unless ``config.separate_prefill``, or for a cache that refuses
+        it: then through that cache)."""
         generator = torch.Generator().manual_seed(config.seed)
         span = data.ids.numel() - max(config.lengths)
+
+        def document(length: int, depth: float, seed: int) -> PasskeyDocument:
+            generator.manual_seed(seed)
+            key = "".join(str(d) for d in torch.randint(0, 10, (config.key_digits,), generator=generator).tolist())
+            start = int(torch.randint(0, max(span, 1), (1,), generator=generator))
+            filler = data.ids[start:]
+            return build_passkey_document(data.tokenizer, filler, length, depth, key, chat=config.chat_template)
+
         cells: list[list[dict]] = [[] for _ in specs]
         for length in config.lengths:
             for depth in config.depths:
                 found: list[list[float]] = [[] for _ in specs]  # per cache, 1 or 0 per document
-                for seed in document_seeds(config, length, depth):
-                    generator.manual_seed(seed)
-                    key = "".join(
-                        str(d) for d in torch.randint(0, 10, (config.key_digits,), generator=generator).tolist()
-                    )
-                    start = int(torch.randint(0, max(span, 1), (1,), generator=generator))
-                    doc = build_passkey_document(
-                        data.tokenizer, data.ids[start:], length, depth, key, chat=config.chat_template
-                    )
-                    for i, answer in enumerate(_answers(data, doc, specs, config.separate_prefill)):
-                        found[i].append(float(_answer_key(answer) == key))
+                for seeds in batches(document_seeds(config, length, depth), config.generate_batch):
+                    docs = [document(length, depth, seed) for seed in seeds]
+                    for i, answers in enumerate(answers_of(data, docs, specs, config.separate_prefill)):
+                        found[i] += [float(_answer_key(answer) == doc.key) for answer, doc in zip(answers, docs)]
                         if progress is not None:
-                            progress(1)
+                            progress(len(docs))
                 for i in range(len(specs)):
                     cells[i].append({"length": length, "depth": depth, "correct": round(sum(found[i])),
                                      "samples": config.samples, "scores": found[i]})  # fmt: skip

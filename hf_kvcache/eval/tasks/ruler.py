@@ -40,7 +40,6 @@ from ..._validate import check_distinct, check_int
 from .base import (
     DocumentTask,
     EvalData,
-    cache_for,
     cells_agree,
     check_lengths_fit,
     count_range,
@@ -49,7 +48,7 @@ from .base import (
     register_task,
     wilson,
 )
-from .passkey import _encode, chat_parts, passkey_answer
+from .passkey import GENERATE_BATCH_HELP, _encode, answers_of, batched, batches, chat_parts
 
 __all__ = ["RULER_TASKS", "RulerDocument", "RulerOptions", "build_ruler_document", "string_match_all"]
 
@@ -139,6 +138,7 @@ class RulerOptions:
         default=False,
         metadata={"help": "the document and question as one user turn of the model's chat template"},
     )
+    generate_batch: int = field(default=1, metadata={"help": GENERATE_BATCH_HELP})
 
     def validate(self) -> None:
         if not self.ruler_tasks:
@@ -149,6 +149,7 @@ class RulerOptions:
         for length in self.ruler_lengths:
             check_int("--ruler-lengths", length, 256)
         check_int("--ruler-samples", self.ruler_samples, 1)
+        check_int("--generate-batch", self.generate_batch, 1)
         check_distinct("--ruler-tasks", self.ruler_tasks)  # a cell's documents are its task's and length's
         check_distinct("--ruler-lengths", self.ruler_lengths)
 
@@ -411,8 +412,9 @@ class RulerTask(DocumentTask):
     def describe(self, config) -> str:
         return (
             f"ruler: {', '.join(config.ruler_tasks)} at {', '.join(map(str, config.ruler_lengths))} tokens, "
-            f"{config.ruler_samples} documents per cell; the document prefilled (once for every cache unless "
-            "--separate-prefill), the question through the cache, the answer greedy; RULER's string_match_all."
+            f"{config.ruler_samples} documents per cell{batched(config)}; the document prefilled (once for every "
+            "cache unless --separate-prefill), the question through the cache, the answer greedy; RULER's "
+            "string_match_all."
         )
 
     def tokens_needed(self, config) -> int:
@@ -420,27 +422,23 @@ class RulerTask(DocumentTask):
         return max(config.ruler_lengths) * 4 + (CWE_POOL_TOKENS if "cwe" in config.ruler_tasks else 0)
 
     def run_caches(self, data: EvalData, specs: list[str], config, progress=None) -> list[dict]:
-        from ...prefill import SharedPrefill
-
         span = data.ids.numel() - max(config.ruler_lengths) - (CWE_POOL_TOKENS if "cwe" in config.ruler_tasks else 0)
+
+        def document(task: str, length: int, seed: int) -> RulerDocument:
+            start = random.Random(seed).randrange(max(span, 1))
+            return build_ruler_document(data.tokenizer, data.ids[start:], task, length, seed, chat=config.chat_template)
+
         scores: list[dict[tuple[str, int], list[float]]] = [{} for _ in specs]
         for task in config.ruler_tasks:
             for length in config.ruler_lengths:
-                for seed in document_seeds(config, task, length):
-                    start = random.Random(seed).randrange(max(span, 1))
-                    doc = build_ruler_document(
-                        data.tokenizer, data.ids[start:], task, length, seed, chat=config.chat_template
-                    )
-                    shared = None
-                    if not config.separate_prefill:
-                        context = torch.tensor([doc.context], device=data.device)
-                        shared = SharedPrefill(data.model, context, torch.ones_like(context))
-                    for i, spec in enumerate(specs):
-                        cache, prefilled = cache_for(spec, data.model, shared)
-                        answer = passkey_answer(data.model, data.tokenizer, doc, cache, prefilled, doc.answer_tokens)
-                        scores[i].setdefault((task, length), []).append(string_match_all(answer, doc.answers))
+                for seeds in batches(document_seeds(config, task, length), config.generate_batch):
+                    docs = [document(task, length, seed) for seed in seeds]
+                    tokens = max(doc.answer_tokens for doc in docs)  # one task's: the same for each
+                    for i, answers in enumerate(answers_of(data, docs, specs, config.separate_prefill, tokens)):
+                        mine = scores[i].setdefault((task, length), [])
+                        mine += [string_match_all(answer, doc.answers) for answer, doc in zip(answers, docs)]
                         if progress is not None:
-                            progress(1)
+                            progress(len(docs))
         return [self._result([_cell(task, length, values) for (task, length), values in mine.items()])
                 for mine in scores]  # fmt: skip
 
