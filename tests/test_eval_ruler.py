@@ -140,8 +140,9 @@ def test_the_suite_scores_every_cache_on_the_same_documents_with_one_prefill(ref
 def test_documents_answered_in_batches_score_as_one_at_a_time_where_padding_changes_nothing(reference):
     """``--generate-batch``: a cell's documents answered several at a time (left-padded) through caches whose state
     padding cannot move score every document as one at a time; the run says so, and joins no run of another batch
-    size (its lossy caches' answers may differ), while a run saved before the option existed joins a run at 1."""
-    from hf_kvcache.eval import get_task
+    size nor pools with one (its lossy caches' answers may differ), while a run saved before the option existed joins
+    a run at 1."""
+    from hf_kvcache.eval import combine_runs, get_task
     from hf_kvcache.eval.runner import same_documents
 
     model, tokenizer = reference
@@ -156,6 +157,8 @@ def test_documents_answered_in_batches_score_as_one_at_a_time_where_padding_chan
         assert "at a time" not in get_task(name).describe(EvalConfig.from_dict(one["config"]))
     assert batched["config"]["generate_batch"] == 2 and one["config"]["generate_batch"] == 1
     assert not same_documents([one, batched])
+    with pytest.raises(ValueError, match="runs of another generate_batch cannot pool: 1 and 2"):
+        combine_runs([one, batched])
     older = one | {"config": {k: v for k, v in one["config"].items() if k != "generate_batch"}}
     assert same_documents([older, one]) and not same_documents([older, batched])
 
@@ -194,7 +197,7 @@ def test_ruler_through_the_cli_writes_its_table_and_heatmap(tmp_path, capsys):
 def test_a_ruler_length_past_the_model_context_fails_before_the_first_document(capsys, monkeypatch):
     import hf_kvcache.eval.tasks.ruler as ruler
 
-    monkeypatch.setattr(ruler, "answers_of", lambda *a, **k: pytest.fail("a document ran"))
+    monkeypatch.setattr(ruler, "answer_cell", lambda *a, **k: pytest.fail("a document ran"))
     args = ["eval", "--model", "reference", "--quiet", "--task", "ruler", "--ruler-lengths", "1024,4096"]
     assert main(args) == 2
     err = capsys.readouterr().err

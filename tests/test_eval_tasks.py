@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import typing
 
 import pytest
 import torch
+from models import VOCAB, tiny_model
 from transformers import DynamicCache
 
 from hf_kvcache.cli import main
@@ -194,29 +196,63 @@ def test_documents_of_one_length_answered_together_answer_as_each_alone(referenc
     assert sum(answer.strip().startswith(doc.key) for answer, doc in zip(together[0], docs)) >= 2  # found: a real test
 
 
-def test_left_padded_documents_answer_as_alone_through_the_caches_padding_cannot_move(reference, ids):
-    """Documents of other lengths and questions go left-padded, the rows with shorter questions putting their
-    context's last tokens through the cache with the question. Where padding changes nothing a cache stores (lossless
-    caches, int8's per-token codes, a window whose sinks are each row's first real tokens), every answer is the one
-    the document gets alone; int4 / int3 / int2 groups tokens, so padding can move their answers (not tested equal)."""
+class _Document(typing.NamedTuple):
+    context: list[int]
+    question: list[int]
+
+
+class _Tokens:
+    """What generate_answers reads of a tokenizer: the pad id, and a decode that shows the ids."""
+
+    pad_token_id, eos_token_id = 0, None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids.tolist()))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma3"])
+def test_left_padded_documents_answer_as_alone_through_the_caches_padding_cannot_move(family):
+    """Documents of other lengths and one question length, left-padded into one batch: where padding changes nothing
+    a cache stores (lossless caches, int8's per-token codes, a window whose sinks are each row's first real tokens,
+    evicting here), every answer is the one the document gets alone. int4 / int3 / int2 group tokens, so padding
+    shifts their groups and can move their answers (not tested equal)."""
     from hf_kvcache.eval.tasks import EvalData
     from hf_kvcache.eval.tasks.passkey import answers_of, padded_batch
-    from hf_kvcache.eval.tasks.ruler import build_ruler_document
 
-    model, tokenizer = reference
-    data = EvalData(model, tokenizer, ids)
-    docs = [build_passkey_document(tokenizer, ids[3000 + 500 * i :], 400 + 60 * i, 0.4, key)
-            for i, key in enumerate(["70431", "1234", "99812"])]  # fmt: skip
-    docs.append(build_ruler_document(tokenizer, ids[9000:], "niah_multikey", 400, 3))
+    model = tiny_model(family)
+    g = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(3, VOCAB, (n,), generator=g).tolist()
+
+    docs = [_Document(tokens(n), tokens(5)) for n in (40, 33, 47)]
     batch, mask, context = padded_batch(docs, "cpu")
-    # the passkey rows' questions are shorter than RULER's: their contexts' last tokens fall after the prefill
-    assert context == batch.shape[1] - max(len(doc.question) for doc in docs) < batch.shape[1] - len(docs[0].question)
-    assert mask.sum(1).tolist() == [len(doc.context) + len(doc.question) for doc in docs]
-    specs = ["dynamic", "int8", "sink:window=128:sinks=4", "paged:block_size=16"]
-    together = answers_of(data, docs, specs, separate=False, answer_tokens=12)
-    alone = [[answers_of(data, [doc], [spec], False, 12)[0][0] for doc in docs] for spec in specs]
+    assert context == 47 and mask.sum(1).tolist() == [45, 38, 52]  # each row's whole context is the prefill
+    data = EvalData(model, _Tokens(), torch.zeros(1))
+    specs = ["dynamic", "int8", "sink:window=16:sinks=2", "paged:block_size=8"]
+    together = answers_of(data, docs, specs, separate=False, answer_tokens=6)
+    alone = [[answers_of(data, [doc], [spec], False, 6)[0][0] for doc in docs] for spec in specs]
     assert together == alone
-    assert answers_of(data, docs, specs, separate=True, answer_tokens=12) == together
+    assert answers_of(data, docs, specs, separate=True, answer_tokens=6) == together
+
+
+def test_a_cell_is_answered_in_batches_of_one_question_length_and_read_back_in_its_order(monkeypatch):
+    """A batch holds documents of one question length (so no row puts context through the cache with its question),
+    at most --generate-batch of them; the answers come back in the cell's order."""
+    from hf_kvcache.eval.tasks import passkey
+
+    seen = []
+
+    def answering(data, docs, specs, separate, answer_tokens):
+        seen.append([len(doc.question) for doc in docs])
+        return [[f"{spec}:{doc.context[0]}" for doc in docs] for spec in specs]
+
+    monkeypatch.setattr(passkey, "answers_of", answering)
+    docs = [_Document([j], [0] * q) for j, q in enumerate([5, 7, 5, 5, 7, 5, 9])]
+    config = EvalConfig(task=("ruler",), generate_batch=2)
+    answers = passkey.answer_cell(None, docs, ["a", "b"], config, 4)
+    assert answers == [[f"{spec}:{j}" for j in range(len(docs))] for spec in ("a", "b")]
+    assert seen == [[5, 5], [5, 5], [7, 7], [9]]
 
 
 def test_a_cache_that_refuses_a_handed_over_prefill_prefills_itself(reference, ids, monkeypatch):

@@ -236,19 +236,24 @@ def select_caches(results: dict, caches: list[str] | tuple[str, ...]) -> dict:
 
 # Settings that change no number a run measures: runs that differ in nothing else read the same documents.
 _UNMEASURED = ("caches", "quiet", "threads")
-# What pooled runs must share for their documents to count as one sample: the model, its precision, the text and
-# the prompt's form.
-_POOLED_ALIKE = ("model", "dtype", "dataset", "chat_template")
+# What pooled runs must share for their documents to count as one sample: the model, its precision, the text, the
+# prompt's form and how many documents were answered together (padding moves a lossy cache's answers).
+_POOLED_ALIKE = ("model", "dtype", "dataset", "chat_template", "generate_batch")
+
+
+def _settings(run: dict) -> dict:
+    """A run's config with every option its version did not have at its default (options are added defaulting to
+    what ran before them), tuples as the lists of a run read from its JSON."""
+    values = EvalConfig.from_dict(run["config"]).as_dict() | run["config"]
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
 
 
 def same_documents(runs: list[dict]) -> bool:
     """Whether the ``run_eval`` results ``runs`` read the same documents: their configs are the same but for their
     caches and the settings that change no number (threads, progress bars)."""
 
-    def documents(run: dict) -> dict:  # tuples of a run made here are the lists of a run read from its JSON
-        # an option a run's version did not have reads as its default: options are added defaulting to what ran before
-        values = EvalConfig.from_dict(run["config"]).as_dict() | run["config"]
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items() if k not in _UNMEASURED}
+    def documents(run: dict) -> dict:
+        return {k: v for k, v in _settings(run).items() if k not in _UNMEASURED}
 
     return all(documents(run) == documents(runs[0]) for run in runs[1:])
 
@@ -331,7 +336,7 @@ def pool_runs(runs: list[dict]) -> dict:
             other = ", ".join(run["config"]["task"])
             raise ValueError(f"runs of other tasks cannot pool: {', '.join(tasks)} and {other}")
         for key in _POOLED_ALIKE:
-            mine, first = run["config"].get(key), runs[0]["config"].get(key)
+            mine, first = _settings(run).get(key), _settings(runs[0]).get(key)
             if mine != first:
                 raise ValueError(f"runs of another {key} cannot pool: {first!r} and {mine!r}")
     caches = [e["cache"] for e in runs[0]["results"] if all(e["cache"] in _caches(run) for run in runs[1:])]

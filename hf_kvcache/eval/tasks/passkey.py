@@ -44,9 +44,10 @@ INSTRUCTION = (
 QUESTION = "\n\nWhat is the pass key? The pass key is"
 ANSWER_TOKENS = 8  # greedy tokens decoded for the answer
 GENERATE_BATCH_HELP = (
-    "documents of a cell answered together (passkey, ruler): left-padded into one batch, prefilled once, each cache "
-    "decoding them in one generate; 1 (the default, as the published results): one at a time. Padding moves a lossy "
-    "cache's groups, so its answers can differ from one at a time's; every cache reads the same batches"
+    "documents of a cell answered together (passkey, ruler): up to N of one question length, left-padded into one "
+    "batch, prefilled once, each cache decoding them in one generate; 1 (the default, as the published results): one "
+    "at a time. Padding moves a lossy cache's groups, so its answers can differ from one at a time's; every cache "
+    "reads the same batches"
 )
 
 
@@ -168,7 +169,8 @@ def padded_batch(documents, device) -> tuple[torch.Tensor, torch.Tensor, int]:
     prompts (context, then question) and their mask, and how many leading columns are context in every row (``L``
     less the longest question). Those columns are the batch's prefill; the rest, the questions and the context of the
     rows whose question is shorter than the longest (at most the difference of the questions' lengths), go through the
-    cache with the question. One document: its context is the prefill, its question the rest."""
+    cache with the question. Documents of one question length (:func:`answer_cell`'s batches) have their whole
+    contexts as the prefill, as one document has."""
     prompts = [doc.context + doc.question for doc in documents]
     width = max(map(len, prompts))
     ids = torch.zeros(len(prompts), width, dtype=torch.long)  # the padding's ids are never attended to
@@ -236,10 +238,25 @@ def batched(config) -> str:
     return f", answered {config.generate_batch} at a time (left-padded batches)"
 
 
-def batches(seeds, size: int):
-    """``seeds`` (a cell's documents) ``size`` at a time, in order; the last batch may be shorter."""
-    seeds = list(seeds)
-    return [seeds[i : i + size] for i in range(0, len(seeds), size)]
+def answer_cell(data: EvalData, documents, specs: list[str], config, answer_tokens: int, progress=None):
+    """Each cache's answers to a cell's ``documents``, in their order (``answers[i][j]``: cache ``specs[i]``'s to
+    document ``j``), ``config.generate_batch`` at a time (:func:`answers_of`). A batch holds documents of one question
+    length only, so every row's prefill is its whole context, as one document's is: the rows differ by their left
+    padding alone."""
+    by_length: dict[int, list[int]] = {}
+    for j, doc in enumerate(documents):
+        by_length.setdefault(len(doc.question), []).append(j)
+    size = config.generate_batch
+    answers: list[list[str]] = [[""] * len(documents) for _ in specs]
+    for same in by_length.values():
+        for batch in (same[i : i + size] for i in range(0, len(same), size)):
+            docs = [documents[j] for j in batch]
+            for mine, got in zip(answers, answers_of(data, docs, specs, config.separate_prefill, answer_tokens)):
+                for j, answer in zip(batch, got, strict=True):
+                    mine[j] = answer
+                if progress is not None:
+                    progress(len(batch))
+    return answers
 
 
 @register_task
@@ -267,7 +284,7 @@ class PasskeyTask(DocumentTask):
         return max(config.lengths) * config.samples * 2
 
     def run_caches(self, data: EvalData, specs: list[str], config, progress=None) -> list[dict]:
-        """Every cache on the same documents, ``config.generate_batch`` at a time (:func:`answers_of`): their
+        """Every cache on the same documents, ``config.generate_batch`` at a time (:func:`answer_cell`): their
         prefill run once and handed to each cache (unless ``config.separate_prefill``, or for a cache that refuses
         it: then through that cache)."""
         generator = torch.Generator().manual_seed(config.seed)
@@ -283,13 +300,9 @@ class PasskeyTask(DocumentTask):
         cells: list[list[dict]] = [[] for _ in specs]
         for length in config.lengths:
             for depth in config.depths:
-                found: list[list[float]] = [[] for _ in specs]  # per cache, 1 or 0 per document
-                for seeds in batches(document_seeds(config, length, depth), config.generate_batch):
-                    docs = [document(length, depth, seed) for seed in seeds]
-                    for i, answers in enumerate(answers_of(data, docs, specs, config.separate_prefill)):
-                        found[i] += [float(_answer_key(answer) == doc.key) for answer, doc in zip(answers, docs)]
-                        if progress is not None:
-                            progress(len(docs))
+                docs = [document(length, depth, seed) for seed in document_seeds(config, length, depth)]
+                answers = answer_cell(data, docs, specs, config, ANSWER_TOKENS, progress)
+                found = [[float(_answer_key(answer) == doc.key) for answer, doc in zip(mine, docs)] for mine in answers]
                 for i in range(len(specs)):
                     cells[i].append({"length": length, "depth": depth, "correct": round(sum(found[i])),
                                      "samples": config.samples, "scores": found[i]})  # fmt: skip

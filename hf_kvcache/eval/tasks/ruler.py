@@ -48,7 +48,7 @@ from .base import (
     register_task,
     wilson,
 )
-from .passkey import GENERATE_BATCH_HELP, _encode, answers_of, batched, batches, chat_parts
+from .passkey import GENERATE_BATCH_HELP, _encode, answer_cell, batched, chat_parts
 
 __all__ = ["RULER_TASKS", "RulerDocument", "RulerOptions", "build_ruler_document", "string_match_all"]
 
@@ -431,14 +431,10 @@ class RulerTask(DocumentTask):
         scores: list[dict[tuple[str, int], list[float]]] = [{} for _ in specs]
         for task in config.ruler_tasks:
             for length in config.ruler_lengths:
-                for seeds in batches(document_seeds(config, task, length), config.generate_batch):
-                    docs = [document(task, length, seed) for seed in seeds]
-                    tokens = max(doc.answer_tokens for doc in docs)  # one task's: the same for each
-                    for i, answers in enumerate(answers_of(data, docs, specs, config.separate_prefill, tokens)):
-                        mine = scores[i].setdefault((task, length), [])
-                        mine += [string_match_all(answer, doc.answers) for answer, doc in zip(answers, docs)]
-                        if progress is not None:
-                            progress(len(docs))
+                docs = [document(task, length, seed) for seed in document_seeds(config, task, length)]
+                tokens = max(doc.answer_tokens for doc in docs)  # one task's: the same for each
+                for i, answers in enumerate(answer_cell(data, docs, specs, config, tokens, progress)):
+                    scores[i][task, length] = [string_match_all(a, doc.answers) for a, doc in zip(answers, docs)]
         return [self._result([_cell(task, length, values) for (task, length), values in mine.items()])
                 for mine in scores]  # fmt: skip
 
