@@ -214,13 +214,14 @@ def prefilled(model, inputs: dict, *caches):
 
 def handed_prefill_continues_alike(model, make, inputs: dict):
     """A prompt's prefill handed to one cache (``SharedPrefill``) against a prefill through another (``make()``
-    builds each): the same length and bytes, then the same logits, bit for bit, for 6 more tokens. Returns the
-    ``SharedPrefill`` and the cache it was handed to."""
-    from hf_kvcache.prefill import SharedPrefill
+    builds each) at the same positions (a padded row's counted from its first token, as generate and
+    ``SharedPrefill`` count them): the same length and bytes, then the same logits, bit for bit, for 6 more tokens.
+    Returns the ``SharedPrefill`` and the cache it was handed to."""
+    from hf_kvcache.prefill import SharedPrefill, padded_positions
 
     shared = SharedPrefill(model, inputs["input_ids"], inputs["attention_mask"])
     handed = shared.into(make())
-    (own,) = prefilled(model, inputs, make())
+    (own,) = prefilled(model, inputs | padded_positions(model, inputs["attention_mask"]), make())
     assert handed.get_seq_length() == own.get_seq_length() == inputs["input_ids"].shape[1]
     assert handed.nbytes == own.nbytes
     ids = torch.randint(3, VOCAB, (len(inputs["input_ids"]), 6), generator=torch.Generator().manual_seed(5))
