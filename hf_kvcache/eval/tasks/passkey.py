@@ -207,13 +207,6 @@ def generate_answers(
     return [tokenizer.decode(row[ids.shape[1] :], skip_special_tokens=True) for row in out]
 
 
-def passkey_answer(
-    model, tokenizer, document, cache, prefilled: bool = False, answer_tokens: int = ANSWER_TOKENS
-) -> str:
-    """Greedy answer of ``model`` to one ``document`` through ``cache`` (:func:`generate_answers` of one)."""
-    return generate_answers(model, tokenizer, [document], cache, prefilled, answer_tokens)[0]
-
-
 def answers_of(data: EvalData, documents, specs: list[str], separate: bool, answer_tokens: int = ANSWER_TOKENS):
     """Each cache's answers to ``documents`` (one batch, :func:`generate_answers`): ``answers[i][j]`` is cache
     ``specs[i]``'s to document ``j``. The batch's prefill runs once for every cache unless ``separate`` (or for a
