@@ -146,7 +146,7 @@ def test_documents_answered_in_batches_score_as_one_at_a_time_where_padding_chan
     from hf_kvcache.eval.runner import same_documents
 
     model, tokenizer = reference
-    config = EvalConfig(task=("ruler", "passkey"), caches=("dynamic", "int8"), ruler_tasks=("niah_multikey", "vt"),
+    config = EvalConfig(task=("ruler", "passkey"), caches=("dynamic", "int8"), ruler_tasks=("fwe", "vt"),
                         ruler_lengths=(384,), ruler_samples=3, lengths=(256,), depths=(0.5,), samples=3,
                         quiet=True)  # fmt: skip
     one = run_eval(config, model, tokenizer)

@@ -241,10 +241,17 @@ _UNMEASURED = ("caches", "quiet", "threads")
 _POOLED_ALIKE = ("model", "dtype", "dataset", "chat_template", "generate_batch")
 
 
+# Options added after runs were published whose default is what those runs did: a saved run without one ran at its
+# default. (Not --stepwise nor --separate-prefill: the runs before them scored and prefilled otherwise.)
+_ADDED_AT_DEFAULT = ("generate_batch",)
+
+
 def _settings(run: dict) -> dict:
-    """A run's config with every option its version did not have at its default (options are added defaulting to
-    what ran before them), tuples as the lists of a run read from its JSON."""
-    values = EvalConfig.from_dict(run["config"]).as_dict() | run["config"]
+    """A run's config with the :data:`_ADDED_AT_DEFAULT` options its version did not have at their defaults, tuples
+    as the lists of a run read from its JSON."""
+    values = dict(run["config"])
+    defaults = EvalConfig.from_dict(values).as_dict()
+    values |= {k: defaults[k] for k in _ADDED_AT_DEFAULT if k in defaults and k not in values}
     return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
 
 

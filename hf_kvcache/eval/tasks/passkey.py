@@ -46,8 +46,8 @@ ANSWER_TOKENS = 8  # greedy tokens decoded for the answer
 GENERATE_BATCH_HELP = (
     "documents of a cell answered together (passkey, ruler): up to N of one question length, left-padded into one "
     "batch, prefilled once, each cache decoding them in one generate; 1 (the default, as the published results): one "
-    "at a time. Padding moves a lossy cache's groups, so its answers can differ from one at a time's; every cache "
-    "reads the same batches"
+    "at a time. A lossy cache's answers can differ from one at a time's (padding moves its key groups; int2's smoothed "
+    "keys take their scales from the whole batch); every cache reads the same batches"
 )
 
 
@@ -234,8 +234,8 @@ def batched(config) -> str:
 def answer_cell(data: EvalData, documents, specs: list[str], config, answer_tokens: int, progress=None):
     """Each cache's answers to a cell's ``documents``, in their order (``answers[i][j]``: cache ``specs[i]``'s to
     document ``j``), ``config.generate_batch`` at a time (:func:`answers_of`). A batch holds documents of one question
-    length only, so every row's prefill is its whole context, as one document's is: the rows differ by their left
-    padding alone."""
+    length only, so every row's prefill is its whole context, as one document's is: each row's prompt is its own,
+    after its left padding."""
     by_length: dict[int, list[int]] = {}
     for j, doc in enumerate(documents):
         by_length.setdefault(len(doc.question), []).append(j)
