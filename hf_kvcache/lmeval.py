@@ -39,6 +39,7 @@ from lm_eval.models.huggingface import HFLM
 
 from ._compat import with_cache
 from ._validate import check_bool, check_int
+from .prefill import left_padded
 from .registry import check_spec, make_cache
 from .scoring import decode_equivalent_tokens, tokens_per_forward
 
@@ -113,13 +114,9 @@ class HFKVCacheLM(HFLM):
             prefixes.append(whole[:cut])
             continuations.append(continuation)
         rows, device = len(pairs), self.device
-        width = max(len(p) for p in prefixes)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        ids = torch.full((rows, width), pad, dtype=torch.long)
-        mask = torch.zeros((rows, width), dtype=torch.long)
-        for r, p in enumerate(prefixes):
-            ids[r, width - len(p) :] = torch.tensor(p)
-            mask[r, width - len(p) :] = 1
+        ids, mask = left_padded(prefixes, pad)
+        width = ids.shape[1]
         ids, mask = ids.to(device), mask.to(device)
         cache = self._fresh_cache()
         logits = None

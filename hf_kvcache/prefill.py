@@ -38,7 +38,19 @@ from ._config import has_indexed_layers, has_state_layers, resolve_config
 from .layers._common import KVLayer
 from .layers.inside import AttentionInside
 
-__all__ = ["SharedPrefill", "every_token_cache", "padded_positions", "store_prefill", "write_tokens"]
+__all__ = ["SharedPrefill", "every_token_cache", "left_padded", "padded_positions", "store_prefill", "write_tokens"]
+
+
+def left_padded(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists of any lengths as one left-padded batch: ``(B, L)`` ids (``pad_id`` before each row's tokens,
+    never attended to) and the attention mask (1 = real token), both int64 on the CPU."""
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, width - len(row) :] = torch.tensor(row)
+        mask[r, width - len(row) :] = 1
+    return ids, mask
 
 
 def padded_positions(model, attention_mask: torch.Tensor | None) -> dict:

@@ -338,12 +338,14 @@ def pool_runs(runs: list[dict]) -> dict:
     if len(runs) < 2:
         return runs[0]
     tasks = runs[0]["config"]["task"]
+    first_settings = _settings(runs[0])
     for run in runs[1:]:
         if run["config"]["task"] != tasks:
             other = ", ".join(run["config"]["task"])
             raise ValueError(f"runs of other tasks cannot pool: {', '.join(tasks)} and {other}")
+        settings = _settings(run)
         for key in _POOLED_ALIKE:
-            mine, first = _settings(run).get(key), _settings(runs[0]).get(key)
+            mine, first = settings.get(key), first_settings.get(key)
             if mine != first:
                 raise ValueError(f"runs of another {key} cannot pool: {first!r} and {mine!r}")
     caches = [e["cache"] for e in runs[0]["results"] if all(e["cache"] in _caches(run) for run in runs[1:])]

@@ -171,14 +171,10 @@ def padded_batch(documents, device) -> tuple[torch.Tensor, torch.Tensor, int]:
     rows whose question is shorter than the longest (at most the difference of the questions' lengths), go through the
     cache with the question. Documents of one question length (:func:`answer_cell`'s batches) have their whole
     contexts as the prefill, as one document has."""
-    prompts = [doc.context + doc.question for doc in documents]
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)  # the padding's ids are never attended to
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    return ids.to(device), mask.to(device), width - max(len(doc.question) for doc in documents)
+    from ...prefill import left_padded
+
+    ids, mask = left_padded([doc.context + doc.question for doc in documents])
+    return ids.to(device), mask.to(device), ids.shape[1] - max(len(doc.question) for doc in documents)
 
 
 @torch.inference_mode()
