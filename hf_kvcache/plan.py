@@ -158,9 +158,8 @@ def kv_bytes(
     name, options, share, generated = _plan_spec(spec)
     cache = make_cache(name, config, **options)
     specs = layer_specs(resolve_config(config), "plan", model=model)
-    fixed = sum(getattr(layer, "planned_layer_nbytes", lambda *_: 0)(tokens, dtype, prompt) for layer in cache.layers)
     if share is None or share == 1:
-        return int(batch * sum(_layers_nbytes(cache, specs, tokens, dtype, prompt))) + fixed
+        return int(batch * sum(_layers_nbytes(cache, specs, tokens, dtype, prompt)))
     prompt = max(0, tokens - generated)
     shared = prompt // cache.block_size * cache.block_size  # the prompt's full blocks, stored once per group
     groups = math.ceil(batch / share)

@@ -180,8 +180,8 @@ def _long_forwards(model, monkeypatch, columns: int) -> list[int]:
 
 def test_documents_of_one_length_answered_together_answer_as_each_alone(reference, ids, monkeypatch):
     """Documents of one length and question share no padding: answered as one batch (one prefill for every cache),
-    each cache whose rows are their own gives each document the answer it gives it alone, int4's groups included.
-    int2 is left out: its smoothed keys' scales pool the batch's rows (docs/caches/quantized.md)."""
+    every cache gives each document the answer it gives it alone: its rows are their own, int4's groups and int2's
+    smoothed keys' scales (measured per row) included."""
     from hf_kvcache.eval.tasks import EvalData
     from hf_kvcache.eval.tasks.passkey import answers_of
 
@@ -189,7 +189,8 @@ def test_documents_of_one_length_answered_together_answer_as_each_alone(referenc
     data = EvalData(model, tokenizer, ids)
     docs = [build_passkey_document(tokenizer, ids[3000 + 700 * i :], 500, 0.3 + 0.2 * i, key)
             for i, key in enumerate(["70431", "2291", "86003"])]  # fmt: skip
-    specs = [spec for spec in SHARED_SPECS if spec != "int2"]
+    specs = SHARED_SPECS
+    assert "int2" in specs
     alone = [[answers_of(data, [doc], [spec], separate=False)[0][0] for doc in docs] for spec in specs]
     long_forwards = _long_forwards(model, monkeypatch, 400)
     together = answers_of(data, docs, specs, separate=False)

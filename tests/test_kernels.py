@@ -487,7 +487,8 @@ def test_scaled_segment_divides_the_query(inner, layout, dtype, monkeypatch):
     inner_seg = PreRopeSegment(codec.segment(codec.encode(scale_keys(pre, scales), v), 0), spec, first)
     scaled = ScaledSegment(inner_seg, scales, scales.reciprocal().to(dtype))
     keys, values = scaled.read(0, scaled.length)
-    _close(keys, inner_seg.read_keys(0, scaled.length) / scales[:, None], torch.float32)
+    assert scales.shape == (2, 2, head_dim)  # per row and KV head: the query's rows are divided each by its own
+    _close(keys, inner_seg.read_keys(0, scaled.length) / scales[:, :, None], torch.float32)
     mask = _two_query_mask(scaled.length, 5)
     query = torch.randn(2, 8, 2, head_dim, generator=g).to(dtype)
     ref = combine([partial(query, scaled, mask, 0.125, 0.0, 2)], dtype=torch.float32)

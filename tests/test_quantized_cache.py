@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from models import prompt, rotary, tiny_model
+from models import VOCAB, prompt, rotary, tiny_model
 from transformers import DynamicCache, LlamaConfig
 
 from hf_kvcache import QuantizedKVCache, cache_nbytes, dynamic_bytes_per_token, make_cache, quant
@@ -1145,7 +1145,8 @@ def test_smooth_stores_scaled_keys_and_reads_them_back():
     k = rotate_positions(pre, 0, smooth.key_ropes["full_attention"])  # what the model hands the cache
     reads = [_feed(cache, k[:, :, :299], v[:, :, :299], (200, 1, 98)) for cache in (smooth, plain)]
     scale = smooth.layers[0].key_scale
-    assert scale.shape == (2, 32) and scale.dtype == torch.float32 and plain.layers[0].key_scale is None
+    assert scale.shape == (1, 2, 32) and scale.dtype == torch.float32 and plain.layers[0].key_scale is None
+    scale = scale[0]  # the one row's
     assert torch.equal(scale[:, :16], scale[:, 16:])  # one scale per RoPE pair: it commutes with RoPE
     torch.testing.assert_close(scale.log().mean(-1), torch.zeros(2), atol=1e-5, rtol=0)
     assert (scale.argmax(-1) % 16 == 6).all() and (scale.max(-1).values > 2).all()
@@ -1158,35 +1159,140 @@ def test_smooth_stores_scaled_keys_and_reads_them_back():
         errors.append((got - want).pow(2).mean())
     assert errors[0] < 0.5 * errors[1], errors
     assert smooth.nbytes == plain.nbytes + 2 * scale.nbytes  # the scales and their inverses (float32 K/V here)
-    assert kv_bytes("int2:smooth=1", config, tokens=4096) == kv_bytes("int2:smooth=0", config, tokens=4096) + 2 * 32 * 6
+    for batch in (1, 3):  # every row its own scales
+        with_scales, without = (kv_bytes(f"int2:smooth={s}", config, 4096, batch) for s in (1, 0))
+        assert with_scales == without + batch * 2 * 32 * 6
     assert "smooth=1.0" in repr(smooth) and "smooth" not in repr(plain)
     assert make_cache("int3:smooth=0.5", config).smooth == 0.5
     smooth.reset()
     assert smooth.layers[0].key_scale is None  # a reset cache measures its next prompt's keys anew
 
 
+def _offset_keys(tokens, channel, seed, head_dim=32):
+    """Keys before RoPE with an offset channel (its RoPE pair's scale the largest), turned as the model hands them."""
+    from hf_kvcache.rope import rotate_positions
+
+    pre, v = _kv(tokens, head_dim=head_dim, seed=seed)
+    pre[..., channel] = 40.0 + 0.05 * pre[..., channel]
+    config = _config(head_dim=head_dim, layers=1)
+    return rotate_positions(pre, 0, QuantizedKVCache(config, bits=2).key_ropes["full_attention"]), v
+
+
+SMOOTHED = dict(bits=2, group_size=16, residual_length=16, sinks=4, smooth=1)
+
+
+def test_smoothed_keys_scales_are_each_rows_own():
+    """A row's scales are measured on its own keys: in a batch, each row stores (and reads back) what it stores
+    alone, whatever the rows beside it hold (pooled scales would move row 0's with row 1's offset channel); the
+    batch-axis operations carry each row's scales with it."""
+    config = _config(head_dim=32, layers=1)
+    rows = [_offset_keys(216, channel, seed) for channel, seed in ((6, 3), (3, 4))]
+    k, v = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+    chunks = (200, 1, 15)
+    batch = QuantizedKVCache(config, **SMOOTHED)
+    read = _feed(batch, k, v, chunks)
+    for i, (ki, vi) in enumerate(rows):
+        alone = QuantizedKVCache(config, **SMOOTHED)
+        own = _feed(alone, ki, vi, chunks)
+        assert torch.equal(batch.layers[0].key_scale[i], alone.layers[0].key_scale[0])
+        torch.testing.assert_close(read[0][i], own[0][0], rtol=1e-5, atol=1e-5)
+    scales = batch.layers[0].key_scale
+    assert (scales[0].argmax(-1) % 16 == 6).all() and (scales[1].argmax(-1) % 16 == 3).all()
+    plain = QuantizedKVCache(config, **{**SMOOTHED, "smooth": 0})
+    _feed(plain, k, v, chunks)
+    assert batch.nbytes == plain.nbytes + 2 * 2 * 2 * 32 * 4  # per row: a (heads, head_dim) tensor and its inverse
+    batch.reorder_cache(torch.tensor([1, 0]))
+    assert torch.equal(batch.layers[0].key_scale, scales.flip(0))
+    batch.batch_select_indices(torch.tensor([1]))
+    assert torch.equal(batch.layers[0].key_scale, scales[:1])
+    batch.batch_repeat_interleave(2)
+    assert batch.layers[0].key_scale.shape == (2, 2, 32) and torch.equal(batch.layers[0].query_scale[1],
+                                                                            scales[0].reciprocal())  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # keys smoothed before RoPE, and a model without RoPE
+def test_an_int2_row_generates_in_a_batch_what_it_generates_alone(family):
+    """Through ``generate``, int2's smoothed keys (its default) give each row of an unpadded batch the logits it
+    gets alone, to float rounding (scales pooled over the batch moved them by ~3e-4 here)."""
+    torch.set_num_threads(1)
+    model = tiny_model(family)
+    ids = torch.randint(3, VOCAB, (2, 60), generator=torch.Generator().manual_seed(0))
+
+    def logits(rows: torch.Tensor) -> torch.Tensor:
+        cache = make_cache("int2:residual_length=8:group_size=16", model)
+        assert cache.smooth == 1
+        out = model.generate(rows, attention_mask=torch.ones_like(rows), past_key_values=cache, max_new_tokens=12,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        return torch.stack(out.logits, 1)
+
+    together = logits(ids)
+    for i in range(2):
+        torch.testing.assert_close(together[i], logits(ids[i : i + 1])[0], rtol=0, atol=1e-5)
+
+
+def test_a_padded_rows_scales_leave_its_padding_out_and_wait_for_its_own_tokens():
+    """Left padding never enters a row's statistics: a row padded by whole key groups gets the scales it gets
+    alone (its real tokens are the same ones; pre-RoPE keys only turn by the padding's angle, which a RoPE pair's
+    statistics do not see). A short row whose padding fills the first encoded chunk keeps scales of 1 (its codes
+    are padding, never read) until a chunk brings its own tokens; then it gets scales of its own, and the other
+    rows keep theirs."""
+    config = _config(head_dim=32, layers=1)
+    (ka, va), (kb, vb) = _offset_keys(240, 6, 3), _offset_keys(240, 3, 4)
+    pad = 32
+    garbage = torch.full((1, 2, pad, 32), 1e3)  # row 1: the first 176 tokens after 32 of padding
+    kb_padded, vb_padded = (
+        torch.cat([garbage, kb[:, :, : 208 - pad]], 2),
+        torch.cat([garbage, vb[:, :, : 208 - pad]], 2),
+    )
+    mask = torch.ones(2, 208, dtype=torch.long)
+    mask[1, :pad] = 0
+    batch = QuantizedKVCache(config, **SMOOTHED)
+    batch.padding.observe(mask)
+    _feed(batch, torch.cat([ka[:, :, :208], kb_padded]), torch.cat([va[:, :, :208], vb_padded]))
+    alone = QuantizedKVCache(config, **SMOOTHED)
+    _feed(alone, kb[:, :, : 208 - pad], vb[:, :, : 208 - pad])
+    torch.testing.assert_close(batch.layers[0].key_scale[1], alone.layers[0].key_scale[0], rtol=1e-4, atol=1e-5)
+
+    short = QuantizedKVCache(config, **SMOOTHED)  # row 1: 12 tokens beside row 0's 200
+    mask = torch.ones(2, 200, dtype=torch.long)
+    mask[1, :188] = 0
+    short.padding.observe(mask)
+    k, v = torch.cat([ka, kb]), torch.cat([va, vb])
+    _feed(short, k[:, :, :200], v[:, :, :200])  # encodes positions 0 .. 175: row 1's padding only
+    layer = short.layers[0]
+    assert layer.quantized_tokens == 176 and torch.equal(layer.key_scale[1], torch.ones(2, 32))
+    first = layer.key_scale[0].clone()
+    _feed(short, k[:, :, 200:208], v[:, :, 200:208], (1,) * 8)  # positions 176 .. 191: padding, then its 4 sinks
+    assert layer.quantized_tokens == 192 and torch.equal(layer.key_scale[1], torch.ones(2, 32))
+    _feed(short, k[:, :, 208:224], v[:, :, 208:224], (1,) * 16)  # 192 .. 207: its first ordinary tokens
+    assert layer.quantized_tokens == 208 and torch.equal(layer.key_scale[0], first)
+    assert (layer.key_scale[1].argmax(-1) % 16 == 3).all()
+
+
 def test_smoothing_scales_do_not_depend_on_the_layout_and_stay_finite():
     """The scales are the same bit for bit for a tensor and its transposed copy (a forward's keys are a view, a
-    handed-over prefill's contiguous: both must store the same codes), and finite, with a geometric mean of 1, for
-    a constant channel (no spread), non-finite keys and a head of nothing finite."""
+    handed-over prefill's contiguous: both must store the same codes) and, row by row, for each row alone; finite,
+    with a geometric mean of 1, for a constant channel (no spread), non-finite keys and a head of nothing finite."""
     from hf_kvcache.formats.scaled import smoothing_scales
     from tests.models import rotary
 
     k = torch.randn(2, 12, 3, 64).transpose(1, 2)  # (B, H, T, D) as a view
     for rope in (None, rotary(64), rotary(64, "interleaved"), rotary(64, "partial")):
-        assert torch.equal(smoothing_scales(k, 0.5, rope), smoothing_scales(k.contiguous(), 0.5, rope))
+        scales = smoothing_scales(k, 0.5, rope)
+        assert scales.shape == (2, 3, 64) and torch.equal(scales, smoothing_scales(k.contiguous(), 0.5, rope))
+        assert torch.equal(scales[1], smoothing_scales(k[1:], 0.5, rope)[0])
     interleaved = smoothing_scales(k, 1.0, rotary(64, "interleaved"))
-    assert torch.equal(interleaved[:, 0::2], interleaved[:, 1::2])
+    assert torch.equal(interleaved[..., 0::2], interleaved[..., 1::2])
     partial_rope = smoothing_scales(k, 1.0, rotary(64, "partial"))  # channels 32.. pass through: each its own
-    assert torch.equal(partial_rope[:, :16], partial_rope[:, 16:32])
+    assert torch.equal(partial_rope[..., :16], partial_rope[..., 16:32])
     odd = k.clone()
     odd[..., 0] = 5.0  # constant
     odd[0, 0, 0, 1] = float("inf")
     odd[:, 2] = float("nan")  # head 2: nothing finite
     scales = smoothing_scales(odd, 2.0)
     assert torch.isfinite(scales).all()
-    torch.testing.assert_close(scales.log().mean(-1), torch.zeros(3), atol=1e-5, rtol=0)
-    assert torch.equal(scales[2], torch.ones(64))
+    torch.testing.assert_close(scales.log().mean(-1), torch.zeros(2, 3), atol=1e-5, rtol=0)
+    assert torch.equal(scales[:, 2], torch.ones(2, 64))
 
 
 @pytest.mark.parametrize(

@@ -179,12 +179,13 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             ``rotate="hadamard"``), or ``"auto"`` (default: :data:`MEASURED_DEFAULTS` by the width of each layer's
             keys, 1 for 2-bit keys, 0 for wider ones and where ``rotate`` is None; :meth:`layer_smooth`). Keys are
             stored times per-channel scales ``(E[k^2] / Var k) ** (smooth / 4)`` (one per RoPE channel pair,
-            geometric mean 1), measured per layer and KV head on the first tokens the layer encodes and kept until
-            ``reset()``; reads divide them back, and the kernels read the codes with the query divided instead
-            (``q . k = (q / s) . (k * s)``: scores are unchanged). A channel whose keys share a large offset and vary
-            little is where queries are large; the rotation spreads the other channels' rounding error into it, and
-            its larger scale takes that error back out (SmoothQuant's migration, between keys and queries). Same
-            bytes per token, plus one ``(heads, head_dim)`` float32 tensor per layer and its inverse; under the
+            geometric mean 1), measured per layer, batch row and KV head on the first real tokens the layer encodes
+            of the row and kept until ``reset()`` (a row's codes do not depend on the rows beside it); reads divide
+            them back, and the kernels read the codes with the query divided instead (``q . k = (q / s) . (k *
+            s)``: scores are unchanged). A channel whose keys share a large offset and vary little is where queries
+            are large; the rotation spreads the other channels' rounding error into it, and its larger scale takes
+            that error back out (SmoothQuant's migration, between keys and queries). Same bytes per token, plus one
+            ``(heads, head_dim)`` float32 tensor per layer and row and its inverse; under the
             ``hf_kvcache`` attention one more elementwise product per layer and step (the query's).
 
     Example:
@@ -345,7 +346,9 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         super().__init__(
             layers=[cache_layer(s, i, owner, partial(self._make_layer, i, s)) for i, s in enumerate(specs)]
         )
-        if sinks:  # the sinks are each row's first real tokens: read the left padding of the prefill's mask
+        # the sinks are each row's first real tokens, and smoothed keys measure a row's scales on its real tokens:
+        # read the left padding of the prefill's mask
+        if sinks or any(self.layer_smooth(i) for i in range(len(specs))):
             self._observe_model(model)
 
     @property
@@ -399,7 +402,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         if spec.layer_type != "full_attention":  # the model's own window: its sinks would be evicted anyway
             return QuantizedSlidingWindowLayer(
                 spec, layer_idx, owner, codec, residual, self.workspace, self.attention_mode, key_rope, residual_codec,
-                smooth,
+                smooth, self.padding,
             )  # fmt: skip
         return QuantizedLayer(
             spec, layer_idx, owner, codec, residual, self.workspace, self.attention_mode, sinks, self.padding,

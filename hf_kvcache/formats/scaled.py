@@ -9,8 +9,9 @@ before rotating (SmoothQuant's migration, between keys and queries instead of ac
 larger share of the range and a smaller share of the error. The scale of a channel pair is
 ``(E[k^2] / Var k) ** (strength / 4)`` (``strength=1`` minimizes ``E[(q . dk)^2]`` when the query's energy is the key's
 offset energy; both channels of a RoPE pair share it, so it commutes with RoPE and keys stored before RoPE are turned
-as before), taken from the first tokens a layer encodes and kept for the layer's life. Stored bytes are the inner
-format's, and per layer one ``(heads, head_dim)`` float32 tensor and its inverse in the K/V dtype.
+as before), taken per batch row from the row's first real tokens a layer encodes and kept for the layer's life, so a
+row's codes never depend on the rows beside it. Stored bytes are the inner format's, and per layer and row one
+``(heads, head_dim)`` float32 tensor and its inverse in the K/V dtype.
 """
 
 from __future__ import annotations
@@ -49,16 +50,16 @@ def pair_channels(x: torch.Tensor, rope: RotarySpec | None) -> torch.Tensor:
 
 
 def smoothing_scales(keys: torch.Tensor, strength: float, rope: RotarySpec | None = None) -> torch.Tensor:
-    """Per-head channel scales ``(H, D)`` float32 for keys ``(B, H, n, D)`` (every row and token pooled):
+    """Per-row, per-head channel scales ``(B, H, D)`` float32 for keys ``(B, H, n, D)`` (each row's tokens pooled):
     ``(E[k^2] / Var k) ** (strength / 4)`` per channel (per RoPE pair, :func:`pair_channels`), normalized to a
-    geometric mean of 1 per head so the scaled keys keep their magnitude. Non-finite keys are left out of the
-    statistics; a head with nothing finite gets scales of 1."""
+    geometric mean of 1 per head so the scaled keys keep their magnitude. Non-finite keys (a layer marks a row's
+    padding NaN) are left out of the statistics; a row's head with nothing finite gets scales of 1."""
     k = keys.detach().float().contiguous()  # the sums' order, so the scales, must not depend on the layout
     finite = torch.isfinite(k)
-    count = finite.sum((0, 2)).clamp_min(1)
+    count = finite.sum(2).clamp_min(1)
     k = torch.where(finite, k, 0.0)
-    second = k.pow(2).sum((0, 2)) / count
-    mean = k.sum((0, 2)) / count
+    second = k.pow(2).sum(2) / count
+    mean = k.sum(2) / count
     variance = (second - mean.pow(2)).clamp_min(0)
     second, variance = pair_channels(second, rope), pair_channels(variance, rope)
     floor = second.mean(-1, keepdim=True) * 1e-12 + torch.finfo(torch.float32).tiny
@@ -70,39 +71,39 @@ def smoothing_scales(keys: torch.Tensor, strength: float, rope: RotarySpec | Non
 
 
 def scale_keys(keys: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``keys * scales`` (``(B, H, n, D)`` by ``(H, D)``) computed in float32, in ``keys``' dtype."""
-    return (keys.float() * scales[:, None]).to(keys.dtype)
+    """``keys * scales`` (``(B, H, n, D)`` by ``(B, H, D)``) computed in float32, in ``keys``' dtype."""
+    return (keys.float() * scales[:, :, None]).to(keys.dtype)
 
 
 def unscale_keys(keys: torch.Tensor, scales: torch.Tensor) -> None:
-    """Decoded keys ``(B, H, n, D)`` back to the model's, in place (``keys / scales``)."""
-    keys.div_(scales[:, None])  # in float32, rounded once to the keys' dtype
+    """Decoded keys ``(B, H, n, D)`` back to the model's, in place (``keys / scales``, ``(B, H, D)``)."""
+    keys.div_(scales[:, :, None])  # in float32, rounded once to the keys' dtype
 
 
 def scale_query(query: torch.Tensor, query_scale: torch.Tensor) -> torch.Tensor:
-    """``query`` ``(B, Hq, q, D)`` times its KV head's ``query_scale`` (``(Hkv, D)``, ``1 / s`` in the query's dtype:
-    one product, one launch on CUDA; grouped-query heads in order)."""
-    grouped = query.unflatten(1, (query_scale.shape[0], -1))  # (B, Hkv, G, q, D), a view
-    return (grouped * query_scale[None, :, None, None]).flatten(1, 2)
+    """``query`` ``(B, Hq, q, D)`` times its row's and KV head's ``query_scale`` (``(B, Hkv, D)``, ``1 / s`` in the
+    query's dtype: one product, one launch on CUDA; grouped-query heads in order)."""
+    grouped = query.unflatten(1, (query_scale.shape[1], -1))  # (B, Hkv, G, q, D), a view
+    return (grouped * query_scale[:, :, None, None]).flatten(1, 2)
 
 
 @dataclass(frozen=True)
 class ScaledSegment(OverSegment):
-    """A segment whose keys were stored times ``key_scale`` (per KV head and channel): read back divided, scored
-    with the query divided instead, inside whatever launch reads the inner segment."""
+    """A segment whose keys were stored times ``key_scale`` (per row, KV head and channel): read back divided,
+    scored with the query divided instead, inside whatever launch reads the inner segment."""
 
     inner: SegmentFormat
-    key_scale: torch.Tensor  # (Hkv, Dk) float32: stored keys are k * key_scale
-    query_scale: torch.Tensor  # (Hkv, Dk) 1 / key_scale in the queries' dtype (what the launches are fed)
+    key_scale: torch.Tensor  # (B, Hkv, Dk) float32: stored keys are k * key_scale
+    query_scale: torch.Tensor  # (B, Hkv, Dk) 1 / key_scale in the queries' dtype (what the launches are fed)
 
     def read_keys(self, a: int, b: int) -> torch.Tensor:
-        return self.inner.read_keys(a, b) / self.key_scale[:, None]
+        return self.inner.read_keys(a, b) / self.key_scale[:, :, None]
 
     def read_values(self, a: int, b: int) -> torch.Tensor:
         return self.inner.read_values(a, b)
 
     def scores(self, query: torch.Tensor, a: int, b: int) -> torch.Tensor:
-        return self.inner.scores(query / self.key_scale[:, None, None], a, b)  # query (B, Hkv, G, q, Dk)
+        return self.inner.scores(query / self.key_scale[:, :, None, None], a, b)  # query (B, Hkv, G, q, Dk)
 
     def weighted_values(self, weights: torch.Tensor, a: int, b: int) -> torch.Tensor:
         return self.inner.weighted_values(weights, a, b)

@@ -66,11 +66,6 @@ class AttentionInside(CacheLayerMixin):
     def planned_nbytes(self, tokens: int, dtype: torch.dtype, prompt: int | None = None) -> int:
         return self.attention.planned_nbytes(tokens, dtype, prompt)
 
-    def planned_layer_nbytes(self, tokens: int, dtype: torch.dtype, prompt: int | None = None) -> int:
-        """What the inner layer stores once whatever the batch (a quantized layer's smoothed keys' scales)."""
-        planned = getattr(self.attention, "planned_layer_nbytes", None)
-        return planned(tokens, dtype, prompt) if planned is not None else 0
-
     @property
     def nbytes(self) -> int:
         return self._beside_nbytes() + self.attention.nbytes

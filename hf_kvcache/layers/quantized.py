@@ -118,11 +118,14 @@ class QuantizedLayer(KVLayer):
         self.store: TokenBuffers | None = None  # codes of every position from `dropped` on
         self.residual: TokenBuffers | None = None  # the most recent tokens, exact
         self.sink: RowSinks | None = None  # each row's first `sinks` real tokens, exact (beside their codes)
-        # smooth > 0: the codes hold keys times key_scale ((H, Dk) float32, formats.scaled), measured on the first
-        # tokens this layer encodes and kept until the storage is released; read back divided.
+        # smooth > 0: the codes hold keys times key_scale ((B, H, Dk) float32, formats.scaled), measured per row on
+        # the first real tokens this layer encodes of it and kept until the storage is released; read back divided.
+        # Per row, not pooled over the batch: a row's codes, so its answers, are the same in any batch.
         self.smooth = smooth
         self.key_scale: torch.Tensor | None = None
         self.query_scale: torch.Tensor | None = None  # 1 / key_scale in the K/V dtype: what a query is multiplied by
+        self._scale_pads: tuple[int, ...] = ()  # each row's left padding, as the scales were first set up
+        self._unscaled: tuple[int, ...] = ()  # rows no chunk has yet brought a real token of: scales of 1 so far
 
     # -- CacheLayerMixin ------------------------------------------------------------------------------------------
 
@@ -134,11 +137,16 @@ class QuantizedLayer(KVLayer):
             self.sink = RowSinks(self.sinks, pads, key_states, value_states)
         self.dropped = 0
         self.key_scale = self.query_scale = None
+        if self.smooth:  # each row's padding, read as the sinks read it
+            b = self.batch_size
+            self._scale_pads = self.padding.pads(b) if self.padding is not None else (0,) * b
+            self._unscaled = tuple(range(b))
         if self.key_rope is not None:  # on the layer's device once, not copied there by every read
             self.key_rope = dataclasses.replace(self.key_rope, inv_freq=self.key_rope.inv_freq.to(self.device))
 
     def _release(self) -> None:
         self.store = self.residual = self.sink = self.key_scale = self.query_scale = None
+        self._scale_pads = self._unscaled = ()
         self.dropped = 0
 
     def update(
@@ -261,24 +269,18 @@ class QuantizedLayer(KVLayer):
 
     def planned_nbytes(self, tokens: int, dtype: torch.dtype, prompt: int | None = None) -> float:
         """Bytes one row stores after ``tokens`` tokens of ``dtype`` K/V, ``prompt`` of them in the first forward
-        (default: all) and the rest one per forward (:mod:`hf_kvcache.plan`): codes, the residual, and ``sinks``
-        exact tokens from the first token on (padding changes none of it)."""
+        (default: all) and the rest one per forward (:mod:`hf_kvcache.plan`): codes, the residual, ``sinks`` exact
+        tokens from the first token on, and smoothed keys' float32 scales and their inverses in ``dtype`` from the
+        first encoded token on (padding changes none of it)."""
         prompt = tokens if prompt is None else prompt
         encoded, residual = self._planned_split(tokens, prompt)
         spec = self.spec
         coded = self.codec.bytes_per_token(spec.num_kv_heads, spec.key_dim, spec.value_dim, dtype)
         held = self.residual_codec.bytes_per_token(spec.num_kv_heads, spec.key_dim, spec.value_dim, dtype)
         sinks = self.sinks if tokens else 0
-        return encoded * coded + residual * held + sinks * spec.bytes_per_token_factor * dtype.itemsize
-
-    def planned_layer_nbytes(self, tokens: int, dtype: torch.dtype, prompt: int | None = None) -> int:
-        """Bytes the layer stores once whatever its batch after ``tokens`` tokens of ``dtype`` K/V
-        (:meth:`planned_nbytes`' path): the smoothed keys' float32 scales and their inverses in ``dtype``, from its
-        first encoded token on."""
-        prompt = tokens if prompt is None else prompt
-        if not self.smooth or not self._planned_encodes(tokens, prompt):
-            return 0
-        return self.spec.num_kv_heads * self.spec.key_dim * (4 + dtype.itemsize)
+        scaled = self.smooth and self._planned_encodes(tokens, prompt)
+        scales = spec.num_kv_heads * spec.key_dim * (4 + dtype.itemsize) if scaled else 0
+        return encoded * coded + residual * held + sinks * spec.bytes_per_token_factor * dtype.itemsize + scales
 
     def _planned_split(self, tokens: int, prompt: int) -> tuple[int, int]:
         return encoded_split(tokens, self.residual_length, self.codec.unit)
@@ -385,10 +387,7 @@ class QuantizedLayer(KVLayer):
             if self.sink is not None:  # padding and sinks never set a group's range (they are read exactly)
                 ke, ve = self.sink.exclude(ke, first), self.sink.exclude(ve, first)
             if self.smooth:
-                if self.key_scale is None:  # the first tokens this layer encodes set its scales for good
-                    self.key_scale = smoothing_scales(ke, self.smooth, self.key_rope)
-                    self.query_scale = self.key_scale.reciprocal().to(self.dtype)
-                ke = scale_keys(ke, self.key_scale)
+                ke = self._smoothed(ke, first)
             encode_into = getattr(self.codec, "encode_into", None)
             if encode_into is not None:  # int8, KIVI: encoded straight into the storage, one launch on CUDA
                 self.store.append_written(
@@ -400,6 +399,31 @@ class QuantizedLayer(KVLayer):
             k, v = k[:, :, from_new:], v[:, :, from_new:]
         if k.shape[-2]:
             self._residual_append(k, v)
+
+    def _smoothed(self, ke: torch.Tensor, first: int) -> torch.Tensor:
+        """A chunk of keys (positions ``first ..``, before :meth:`_append` encodes them) times their rows' scales. A
+        row's scales are set, for good, by the first chunk holding one of its ordinary tokens (past its padding and
+        sinks), from that chunk's tokens without its padding: a short row left-padded beside long ones waits for its
+        own tokens (its codes until then are padding, never read) instead of taking scales from nothing."""
+        if self.key_scale is None:
+            b, h, _, d = ke.shape
+            self.key_scale = torch.ones((b, h, d), dtype=torch.float32, device=ke.device)
+        n = ke.shape[2]
+        ready = [r for r in self._unscaled if first + n > self._scale_pads[r] + self.sinks]
+        if ready:
+            stats = ke
+            if any(self._scale_pads[r] > first for r in ready):  # padding left out of the statistics
+                pads = torch.tensor(self._scale_pads, device=ke.device)[:, None] - first
+                padding = torch.arange(n, device=ke.device)[None, :] < pads  # (B, n)
+                stats = ke.masked_fill(padding[:, None, :, None], float("nan"))
+            if len(ready) < ke.shape[0]:
+                rows = torch.tensor(ready, device=ke.device)
+                self.key_scale[rows] = smoothing_scales(stats[rows], self.smooth, self.key_rope)
+            else:
+                self.key_scale = smoothing_scales(stats, self.smooth, self.key_rope)
+            self.query_scale = self.key_scale.reciprocal().to(self.dtype)
+            self._unscaled = tuple(r for r in self._unscaled if r not in ready)
+        return scale_keys(ke, self.key_scale)
 
     @property
     def _exact_residual(self) -> bool:
@@ -503,6 +527,12 @@ class QuantizedLayer(KVLayer):
         if self.is_initialized:
             for buffers in self._parts():
                 buffers.map_batch(fn)
+            if self.key_scale is not None:
+                self.key_scale, self.query_scale = fn(self.key_scale), fn(self.query_scale)
+            if self._scale_pads:
+                rows = fn(torch.arange(len(self._scale_pads))).tolist()  # the old row each new row comes from
+                self._scale_pads = tuple(self._scale_pads[r] for r in rows)
+                self._unscaled = tuple(i for i, r in enumerate(rows) if r in self._unscaled)
         self._set_batch(batch)
 
 
@@ -529,9 +559,10 @@ class QuantizedSlidingWindowLayer(QuantizedLayer):
         key_rope: RotarySpec | None = None,
         residual_codec=None,
         smooth: float = 0.0,
+        padding: PaddingTracker | None = None,
     ):
         super().__init__(
-            spec, layer_idx, owner, codec, residual_length, workspace, mode, key_rope=key_rope,
+            spec, layer_idx, owner, codec, residual_length, workspace, mode, padding=padding, key_rope=key_rope,
             residual_codec=residual_codec, smooth=smooth,
         )  # fmt: skip
         self.sliding_window = spec.sliding_window

@@ -113,7 +113,7 @@ def measure(model, ids: torch.Tensor, bits: int = 2, group: int = 64, strengths=
         first = pre[:, SINKS:start]
         scalings = {"none": torch.ones(pre.shape[0], pre.shape[-1])}
         for s in strengths:
-            scalings[f"keys {s:g}"] = smoothing_scales(first[None], s, spec)
+            scalings[f"keys {s:g}"] = smoothing_scales(first[None], s, spec)[0]
         scalings["queries"] = _query_fitted(query[:, SINKS:start], first, spec)
         for name, scales in scalings.items():
             approx = rotate_positions(quantized_keys(pre, scales, bits, group)[None], 0, spec)[0]

@@ -46,8 +46,8 @@ ANSWER_TOKENS = 8  # greedy tokens decoded for the answer
 GENERATE_BATCH_HELP = (
     "documents of a cell answered together (passkey, ruler): up to N of one question length, left-padded into one "
     "batch, prefilled once, each cache decoding them in one generate; 1 (the default, as the published results): one "
-    "at a time. A lossy cache's answers can differ from one at a time's (padding moves its key groups; int2's smoothed "
-    "keys take their scales from the whole batch); every cache reads the same batches"
+    "at a time. A lossy cache's answers can differ from one at a time's where documents differ in length (padding "
+    "moves its key groups); every cache reads the same batches"
 )
 
 
