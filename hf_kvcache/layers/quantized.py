@@ -125,7 +125,7 @@ class QuantizedLayer(KVLayer):
         self.key_scale: torch.Tensor | None = None
         self.query_scale: torch.Tensor | None = None  # 1 / key_scale in the K/V dtype: what a query is multiplied by
         self._scale_pads: tuple[int, ...] = ()  # each row's left padding, as the scales were first set up
-        self._unscaled: tuple[int, ...] = ()  # rows no chunk has yet brought a real token of: scales of 1 so far
+        self._unscaled: tuple[int, ...] = ()  # rows no encoded chunk has yet held an ordinary token of: scales of 1
 
     # -- CacheLayerMixin ------------------------------------------------------------------------------------------
 
