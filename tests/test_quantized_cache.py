@@ -1269,6 +1269,27 @@ def test_a_padded_rows_scales_leave_its_padding_out_and_wait_for_its_own_tokens(
     assert (layer.key_scale[1].argmax(-1) % 16 == 3).all()
 
 
+@pytest.mark.parametrize("spec", ["int4", "int3:sinks=0", "int2:sinks=0:smooth=0"])
+def test_what_padding_holds_never_moves_a_real_tokens_codes(spec):
+    """Without sinks too, a row's left padding never sets the range of a key group it shares with the row's own
+    tokens (it is never read): the stored keys and values of the real tokens are the same to the bit whatever the
+    padding's positions hold (a pad token's keys can be anything; here +-1e3)."""
+    config = _config(head_dim=32, layers=1)
+    k, v = _kv(200, head_dim=32, batch=2, seed=5)
+    mask = torch.ones(2, 200, dtype=torch.long)
+    mask[1, :37] = 0  # not a whole number of 16-token groups: row 1's first group holds padding and its own tokens
+    reads = []
+    for fill in (1e3, -1e3):
+        padded_k, padded_v = k.clone(), v.clone()
+        padded_k[1, :, :37], padded_v[1, :, :37] = fill, fill
+        cache = make_cache(f"{spec}:group_size=16:residual_length=16", config)
+        cache.padding.observe(mask)
+        reads.append(_feed(cache, padded_k, padded_v, (180, 1, 19)))
+        assert cache.layers[0].quantized_tokens == 176
+    for got, other in zip(*reads):
+        assert torch.equal(got[:, :, 37:], other[:, :, 37:]) and torch.equal(got[0], other[0])
+
+
 def test_smoothing_scales_do_not_depend_on_the_layout_and_stay_finite():
     """The scales are the same bit for bit for a tensor and its transposed copy (a forward's keys are a view, a
     handed-over prefill's contiguous: both must store the same codes) and, row by row, for each row alone; finite,

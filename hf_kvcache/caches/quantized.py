@@ -346,10 +346,9 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         super().__init__(
             layers=[cache_layer(s, i, owner, partial(self._make_layer, i, s)) for i, s in enumerate(specs)]
         )
-        # the sinks are each row's first real tokens, and smoothed keys measure a row's scales on its real tokens:
-        # read the left padding of the prefill's mask
-        if sinks or any(self.layer_smooth(i) for i in range(len(specs))):
-            self._observe_model(model)
+        # each row's left padding, from the prefill's mask: the sinks are each row's first real tokens, smoothed keys
+        # measure a row's scales on its real tokens, and padding never sets a key group's range
+        self._observe_model(model)
 
     @property
     def smooth(self) -> float | str:

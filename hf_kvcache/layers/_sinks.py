@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["RowSinks"]
+__all__ = ["RowSinks", "fill_front"]
 
 
 class RowSinks:
@@ -69,14 +69,7 @@ class RowSinks:
     def exclude(self, x: torch.Tensor, first: int) -> torch.Tensor:
         """A chunk of positions ``first ..`` about to be encoded, its padding and sink positions replaced by each
         row's first token after its sinks (when in the chunk): they never set a group's range."""
-        n = x.shape[2]
-        ends = [p + self.count - first for p in self.pads]  # each row's first ordinary position, from first
-        if all(e <= 0 for e in ends):
-            return x
-        end = torch.tensor(ends, device=x.device)
-        excluded = torch.arange(n, device=x.device)[None, :] < end[:, None]  # (B, n)
-        fill = x.gather(2, end.clamp(0, n - 1)[:, None, None, None].expand(*x.shape[:2], 1, x.shape[-1]))
-        return torch.where(excluded[:, None, :, None], fill, x)
+        return fill_front(x, [p + self.count - first for p in self.pads])
 
     def patch(self, keys: torch.Tensor, values: torch.Tensor, first: int, tokens: int) -> None:
         """Materialized K/V ``(B, H, L, D)`` of positions ``first ..``: the sinks held among the first ``tokens``
@@ -124,3 +117,17 @@ class RowSinks:
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+
+def fill_front(x: torch.Tensor, ends: list[int]) -> torch.Tensor:
+    """A chunk ``(B, H, n, D)`` about to be encoded with row ``r``'s first ``ends[r]`` positions (its padding, and its
+    sinks where they are kept apart) replaced by its token at ``ends[r]`` (the chunk's last where that is past it), so
+    that they never set the range of a group they share with the row's own tokens; ``x`` itself where no row has any
+    (a decode step's case)."""
+    if all(e <= 0 for e in ends):
+        return x
+    n = x.shape[2]
+    end = torch.tensor(ends, device=x.device)
+    excluded = torch.arange(n, device=x.device)[None, :] < end[:, None]  # (B, n)
+    fill = x.gather(2, end.clamp(0, n - 1)[:, None, None, None].expand(*x.shape[:2], 1, x.shape[-1]))
+    return torch.where(excluded[:, None, :, None], fill, x)

@@ -28,7 +28,7 @@ from ..formats._base import KeyTurn
 from ..formats.scaled import ScaledSegment, scale_keys, smoothing_scales, unscale_keys
 from ..rope import RotarySpec, rotate_positions
 from ._common import AttentionMode, KVLayer, PaddingTracker, tokens_to_crop
-from ._sinks import RowSinks
+from ._sinks import RowSinks, fill_front
 from ._storage import TokenBuffers, Workspace
 
 
@@ -124,7 +124,7 @@ class QuantizedLayer(KVLayer):
         self.smooth = smooth
         self.key_scale: torch.Tensor | None = None
         self.query_scale: torch.Tensor | None = None  # 1 / key_scale in the K/V dtype: what a query is multiplied by
-        self._scale_pads: tuple[int, ...] = ()  # each row's left padding, as the scales were first set up
+        self._pads: tuple[int, ...] = ()  # each row's left padding, read from the prefill's mask (the sinks' own)
         self._unscaled: tuple[int, ...] = ()  # rows no encoded chunk has yet held an ordinary token of: scales of 1
 
     # -- CacheLayerMixin ------------------------------------------------------------------------------------------
@@ -137,16 +137,15 @@ class QuantizedLayer(KVLayer):
             self.sink = RowSinks(self.sinks, pads, key_states, value_states)
         self.dropped = 0
         self.key_scale = self.query_scale = None
-        if self.smooth:  # each row's padding, read as the sinks read it
-            b = self.batch_size
-            self._scale_pads = self.padding.pads(b) if self.padding is not None else (0,) * b
-            self._unscaled = tuple(range(b))
+        b = self.batch_size
+        self._pads = self.padding.pads(b) if self.padding is not None else (0,) * b
+        self._unscaled = tuple(range(b)) if self.smooth else ()
         if self.key_rope is not None:  # on the layer's device once, not copied there by every read
             self.key_rope = dataclasses.replace(self.key_rope, inv_freq=self.key_rope.inv_freq.to(self.device))
 
     def _release(self) -> None:
         self.store = self.residual = self.sink = self.key_scale = self.query_scale = None
-        self._scale_pads = self._unscaled = ()
+        self._pads = self._unscaled = ()
         self.dropped = 0
 
     def update(
@@ -386,6 +385,9 @@ class QuantizedLayer(KVLayer):
                 ke = rotate_positions(ke, first, self.key_rope, inverse=True)
             if self.sink is not None:  # padding and sinks never set a group's range (they are read exactly)
                 ke, ve = self.sink.exclude(ke, first), self.sink.exclude(ve, first)
+            elif self.codec.unit > 1:  # key groups span tokens: nor does padding without sinks (it is never read)
+                ends = [p - first for p in self._pads]
+                ke, ve = fill_front(ke, ends), fill_front(ve, ends)
             if self.smooth:
                 ke = self._smoothed(ke, first)
             encode_into = getattr(self.codec, "encode_into", None)
@@ -409,11 +411,11 @@ class QuantizedLayer(KVLayer):
             b, h, _, d = ke.shape
             self.key_scale = torch.ones((b, h, d), dtype=torch.float32, device=ke.device)
         n = ke.shape[2]
-        ready = [r for r in self._unscaled if first + n > self._scale_pads[r] + self.sinks]
+        ready = [r for r in self._unscaled if first + n > self._pads[r] + self.sinks]
         if ready:
             stats = ke
-            if any(self._scale_pads[r] > first for r in ready):  # padding left out of the statistics
-                pads = torch.tensor(self._scale_pads, device=ke.device)[:, None] - first
+            if any(self._pads[r] > first for r in ready):  # padding left out of the statistics
+                pads = torch.tensor(self._pads, device=ke.device)[:, None] - first
                 padding = torch.arange(n, device=ke.device)[None, :] < pads  # (B, n)
                 stats = ke.masked_fill(padding[:, None, :, None], float("nan"))
             if len(ready) < ke.shape[0]:
@@ -529,9 +531,9 @@ class QuantizedLayer(KVLayer):
                 buffers.map_batch(fn)
             if self.key_scale is not None:
                 self.key_scale, self.query_scale = fn(self.key_scale), fn(self.query_scale)
-            if self._scale_pads:
-                rows = fn(torch.arange(len(self._scale_pads))).tolist()  # the old row each new row comes from
-                self._scale_pads = tuple(self._scale_pads[r] for r in rows)
+            if self._pads:
+                rows = fn(torch.arange(len(self._pads))).tolist()  # the old row each new row comes from
+                self._pads = tuple(self._pads[r] for r in rows)
                 self._unscaled = tuple(i for i, r in enumerate(rows) if r in self._unscaled)
         self._set_batch(batch)
 
