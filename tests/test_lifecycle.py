@@ -199,8 +199,12 @@ def test_a_copy_keeps_hearing_about_padding_after_the_original_is_gone(spec, how
             assert clone.padding.pad == (0, 4)
 
 
-def test_quantized_cache_adds_no_hook():
+def test_quantized_cache_adds_no_hook_where_padding_moves_nothing():
+    """int8 encodes every token on its own and keeps no sinks: it needs no row's padding, so adds no hook; int4's key
+    groups span tokens (padding must not set their ranges), so its caches share one."""
     model = tiny_model("phi3")
     before = len(model._forward_pre_hooks)
-    caches = [make_cache("int4", model) for _ in range(10)]
+    caches = [make_cache("int8", model) for _ in range(10)]
     assert len(model._forward_pre_hooks) == before and caches
+    caches += [make_cache("int4", model) for _ in range(10)]
+    assert len(model._forward_pre_hooks) == before + 1

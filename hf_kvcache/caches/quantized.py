@@ -347,8 +347,11 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             layers=[cache_layer(s, i, owner, partial(self._make_layer, i, s)) for i, s in enumerate(specs)]
         )
         # each row's left padding, from the prefill's mask: the sinks are each row's first real tokens, smoothed keys
-        # measure a row's scales on its real tokens, and padding never sets a key group's range
-        self._observe_model(model)
+        # measure a row's scales on its real tokens, and padding never sets the range of a key group spanning tokens
+        # (int8 / fp8 and per-token keys encode every token on its own: padding moves nothing there)
+        groups_tokens = self.bits not in (8, "fp8") and self.key_axis != "token"
+        if sinks or groups_tokens or any(self.layer_smooth(i) for i in range(len(specs))):
+            self._observe_model(model)
 
     @property
     def smooth(self) -> float | str:
