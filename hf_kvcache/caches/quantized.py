@@ -181,12 +181,12 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             stored times per-channel scales ``(E[k^2] / Var k) ** (smooth / 4)`` (one per RoPE channel pair,
             geometric mean 1), measured per layer, batch row and KV head on the first real tokens the layer encodes
             of the row and kept until ``reset()`` (a row's codes do not depend on the rows beside it); reads divide
-            them back, and the kernels read the codes with the query divided instead (``q . k = (q / s) . (k *
-            s)``: scores are unchanged). A channel whose keys share a large offset and vary little is where queries
-            are large; the rotation spreads the other channels' rounding error into it, and its larger scale takes
-            that error back out (SmoothQuant's migration, between keys and queries). Same bytes per token, plus one
-            ``(heads, head_dim)`` float32 tensor per layer and row and its inverse; under the
-            ``hf_kvcache`` attention one more elementwise product per layer and step (the query's).
+            them back, and the kernels read the codes with the query divided instead
+            (``q . k = (q / s) . (k * s)``: scores are unchanged). A channel whose keys share a large offset and
+            vary little is where queries are large; the rotation spreads the other channels' rounding error into
+            it, and its larger scale takes that error back out (SmoothQuant's migration, between keys and queries).
+            Same bytes per token, plus one ``(heads, head_dim)`` float32 tensor per layer and row and its inverse;
+            under the ``hf_kvcache`` attention one more elementwise product per layer and step (the query's).
 
     Example:
         >>> from transformers import LlamaConfig
@@ -342,15 +342,12 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
                     raise
                 self.pre_rope = False  # "auto" applies it where the model has a RoPE to undo
         self.workspace = Workspace()
+        self._reads_padding = False  # set by _make_layer: whether any layer reads its rows' left padding
         owner = type(self).__name__
         super().__init__(
             layers=[cache_layer(s, i, owner, partial(self._make_layer, i, s)) for i, s in enumerate(specs)]
         )
-        # each row's left padding, from the prefill's mask: the sinks are each row's first real tokens, smoothed keys
-        # measure a row's scales on its real tokens, and padding never sets the range of a key group spanning tokens
-        # (int8 / fp8 and per-token keys encode every token on its own: padding moves nothing there)
-        groups_tokens = self.bits not in (8, "fp8") and self.key_axis != "token"
-        if sinks or groups_tokens or any(self.layer_smooth(i) for i in range(len(specs))):
+        if self._reads_padding:  # each row's left padding, from the prefill's mask (QuantizedLayer.reads_padding)
             self._observe_model(model)
 
     @property
@@ -402,14 +399,17 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         else:
             codec = self._codec(layer_idx)
         if spec.layer_type != "full_attention":  # the model's own window: its sinks would be evicted anyway
-            return QuantizedSlidingWindowLayer(
+            layer = QuantizedSlidingWindowLayer(
                 spec, layer_idx, owner, codec, residual, self.workspace, self.attention_mode, key_rope, residual_codec,
                 smooth, self.padding,
             )  # fmt: skip
-        return QuantizedLayer(
-            spec, layer_idx, owner, codec, residual, self.workspace, self.attention_mode, sinks, self.padding,
-            key_rope, residual_codec, smooth,
-        )  # fmt: skip
+        else:
+            layer = QuantizedLayer(
+                spec, layer_idx, owner, codec, residual, self.workspace, self.attention_mode, sinks, self.padding,
+                key_rope, residual_codec, smooth,
+            )  # fmt: skip
+        self._reads_padding = self._reads_padding or layer.reads_padding
+        return layer
 
     def before_forward(self, kwargs: dict) -> None:
         if self.get_seq_length() == 0:  # the sinks are placed at the prefill; later masks are not needed

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["RowSinks", "fill_front"]
+__all__ = ["RowSinks", "fill_front", "front_mask"]
 
 
 class RowSinks:
@@ -127,7 +127,11 @@ def fill_front(x: torch.Tensor, ends: list[int]) -> torch.Tensor:
     if all(e <= 0 for e in ends):
         return x
     n = x.shape[2]
-    end = torch.tensor(ends, device=x.device)
-    excluded = torch.arange(n, device=x.device)[None, :] < end[:, None]  # (B, n)
-    fill = x.gather(2, end.clamp(0, n - 1)[:, None, None, None].expand(*x.shape[:2], 1, x.shape[-1]))
-    return torch.where(excluded[:, None, :, None], fill, x)
+    end = torch.tensor(ends, device=x.device).clamp(0, n - 1)
+    fill = x.gather(2, end[:, None, None, None].expand(*x.shape[:2], 1, x.shape[-1]))
+    return torch.where(front_mask(ends, n, x.device)[:, None, :, None], fill, x)
+
+
+def front_mask(ends: list[int], n: int, device) -> torch.Tensor:
+    """``(B, n)`` bool: which of a chunk's ``n`` positions lie before row ``r``'s ``ends[r]``."""
+    return torch.arange(n, device=device)[None, :] < torch.tensor(ends, device=device)[:, None]

@@ -28,7 +28,7 @@ from ..formats._base import KeyTurn
 from ..formats.scaled import ScaledSegment, scale_keys, smoothing_scales, unscale_keys
 from ..rope import RotarySpec, rotate_positions
 from ._common import AttentionMode, KVLayer, PaddingTracker, tokens_to_crop
-from ._sinks import RowSinks, fill_front
+from ._sinks import RowSinks, fill_front, front_mask
 from ._storage import TokenBuffers, Workspace
 
 
@@ -132,13 +132,13 @@ class QuantizedLayer(KVLayer):
     def _initialize(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.store = TokenBuffers(self.codec.units)
         self.residual = TokenBuffers(self.residual_codec.units)
-        if self.sinks:  # row r's first real token sits at its left padding p_r (zeros where none was observed)
-            pads = self.padding.pads(self.batch_size) if self.padding is not None else (0,) * self.batch_size
-            self.sink = RowSinks(self.sinks, pads, key_states, value_states)
-        self.dropped = 0
-        self.key_scale = self.query_scale = None
+        # row r's first real token sits at its left padding p_r (zeros where none was observed)
         b = self.batch_size
         self._pads = self.padding.pads(b) if self.padding is not None else (0,) * b
+        if self.sinks:
+            self.sink = RowSinks(self.sinks, self._pads, key_states, value_states)
+        self.dropped = 0
+        self.key_scale = self.query_scale = None
         self._unscaled = tuple(range(b)) if self.smooth else ()
         if self.key_rope is not None:  # on the layer's device once, not copied there by every read
             self.key_rope = dataclasses.replace(self.key_rope, inv_freq=self.key_rope.inv_freq.to(self.device))
@@ -415,8 +415,7 @@ class QuantizedLayer(KVLayer):
         if ready:
             stats = ke
             if any(self._pads[r] > first for r in ready):  # padding left out of the statistics
-                pads = torch.tensor(self._pads, device=ke.device)[:, None] - first
-                padding = torch.arange(n, device=ke.device)[None, :] < pads  # (B, n)
+                padding = front_mask([p - first for p in self._pads], n, ke.device)
                 stats = ke.masked_fill(padding[:, None, :, None], float("nan"))
             if len(ready) < ke.shape[0]:
                 rows = torch.tensor(ready, device=ke.device)
@@ -426,6 +425,13 @@ class QuantizedLayer(KVLayer):
             self.query_scale = self.key_scale.reciprocal().to(self.dtype)
             self._unscaled = tuple(r for r in self._unscaled if r not in ready)
         return scale_keys(ke, self.key_scale)
+
+    @property
+    def reads_padding(self) -> bool:
+        """Whether the layer needs its rows' left padding: its sinks are each row's first real tokens, smoothed keys
+        measure a row's scales on its real tokens, and padding never sets the range of a key group spanning tokens
+        (int8 / fp8 and per-token keys encode every token on its own: padding moves nothing there)."""
+        return bool(self.sinks or self.smooth or self.codec.unit > 1)
 
     @property
     def _exact_residual(self) -> bool:
