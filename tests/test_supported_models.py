@@ -72,6 +72,11 @@ def test_a_spread_of_the_matrix_reproduces_its_saved_cells(model_type):
             assert mine["status"] == cell["status"], f"{where}: {mine} != saved {cell}"
             if "error" in cell:
                 assert math.isclose(mine["error"], cell["error"], rel_tol=0.05, abs_tol=1e-3), where
+                assert mine.get("flip") == cell.get("flip"), where
+                for measured in ("before", "spread", "tempered"):
+                    assert (measured in mine) == (measured in cell), f"{where}: {measured}"
+                    if measured in cell:
+                        assert math.isclose(mine[measured], cell[measured], rel_tol=0.05, abs_tol=1e-3), where
             elif cell["status"] in ("refused", "equal"):
                 assert mine["detail"] == cell["detail"], where
 
@@ -88,3 +93,56 @@ def test_a_lossy_cells_error_over_constant_logits_is_zero_or_infinite_never_nan(
     want = torch.tensor([[0.0, 2.0, 4.0]])
     got = want + torch.tensor([[0.0, 0.5, 0.0]])
     assert supported_models._relative_error(got, want).tolist() == [0.25]  # 0.5 / std 2
+
+
+def test_a_lossy_cells_error_is_its_compared_rows_alone():
+    """A model that attends to its padding is compared on its unpadded row: the padded row's error must not count."""
+    from types import SimpleNamespace
+
+    import torch
+
+    n = supported_models.NEW_TOKENS
+    want = torch.tensor([[0.0, 2.0, 4.0]] * 2)
+    ref = SimpleNamespace(sequences=torch.zeros(2, 3 + n, dtype=torch.long), logits=[want] * n)
+    moved = want + torch.tensor([[0.0, 0.5, 0.0], [0.0, 9.0, 0.0]])
+    out = SimpleNamespace(sequences=ref.sequences, logits=[moved] * n)
+    assert supported_models._compare(ref, out, False, rows=slice(0, 1)) == (None, 0.25)
+    assert supported_models._compare(ref, out, False) == (None, 4.5)
+
+
+def test_routers_choices_are_recorded_per_forward_and_a_flip_is_found_where_it_is():
+    import torch
+
+    torch.set_num_threads(1)
+    model = supported_models.build("qwen3_moe", "eager")
+    with supported_models.recorded_choices(model, 2) as choices:
+        supported_models._generate(model, None)
+    assert len(choices) == supported_models.NEW_TOKENS  # one forward per new token
+    assert all(len(step) == model.config.num_hidden_layers for step in choices)  # every layer's router
+    assert choices[0][0].shape == (2, 10 * model.config.num_experts_per_tok)  # the prompt's 10 tokens a row
+    assert choices[1][0].shape == (2, model.config.num_experts_per_tok)
+    assert supported_models.first_flip(choices, choices) is None
+    other = [[t.clone() for t in step] for step in choices]
+    other[3][1][1] += 1  # row 1's choice at decode step 3
+    assert supported_models.first_flip(choices, other) == 3
+    assert supported_models.first_flip(choices, other, rows=slice(0, 1)) is None
+
+
+def test_sharp_attention_is_measured_and_tempering_leaves_the_model_as_it_was():
+    """Gemma 4 scales unit-RMS queries and keys by 1.0: its tiny model's scores spread about sqrt(head_dim) (its
+    global layers' 512), every other model's here about 1; tempering puts each attention's scaling back."""
+    import torch
+
+    from hf_kvcache import make_cache
+
+    torch.set_num_threads(1)
+    sharp = supported_models.build("gemma4_text", "sdpa")
+    spreads = supported_models.attention_spread(sharp)
+    assert len(spreads) == sharp.config.num_hidden_layers
+    assert max(spreads.values()) > 10 * supported_models.SHARP
+    assert sharp.config._attn_implementation == "sdpa"  # the recording attention is switched back
+    before = {m: m.scaling for m in spreads}
+    error = supported_models.tempered_error(sharp, "int8", spreads, make_cache)
+    assert error is not None and error < 0.06
+    assert {m: m.scaling for m in spreads} == before
+    assert max(supported_models.attention_spread(supported_models.build("llama", "sdpa")).values()) < 1
