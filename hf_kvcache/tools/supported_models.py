@@ -620,9 +620,13 @@ def attention_spread(model) -> dict:
     was = model.config._attn_implementation
     try:
         model.set_attn_implementation(_SCORES)
-        with torch.no_grad():
-            model(**_prompt(VOCAB), **with_cache(model, DynamicCache(config=model.config)))
     except Exception:  # noqa: BLE001  (a model that routes no attention through the interface: nothing measured)
+        return {}
+    try:
+        with torch.no_grad():
+            model(**_prompt(model.config.get_text_config().vocab_size or VOCAB),
+                  **with_cache(model, DynamicCache(config=model.config)))  # fmt: skip
+    except Exception:  # noqa: BLE001  (the recording function cannot run this model's attention: nothing measured)
         spreads.clear()
     finally:
         model.set_attn_implementation(was)
