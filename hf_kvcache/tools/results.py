@@ -122,6 +122,14 @@ RUNS: dict[str, list[str]] = {
         *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
         *["--caches", "dynamic,int2,int2:key_bits=3,int2:key_bits=4,int3,int3:key_bits=4,int4:key_bits=2"],
     ],
+    # int2 with smaller groups (group_size: tokens per key group, channels per value group), next to int2's default
+    # 64 and the one more key bit that is the step up before int3, on the default run's protocol.
+    "eval-groups": [
+        "eval",
+        *REAL,
+        *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
+        *["--caches", "dynamic,int2,int2:group_size=32,int2:group_size=16,int2:key_bits=3,int3"],
+    ],
     # Per-layer key widths (hf-kvcache calibrate): measured once at int2 (budget 2.5 key bits), re-chosen from the same
     # measurements for 2.25 and 2.1 bits; then the default run's protocol with each, int2 and int2:key_bits=3 beside.
     # The eval reads the files the calibrate runs write under results/ (run them first: RUNS order).
