@@ -10,7 +10,7 @@ half in the key slot, half in the value slot (``split_keys``), so no format ever
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PretrainedConfig
@@ -26,6 +26,8 @@ __all__ = [
     "has_state_layers",
     "is_latent_attention",
     "layer_specs",
+    "layers_read_in_place",
+    "loop_layers",
     "model_type",
     "resolve_config",
     "tensor_parallel_size",
@@ -64,6 +66,9 @@ class LayerSpec:
     # GLM-5-Next); the cache stores the keys' first key_dim channels in its key slot and the rest in its value slot
     # (layers.inside.SplitKeys) and hands the keys back whole, beside an empty value.
     split_keys: bool = False
+    # A recurrent-depth model's loop copy (loop_layers): the decoder layer this cache layer serves once more, whose
+    # options (key widths, boundary layers) it takes; None for a decoder layer's own cache layer.
+    source: int | None = None
 
     @property
     def passed_key_dim(self) -> int:
@@ -128,6 +133,28 @@ def _global(config, name: str):
         return getattr(config, name, None)
     except Exception:  # noqa: BLE001  (AmbiguousGlobalPerLayerAttributeError is not an AttributeError)
         return None
+
+
+def loop_layers(config: PretrainedConfig) -> list[int]:
+    """The decoder layers a recurrent-depth model caches once more per loop after the first, in the order it appends
+    their copies to ``cache.layers`` at its first forward (Dory with ``recurrent_kv_cache_mode="per_loop"``, its
+    default: each pass through the recurrent section writes to its own cache layers); ``[]`` for every other model.
+    Every cache builds those layers up front (:func:`layer_specs`), so the model finds them and appends none."""
+    loops = _global(config, "n_recurrent_loops")
+    if not isinstance(loops, int) or loops < 2 or _global(config, "recurrent_kv_cache_mode") != "per_loop":
+        return []
+    start, count = config.n_input_layers, config.n_recurrent_layers
+    return list(range(start, start + count)) * (loops - 1)
+
+
+def layers_read_in_place(config: PretrainedConfig) -> list[int]:
+    """Decoder layers whose stored keys and values the model reads as tensors (``cache.layers[i].keys`` / ``.values``)
+    besides calling ``update``: Dory with ``recurrent_kv_cache_mode="last_loop"`` keeps one cache layer for all its
+    loops, written by the last, and has the earlier loops read the recurrent section's past from it that way."""
+    loops = _global(config, "n_recurrent_loops")
+    if not isinstance(loops, int) or loops < 2 or _global(config, "recurrent_kv_cache_mode") != "last_loop":
+        return []
+    return list(range(config.n_input_layers, config.n_input_layers + config.n_recurrent_layers))
 
 
 def _latent_layer(layer_config) -> bool:
@@ -281,4 +308,4 @@ def layer_specs(config: PretrainedConfig, cache_name: str, tp_size: int = 1, mod
             heads, key_dim, value_dim = layouts.get(i, (heads, key_dim, value_dim))
         window = kwargs.get("sliding_window") if kind != "full_attention" else None
         specs.append(LayerSpec(kind, window, heads, key_dim, value_dim, rope[i], states, indexer, split))
-    return specs
+    return specs + [replace(specs[i], source=i) for i in loop_layers(config)]

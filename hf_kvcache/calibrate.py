@@ -140,7 +140,7 @@ def search_key_bits(
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     probe = make_cache(f"int{bits}", model, **cache_options)
-    layers = len(probe.layers)
+    layers = sum(s.source is None for s in probe.layer_specs)  # decoder layers: a loop copy takes its source's width
     quantized_from = probe.residual_length + probe.sinks
     if context <= quantized_from:
         raise ValueError(
@@ -188,7 +188,7 @@ def search_key_bits(
         scored_tokens=tail.numel(),
         baseline=baseline,
         sensitivity=tuple(sensitivity),
-        key_elements=tuple(spec.num_kv_heads * spec.key_dim for spec in probe.layer_specs),
+        key_elements=tuple(spec.num_kv_heads * spec.key_dim for spec in probe.layer_specs[:layers]),
     )
     return measured.with_budget(budget)
 
@@ -258,8 +258,9 @@ class _LayerReplay:
     forward, so it returns what it returned there instead of computing it again, and the configuration's forward
     costs the layers from ``l`` on (about half the search's layers over all). Layers that are skipped leave their
     cache layers unread and unwritten, which no later layer looks at; a model where one layer reads another's keys and
-    values (``num_kv_shared_layers``), or whose decoder layers cannot be found as one module per cache layer, runs
-    every layer (``of`` returns a replay that does nothing).
+    values (``num_kv_shared_layers``), a recurrent-depth model that runs some layers once per loop
+    (``n_recurrent_loops``: one module, several outputs), or one whose decoder layers cannot be found as one module
+    per cache layer, runs every layer (``of`` returns a replay that does nothing).
     """
 
     def __init__(self, layers: list[torch.nn.Module] | None):
@@ -268,7 +269,8 @@ class _LayerReplay:
 
     @classmethod
     def of(cls, model: torch.nn.Module, count: int) -> _LayerReplay:
-        if getattr(resolve_config(model), "num_kv_shared_layers", 0):
+        config = resolve_config(model)
+        if getattr(config, "num_kv_shared_layers", 0) or (getattr(config, "n_recurrent_loops", 1) or 1) > 1:
             return cls(None)
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
         layers = getattr(decoder, "layers", getattr(decoder, "h", None))  # GPT-2's family names them h

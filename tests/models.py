@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import hf_kvcache  # noqa: F401  (registers the hf_kvcache attention implementation)
-from hf_kvcache._compat import CACHE_ARG
+from hf_kvcache._compat import CACHE_ARG, with_cache
 from hf_kvcache.tools.tiny import TINY_FAMILIES, TINY_VOCAB
 
 VOCAB = TINY_VOCAB
@@ -208,7 +208,7 @@ def prefilled(model, inputs: dict, *caches):
     """``caches`` after one forward of ``inputs`` each."""
     with torch.no_grad():
         for cache in caches:
-            model(**inputs, past_key_values=cache)
+            model(**inputs, **with_cache(model, cache))
     return caches
 
 
@@ -227,7 +227,7 @@ def handed_prefill_continues_alike(model, make, inputs: dict):
     ids = torch.randint(3, VOCAB, (len(inputs["input_ids"]), 6), generator=torch.Generator().manual_seed(5))
     mask = torch.cat([inputs["attention_mask"], torch.ones_like(ids)], 1)
     with torch.no_grad():
-        a = model(input_ids=ids, attention_mask=mask, past_key_values=handed).logits
-        b = model(input_ids=ids, attention_mask=mask, past_key_values=own).logits
+        a = model(input_ids=ids, attention_mask=mask, **with_cache(model, handed)).logits
+        b = model(input_ids=ids, attention_mask=mask, **with_cache(model, own)).logits
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     return shared, handed

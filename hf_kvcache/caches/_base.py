@@ -9,7 +9,15 @@ import weakref
 import torch
 from transformers.cache_utils import Cache
 
-from .._config import LayerSpec, is_latent_attention, layer_specs, resolve_config, tensor_parallel_size
+from .._config import (
+    LayerSpec,
+    is_latent_attention,
+    layer_specs,
+    layers_read_in_place,
+    model_type,
+    resolve_config,
+    tensor_parallel_size,
+)
 from .._hooks import ForwardObserver, observe_forwards
 from ..layers._common import AttentionMode, PaddingTracker
 
@@ -96,10 +104,25 @@ class PaddingObserverMixin(ForwardObserver):
         """What every cache takes from the model it serves once its own arguments are checked: each layer's spec
         (``layer_specs``, refusing what no cache can serve), the attention mode, an empty padding tracker."""
         specs = layer_specs(config, type(self).__name__, tensor_parallel_size(model), model)
+        read = layers_read_in_place(config)
+        unreadable = [i for i in read if specs[i].holds_kv and not self._keeps_tensors(specs[i])]
+        if unreadable:
+            raise ValueError(
+                f"{type(self).__name__} cannot serve model_type {model_type(config)!r} with "
+                f"recurrent_kv_cache_mode='last_loop': its earlier recurrent loops read layer {unreadable[0]}'s stored "
+                f"keys and values as tensors (cache.layers[{unreadable[0]}].keys), which this cache keeps in its own "
+                "layout; load the model with recurrent_kv_cache_mode='per_loop' (its default: a cache layer per loop, "
+                "which every hf_kvcache cache serves)"
+            )
         self.layer_specs = specs
         self.padding = PaddingTracker()
         self.attention_mode = AttentionMode(config, fusable=not is_latent_attention(config), model=model)
         return specs
+
+    def _keeps_tensors(self, spec: LayerSpec) -> bool:
+        """Whether this cache's layer for ``spec`` keeps the model's keys and values as ``keys`` / ``values`` tensors,
+        as ``DynamicCache``'s do (a model may read them in place: :func:`~hf_kvcache._config.layers_read_in_place`)."""
+        return False
 
     def _observe_model(self, model: torch.nn.Module | None) -> None:
         self._observed_model = None if model is None else weakref.ref(model)

@@ -8,6 +8,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
+from .._config import LayerSpec
 from .._validate import check_int
 from ..layers.paged import PagedLayer, PagedState, page_bytes_per_token
 from ..layers.state import cache_layer
@@ -90,6 +91,9 @@ class PagedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
                 layers.append(cache_layer(spec, i, owner, partial(ModelSlidingWindowLayer, spec, i, owner)))
         super().__init__(layers=layers)
         self._observe_model(model)
+
+    def _keeps_tensors(self, spec: LayerSpec) -> bool:
+        return spec.layer_type != "full_attention"  # the model's own sliding layers: ModelSlidingWindowLayer
 
     def block_report(self) -> dict:
         """Pool size, blocks used / free / shared, allocated slots and waste: the fraction of allocated slots past

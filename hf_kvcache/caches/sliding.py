@@ -119,6 +119,7 @@ class SlidingWindowKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
                 "of tokens, which a window that evicts one token at a time cannot keep"
             )
         _refuse_unservable(config, rerotate, sinks)
+        self.bits = bits  # before the model is bound: which layers keep plain tensors depends on it
         specs = self._bind_model(model, config)
         if any(s.indexer_dim for s in specs):
             raise ValueError(
@@ -149,6 +150,9 @@ class SlidingWindowKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         ``get_seq_length()`` counts the tokens *seen*, which positions need; this counts what is kept."""
         full = [layer for layer, s in zip(self.layers, self.layer_specs) if s.layer_type == "full_attention"]
         return full[0].stored_tokens if full else max((layer.stored_tokens for layer in self.layers), default=0)
+
+    def _keeps_tensors(self, spec: LayerSpec) -> bool:
+        return spec.layer_type != "full_attention" and self.bits is None  # ModelSlidingWindowLayer (_make_layer)
 
     def _make_layer(self, layer_idx: int, spec: LayerSpec):
         owner = type(self).__name__

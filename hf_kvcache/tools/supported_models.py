@@ -167,6 +167,15 @@ OVERRIDES: dict[str, dict] = {
     # its rotary module turns head_dim channels, which its checkpoints set to qk_rope_head_dim (64 both)
     "longcat_flash": {"head_dim": SHRINK["qk_rope_head_dim"]},
     "zaya": {"num_experts_per_tok": 1},  # its validator: one expert per token
+    # A recurrent-depth model (Dory: input, recurrent and output sections, the recurrent one run twice); its sections
+    # must add up to the layers, and a full-attention layer in the recurrent section, as the released model has
+    # (every fourth layer full), so that each loop's cache layers are of both kinds.
+    "dory": {
+        "num_hidden_layers": 4,
+        "n_input_layers": 1,
+        "n_output_layers": 1,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    },
     # its default config names no RoPE per layer kind, which its rotary module reads (set after construction: a
     # dict-valued field is not a sub-config)
     "cohere_compass_text": {"later:rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}},
@@ -202,6 +211,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "phi (partial rotary)": ("phi", {"partial_rotary_factor": 0.5}),
     "mpt (ALiBi)": ("mpt", {"attn_config": {"alibi": True}}),
     "roberta (decoder)": ("roberta", {"is_decoder": True}),
+    # one cache layer for every loop, written by the last and read in place by the others (not through update)
+    "dory (last_loop KV cache)": ("dory", {"recurrent_kv_cache_mode": "last_loop"}),
 }
 # Left-padded rows of very different lengths (short, long): a quantized cache with sinks must store what plan says
 # for the long one, whatever the padding (the column `ragged`).
@@ -755,7 +766,11 @@ def render(saved: dict) -> str:
         "their key and value slots. Images through vision-language models are tested apart "
         "(`tests/test_vlm_images.py`: LLaVA, and Qwen2-VL, whose image tokens take multimodal RoPE positions; this "
         "matrix's vision-language rows run text only): pages equal, int8 / int4 / int2 within bound, keys before RoPE "
-        "and the sink window's re-rotation refused where positions are multimodal. Refused by "
+        "and the sink window's re-rotation refused where positions are multimodal. A recurrent-depth model (Dory, "
+        "whose recurrent section runs several loops a forward) gets a cache layer per loop after the first, built up "
+        "front (the model appends those copies to `DynamicCache`'s at its first forward), planned and counted; where "
+        "one cache layer serves every loop and the earlier loops read its tensors in place "
+        '(`recurrent_kv_cache_mode="last_loop"`), a cache whose layers keep their own layout refuses it. Refused by '
         "name: `hybrid_sliding` layers, compressed attention (DeepSeek-V4), and layers that read another layer's "
         "cache (KV sharing).",
         "",
