@@ -148,6 +148,7 @@ OVERRIDES: dict[str, dict] = {
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"], "mamba_n_heads": 4},
     "zamba2": {"layers_block_type": ["linear_attention", "hybrid"], "n_mamba_heads": 4},
     "falcon_h1": {"mamba_d_ssm": 128, "mamba_n_heads": 4},
+    "mamba2": {"head_dim": 32},  # its validator: heads x head width = expand x hidden (4 x 32 = 2 x 64)
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # one global and one local layer
     "gpt_bigcode": {"num_key_value_heads": DROP},  # a declared field real checkpoints leave unset (multi_query)
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1},
