@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import warnings
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
@@ -141,6 +142,9 @@ def search_key_bits(
     input_ids = input_ids.to(device)
     probe = make_cache(f"int{bits}", model, **cache_options)
     layers = sum(s.source is None for s in probe.layer_specs)  # decoder layers: a loop copy takes its source's width
+    # the cache layers each decoder layer's width applies to (a recurrent-depth model's loop copies store it again),
+    # so that the budget counts every key element the cache stores
+    served = Counter(i if s.source is None else s.source for i, s in enumerate(probe.layer_specs))
     quantized_from = probe.residual_length + probe.sinks
     if context <= quantized_from:
         raise ValueError(
@@ -188,7 +192,9 @@ def search_key_bits(
         scored_tokens=tail.numel(),
         baseline=baseline,
         sensitivity=tuple(sensitivity),
-        key_elements=tuple(spec.num_kv_heads * spec.key_dim for spec in probe.layer_specs[:layers]),
+        key_elements=tuple(
+            served[i] * spec.num_kv_heads * spec.key_dim for i, spec in enumerate(probe.layer_specs[:layers])
+        ),
     )
     return measured.with_budget(budget)
 
@@ -225,7 +231,7 @@ def auto_key_bits(
         logger.warning(  # once per model and cache: minutes on a CPU, where a user should know why it waits
             "key_bits='auto': searching the key widths of %s (%d forwards, once: kept in %s)",
             repr(probe),
-            1 + 2 * len(probe.layers),
+            1 + 2 * sum(s.source is None for s in probe.layer_specs),
             path,
         )
         found = search_key_bits(

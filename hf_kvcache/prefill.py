@@ -117,7 +117,9 @@ def store_prefill(
     model passes them to ``Cache.update``: ``(B, H, T, D)``, every layer the whole prompt's ``T`` tokens: the
     ``layers`` of a ``DynamicCache()`` built without a config that the prompt's forward filled), in an empty
     ``cache``; ``attention_mask``: the prompt's 2-D mask (1 = real token), for caches that read each row's left
-    padding. Returns ``cache``. A hybrid model's recurrent / convolution layers (and its layers with nothing to cache)
+    padding. Returns ``cache``. Every layer of ``cache`` gets one: a recurrent-depth model's loop layers too (Dory's,
+    which its prefill appended to that ``DynamicCache``, as ``cache`` holds them). A hybrid model's recurrent /
+    convolution layers (and its layers with nothing to cache)
     are given as the prefill's transformers layer in place of a pair: their states are copied (:class:`SharedPrefill`
     does both).
 

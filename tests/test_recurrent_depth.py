@@ -97,3 +97,16 @@ def test_a_cache_the_other_loops_read_in_place_is_served_where_those_layers_keep
     inputs = prompt("padded")
     reference = generate(model, DynamicCache(config=model.config), inputs)
     assert_generation_matches(generate(model, make_cache(spec, model), inputs), reference, True, 0.0)
+
+
+def test_the_key_width_search_counts_a_recurrent_layers_keys_once_per_loop():
+    """The budget is over the key elements the cache stores: a recurrent layer's width applies to its loop copies."""
+    from hf_kvcache.calibrate import search_key_bits
+
+    model = config_model("dory", "eager")
+    ids = torch.randint(3, 100, (1, 28), generator=torch.Generator().manual_seed(0))
+    found = search_key_bits(model, ids, bits=2, budget=3.0, scored_tokens=4, residual_length=4, group_size=8)
+    one = model.config.num_key_value_heads * model.config.head_dim
+    assert found.key_elements == (one, 2 * one, 2 * one, one)  # layers 1 and 2 stored by both loops
+    stored = sum(b * e for b, e in zip(found.key_bits, found.key_elements)) / sum(found.key_elements)
+    assert stored <= 3.0 and len(found.key_bits) == model.config.num_hidden_layers

@@ -539,7 +539,10 @@ def _cell(model, model_type, spec, lossless, bound, baseline, make_cache) -> dic
         status = "bound" if ratio <= bound else "over"
         cell = {"status": status, "detail": f"{ratio:.3f}", "error": round(ratio, 4)}
         if status == "over":
-            cell.update(_causes(model, spec, ref, out, (ref_choices, choices), rows, make_cache))
+            try:
+                cell.update(_causes(model, spec, ref, out, (ref_choices, choices), rows, make_cache))
+            except Exception as error:  # noqa: BLE001  (a cause that cannot be measured leaves the cell as it is)
+                cell["causes"] = "not measured: " + _line(error)
         return cell
     return {"status": "equal", "detail": ""}
 
@@ -584,9 +587,10 @@ def recorded_choices(model, rows: int):
 
     def record(module, args, output):
         for t in output if isinstance(output, tuple) else (output,):
-            if torch.is_tensor(t) and t.dim() and not (t.is_floating_point() or t.dtype == torch.bool):
-                if t.numel() % rows == 0:
-                    steps[-1].append(t.sort(-1).values.reshape(rows, -1).clone())
+            # a choice per token: (rows x tokens, k) or (rows, tokens, k), batch-major (not, e.g., counts per expert)
+            choice = torch.is_tensor(t) and t.dim() >= 2 and not (t.is_floating_point() or t.dtype == torch.bool)
+            if choice and steps and t.shape[0] % rows == 0:
+                steps[-1].append(t.sort(-1).values.reshape(rows, -1).clone())
 
     handles = [model.register_forward_pre_hook(lambda module, args: steps.append([]))]
     handles += [m.register_forward_hook(record) for m in model.modules() if type(m).__name__.endswith(CHOOSERS)]
@@ -606,41 +610,50 @@ def first_flip(want: list, got: list, rows=slice(None)) -> int | None:
 
 
 _SCORES = "hf_kvcache_matrix_scores"
+_spreads: dict | None = None  # where the recording attention function writes, while attention_spread runs
+
+
+def _recording_scores(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """An attention function that keeps the std of each module's first scores (query . key x scaling, the first row,
+    key positions up to the query's) in ``_spreads``, then runs sdpa's."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if _spreads is not None and module not in _spreads:
+        q, k = query[0].float(), key[0].float().repeat_interleave(query.shape[1] // key.shape[1], 0)
+        s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scaling is None else scaling)
+        t, n = s.shape[-2:]
+        causal = torch.arange(n) <= torch.arange(t)[:, None] + (n - t)
+        _spreads[module] = float(s[:, causal].std())
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
 def attention_spread(model) -> dict:
     """``{attention module: std of its prefill scores}`` over the prompt's unpadded row (query . key x scaling, key
     positions up to the query's), measured by a recording attention function that then runs sdpa's; ``{}`` where the
-    model cannot take another attention function."""
-    from transformers import AttentionInterface, DynamicCache
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    model cannot take another attention function, or its sub-models run different ones (which one switch and one
+    switch back would not restore)."""
+    global _spreads
+    from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 
     from hf_kvcache._compat import with_cache
 
-    spreads: dict = {}
-
-    def scores(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        if module not in spreads:
-            q, k = query[0].float(), key[0].float().repeat_interleave(query.shape[1] // key.shape[1], 0)
-            s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scaling is None else scaling)
-            t, n = s.shape[-2:]
-            causal = torch.arange(n) <= torch.arange(t)[:, None] + (n - t)
-            spreads[module] = float(s[:, causal].std())
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-
-    AttentionInterface.register(_SCORES, scores)
     was = model.config._attn_implementation
+    if any(m.config._attn_implementation != was for m in model.modules() if isinstance(m, PreTrainedModel)):
+        return {}
+    AttentionInterface.register(_SCORES, _recording_scores)  # a module-level function: it holds no model
     try:
         model.set_attn_implementation(_SCORES)
     except Exception:  # noqa: BLE001  (a model that routes no attention through the interface: nothing measured)
         return {}
+    _spreads = spreads = {}
     try:
         with torch.no_grad():
             model(**_prompt(model.config.get_text_config().vocab_size or VOCAB),
                   **with_cache(model, DynamicCache(config=model.config)))  # fmt: skip
     except Exception:  # noqa: BLE001  (the recording function cannot run this model's attention: nothing measured)
-        spreads.clear()
+        spreads = {}
     finally:
+        _spreads = None
         model.set_attn_implementation(was)
     return spreads
 
