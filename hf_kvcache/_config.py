@@ -25,10 +25,13 @@ __all__ = [
     "has_indexed_layers",
     "has_state_layers",
     "is_latent_attention",
+    "decoder_layer",
+    "decoder_layers",
     "layer_specs",
     "layers_read_in_place",
     "loop_layers",
     "model_type",
+    "recurrent_loops",
     "resolve_config",
     "tensor_parallel_size",
     "uses_alibi",
@@ -135,26 +138,45 @@ def _global(config, name: str):
         return None
 
 
+def recurrent_loops(config: PretrainedConfig) -> int:
+    """How many times a recurrent-depth model runs its recurrent section in a forward (Dory's ``n_recurrent_loops``);
+    1 for every other model."""
+    loops = _global(config, "n_recurrent_loops")
+    return loops if isinstance(loops, int) and loops > 1 else 1
+
+
+def _recurrent_section(config: PretrainedConfig, mode: str) -> list[int]:
+    """The decoder layers a recurrent-depth model loops over, where it keeps its cache in ``mode``; else ``[]``."""
+    if recurrent_loops(config) == 1 or _global(config, "recurrent_kv_cache_mode") != mode:
+        return []
+    return list(range(config.n_input_layers, config.n_input_layers + config.n_recurrent_layers))
+
+
 def loop_layers(config: PretrainedConfig) -> list[int]:
     """The decoder layers a recurrent-depth model caches once more per loop after the first, in the order it appends
     their copies to ``cache.layers`` at its first forward (Dory with ``recurrent_kv_cache_mode="per_loop"``, its
     default: each pass through the recurrent section writes to its own cache layers); ``[]`` for every other model.
     Every cache builds those layers up front (:func:`layer_specs`), so the model finds them and appends none."""
-    loops = _global(config, "n_recurrent_loops")
-    if not isinstance(loops, int) or loops < 2 or _global(config, "recurrent_kv_cache_mode") != "per_loop":
-        return []
-    start, count = config.n_input_layers, config.n_recurrent_layers
-    return list(range(start, start + count)) * (loops - 1)
+    return _recurrent_section(config, "per_loop") * (recurrent_loops(config) - 1)
 
 
 def layers_read_in_place(config: PretrainedConfig) -> list[int]:
     """Decoder layers whose stored keys and values the model reads as tensors (``cache.layers[i].keys`` / ``.values``)
     besides calling ``update``: Dory with ``recurrent_kv_cache_mode="last_loop"`` keeps one cache layer for all its
     loops, written by the last, and has the earlier loops read the recurrent section's past from it that way."""
-    loops = _global(config, "n_recurrent_loops")
-    if not isinstance(loops, int) or loops < 2 or _global(config, "recurrent_kv_cache_mode") != "last_loop":
-        return []
-    return list(range(config.n_input_layers, config.n_input_layers + config.n_recurrent_layers))
+    return _recurrent_section(config, "last_loop")
+
+
+def decoder_layer(specs: list[LayerSpec], index: int) -> int:
+    """The decoder layer cache layer ``index`` serves: itself, or a loop layer's ``source``."""
+    source = specs[index].source
+    return index if source is None else source
+
+
+def decoder_layers(specs: list[LayerSpec]) -> int:
+    """How many of :func:`layer_specs`' specs are the model's own decoder layers (they come first, a recurrent-depth
+    model's loop layers after them): the layers per-layer options (``key_bits``, ``boundary_layers``) name."""
+    return sum(s.source is None for s in specs)
 
 
 def _latent_layer(layer_config) -> bool:

@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ._compat import with_cache
-from ._config import resolve_config
+from ._config import decoder_layer, decoder_layers, recurrent_loops, resolve_config
 from ._validate import check_choice, check_int
 from .layer_widths import KEY_WIDTHS, LayerKeyWidths, check_budget
 from .models import model_cache_dir
@@ -141,10 +141,10 @@ def search_key_bits(
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     probe = make_cache(f"int{bits}", model, **cache_options)
-    layers = sum(s.source is None for s in probe.layer_specs)  # decoder layers: a loop copy takes its source's width
-    # the cache layers each decoder layer's width applies to (a recurrent-depth model's loop copies store it again),
+    layers = decoder_layers(probe.layer_specs)  # a loop layer takes its decoder layer's width
+    # the cache layers each decoder layer's width applies to (a recurrent-depth model's loop layers store it again),
     # so that the budget counts every key element the cache stores
-    served = Counter(i if s.source is None else s.source for i, s in enumerate(probe.layer_specs))
+    served = Counter(decoder_layer(probe.layer_specs, i) for i in range(len(probe.layer_specs)))
     quantized_from = probe.residual_length + probe.sinks
     if context <= quantized_from:
         raise ValueError(
@@ -231,7 +231,7 @@ def auto_key_bits(
         logger.warning(  # once per model and cache: minutes on a CPU, where a user should know why it waits
             "key_bits='auto': searching the key widths of %s (%d forwards, once: kept in %s)",
             repr(probe),
-            1 + 2 * sum(s.source is None for s in probe.layer_specs),
+            1 + 2 * decoder_layers(probe.layer_specs),
             path,
         )
         found = search_key_bits(
@@ -276,7 +276,7 @@ class _LayerReplay:
     @classmethod
     def of(cls, model: torch.nn.Module, count: int) -> _LayerReplay:
         config = resolve_config(model)
-        if getattr(config, "num_kv_shared_layers", 0) or (getattr(config, "n_recurrent_loops", 1) or 1) > 1:
+        if getattr(config, "num_kv_shared_layers", 0) or recurrent_loops(config) > 1:
             return cls(None)
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
         layers = getattr(decoder, "layers", getattr(decoder, "h", None))  # GPT-2's family names them h

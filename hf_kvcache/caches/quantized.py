@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
 from .. import quant
-from .._config import LayerSpec, is_latent_attention
+from .._config import LayerSpec, decoder_layer, decoder_layers, is_latent_attention
 from .._validate import check_choice, check_int, dtype_from_name
 from ..calibrate import auto_key_bits
 from ..formats import KEY_AXES, ROTATIONS, codec_for
@@ -282,13 +282,12 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             if boundary_layers:
                 raise ValueError("boundary_layers: key_bits='auto' chooses every layer's key width; leave it at 0")
             key_bits = auto_key_bits(model, bits, **given)
-        decoder_layers = sum(s.source is None for s in specs)  # a loop copy takes its source layer's options
-        key_bits = resolve_key_bits(key_bits, decoder_layers)
-        if 2 * boundary_layers >= decoder_layers:
+        layers = decoder_layers(specs)  # a loop layer takes its decoder layer's options
+        key_bits = resolve_key_bits(key_bits, layers)
+        if 2 * boundary_layers >= layers:
             raise ValueError(
                 f"boundary_layers={boundary_layers} keeps the first and last {boundary_layers} of the model's "
-                f"{decoder_layers} layers in int8, leaving none at {bits} bits: use at most "
-                f"{(decoder_layers - 1) // 2}, or bits=8"
+                f"{layers} layers in int8, leaving none at {bits} bits: use at most {(layers - 1) // 2}, or bits=8"
             )
         widths = sorted({d for s in specs for d in (s.key_dim, s.value_dim)})
         if group_size is None and width != 8:
@@ -372,12 +371,9 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
         """The width layer ``layer_idx`` stores its keys at (8 for an int8 boundary layer)."""
         if self.bits in (8, "fp8") or self.is_boundary(layer_idx):
             return 8
-        return self.key_bits[self._decoder_layer(layer_idx)] if isinstance(self.key_bits, tuple) else self.key_bits
-
-    def _decoder_layer(self, layer_idx: int) -> int:
-        """The decoder layer cache layer ``layer_idx`` serves: itself, or a loop copy's (``LayerSpec.source``)."""
-        source = self.layer_specs[layer_idx].source
-        return layer_idx if source is None else source
+        if isinstance(self.key_bits, tuple):
+            return self.key_bits[decoder_layer(self.layer_specs, layer_idx)]
+        return self.key_bits
 
     def _codec(self, layer_idx: int):
         group = self._codec_group if self.bits in (8, "fp8") else self.group_size
@@ -390,8 +386,8 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
 
     def is_boundary(self, layer_idx: int) -> bool:
         """Whether layer ``layer_idx`` is one of the first or last ``boundary_layers``, stored in int8."""
-        layer_idx, layers = self._decoder_layer(layer_idx), sum(s.source is None for s in self.layer_specs)
-        return layer_idx < self.boundary_layers or layer_idx >= layers - self.boundary_layers
+        layer_idx = decoder_layer(self.layer_specs, layer_idx)
+        return layer_idx < self.boundary_layers or layer_idx >= decoder_layers(self.layer_specs) - self.boundary_layers
 
     def _make_layer(self, layer_idx: int, spec: LayerSpec) -> QuantizedLayer:
         owner = type(self).__name__

@@ -879,6 +879,7 @@ def render(saved: dict) -> str:
         if "spread" in cell
     ]
     unexplained = [name for name, cell, *_ in over if not set(CAUSES) & set(cell)]
+    over_cells = sum(n for *_, n in over)
     settled = sum(
         n for _, cell, bound, n in over if min(cell.get("before", math.inf), cell.get("tempered", math.inf)) <= bound
     )
@@ -886,7 +887,7 @@ def render(saved: dict) -> str:
         "",
         "## Over the bound",
         "",
-        f"{sum(n for *_, n in over)} lossy cells exceed the test matrix's bound on these tiny random models (the "
+        f"{over_cells} lossy cells exceed the test matrix's bound on these tiny random models (the "
         "error of a model that attends to its left padding is its unpadded row's). For each the matrix measures two "
         "causes, so that a cell over its bound says why:",
         "",
@@ -910,7 +911,7 @@ def render(saved: dict) -> str:
         "",
         "Sharp attention: " + ("; ".join(sharp) or "none") + ".",
         "",
-        f"Of the {sum(n for *_, n in over)} cells, {settled} are within their bound before the flip or once tempered. "
+        f"Of the {over_cells} cells, {settled} are within their bound before the flip or once tempered. "
         "Neither cause measured: "
         + ("; ".join(unexplained) or "none")
         + ". The `int2` cells among these are families whose `int4` error sits near int4's bound too (Gemma 2 and 3) "
