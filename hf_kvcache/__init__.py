@@ -6,7 +6,7 @@ import transformers as _transformers
 
 from ._compat import untested_release as _untested_release
 from .attention import ATTENTION, register_attention
-from .caches import PagedKVCache, QuantizedKVCache, SlidingWindowKVCache
+from .caches import PagedKVCache, QuantizedKVCache, SlidingWindowKVCache, load_cache
 from .memory import cache_nbytes, dynamic_bytes_per_token
 from .models import default_model, load_model, load_reference_model, model_path
 from .reference import reference_model_path, reference_text
@@ -28,6 +28,7 @@ __all__ = [
     "cache_nbytes",
     "default_model",
     "dynamic_bytes_per_token",
+    "load_cache",
     "load_model",
     "load_reference_model",
     "make_cache",

@@ -1,7 +1,7 @@
 """Public cache classes: thin ``transformers.Cache`` subclasses that assemble per-layer storage from a config, one
 module per cache, each registering its spec strings (:mod:`hf_kvcache.registry`) where it is defined."""
 
-from ._base import KVCacheReportMixin
+from ._base import KVCacheReportMixin, load_cache
 
 # isort: off
 # Import order is registration order, which `hf-kvcache list` shows: quantized, sliding window, paged.
@@ -11,4 +11,4 @@ from .paged import PagedKVCache
 
 # isort: on
 
-__all__ = ["KVCacheReportMixin", "PagedKVCache", "QuantizedKVCache", "SlidingWindowKVCache"]
+__all__ = ["KVCacheReportMixin", "PagedKVCache", "QuantizedKVCache", "SlidingWindowKVCache", "load_cache"]

@@ -21,7 +21,14 @@ from .._config import (
 from .._hooks import ForwardObserver, observe_forwards
 from ..layers._common import AttentionMode, PaddingTracker
 
-__all__ = ["KVCacheReportMixin", "PaddingObserverMixin", "split_model"]
+__all__ = ["KVCacheReportMixin", "PaddingObserverMixin", "load_cache", "split_model"]
+
+
+def _describe(specs: list[LayerSpec], i: int) -> str:
+    if i >= len(specs):
+        return "none"
+    s = specs[i]
+    return f"{s.layer_type}, {s.num_kv_heads} KV heads of widths {s.key_dim} / {s.value_dim}"
 
 
 def split_model(config_or_model) -> tuple[torch.nn.Module | None, object]:
@@ -117,6 +124,7 @@ class PaddingObserverMixin(ForwardObserver):
         self.layer_specs = specs
         self.padding = PaddingTracker()
         self.attention_mode = AttentionMode(config, fusable=not is_latent_attention(config), model=model)
+        self._built_from_model = model is not None
         return specs
 
     def _keeps_tensors(self, spec: LayerSpec) -> bool:
@@ -137,6 +145,57 @@ class PaddingObserverMixin(ForwardObserver):
         if model is not None:
             observe_forwards(model, self)
 
+    # -- a cache saved and loaded (pickle, torch.save / torch.load, another process) ----------------------------
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        # The model is not part of a saved cache: the loaded one serves the tokens it holds once attach(model) has
+        # given it back the model's config (read at every forward) and forwards (each prefill's left padding).
+        state["_observed_model"] = None
+        state["_needs_model"] = self.__dict__.get("_built_from_model", False)
+        return state
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Serve ``model``: what a cache loaded from a file (``torch.load``, ``pickle``: the model is not saved with
+        it) needs before its next forward, and what a cache built from a config may be given to read each prefill's
+        left padding itself. ``model`` must have the layers the cache was built for (model type, layer types, heads
+        and widths)."""
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"model must be the torch.nn.Module the cache serves, got {type(model).__name__}")
+        config = resolve_config(model)
+        specs = layer_specs(config, type(self).__name__, tensor_parallel_size(model), model)
+        if specs != self.layer_specs:
+            pairs = zip(specs, self.layer_specs)
+            differ = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(specs), len(self.layer_specs)))
+            raise ValueError(
+                f"model: this {type(self).__name__} was built for {len(self.layer_specs)} layers of model_type "
+                f"{self.attention_mode.model_type!r}; {type(model).__name__} (model_type {model_type(config)!r}) has "
+                f"{len(specs)}, and layer {differ} differs ({_describe(specs, differ)} against "
+                f"{_describe(self.layer_specs, differ)}): attach the model the cache was built from"
+            )
+        self.attention_mode.bind(config, model)
+        observed = self.__dict__.get("_observed_model")
+        if observed is None or observed() is not model:
+            self._observe_model(model)
+        self._built_from_model = True
+        self._needs_model = False
+
+    def _check_attached(self) -> None:
+        if self.__dict__.get("_needs_model"):
+            raise ValueError(
+                f"this {type(self).__name__} was loaded without its model (a saved cache does not hold the model): "
+                "call cache.attach(model) with the model it was built from before its next forward, or load it with "
+                "hf_kvcache.load_cache(path, model)"
+            )
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self._check_attached()
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def get_mask_sizes(self, *args, **kwargs):
+        self._check_attached()  # a forward builds its masks before its first layer stores anything
+        return super().get_mask_sizes(*args, **kwargs)
+
     def __copy__(self):
         clone = self.__class__.__new__(self.__class__)
         clone.__dict__.update(self.__dict__)
@@ -153,3 +212,19 @@ class PaddingObserverMixin(ForwardObserver):
 
     def before_forward(self, kwargs: dict) -> None:
         self.padding.observe(kwargs.get("attention_mask"))
+
+
+def load_cache(f, model: torch.nn.Module):
+    """A cache saved with ``torch.save(cache, f)`` (any hf_kvcache cache, prefilled or not), attached to ``model``
+    and ready to continue: ``model.generate(..., past_key_values=load_cache(f, model))`` continues as the saved cache
+    would have. ``f``: a path or file object, as ``torch.load`` takes. The file is a pickle: load only files you
+    trust. It loads onto the device it was saved from.
+    """
+    cache = torch.load(f, weights_only=False)
+    if not isinstance(cache, PaddingObserverMixin):
+        raise ValueError(
+            f"f: load_cache reads a saved hf_kvcache cache, this file holds a {type(cache).__name__} "
+            "(load other objects with torch.load)"
+        )
+    cache.attach(model)
+    return cache

@@ -14,6 +14,7 @@ Lifecycle contract (every layer, every cache kind):
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from collections.abc import Callable
@@ -115,8 +116,13 @@ class AttentionMode:
     reads what the cache returns (``fusable``; not so for latent attention, which expands the latents first)."""
 
     def __init__(self, config, fusable: bool = True, model=None):
-        self.config = config
         self.fusable = fusable
+        self.bind(config, model)
+
+    def bind(self, config, model=None) -> None:
+        """Serve ``config`` (the model's own: its ``_attn_implementation`` is read at every forward, so a model
+        switched with ``set_attn_implementation`` is followed) and, given one, check ``model``."""
+        self.config = config
         self.refusal = None
         if model is not None:
             check_takes_a_cache(model, config)
@@ -132,6 +138,13 @@ class AttentionMode:
                 "every hf_kvcache cache serves"
             )
         self.check()
+
+    def __deepcopy__(self, memo: dict) -> AttentionMode:
+        # A copied cache serves the same model: it keeps reading that model's config (a deep copy of the config would
+        # stop following set_attn_implementation, and hand a storage handle to sdpa once the model is switched back).
+        clone = copy.copy(self)
+        memo[id(self)] = clone
+        return clone
 
     @property
     def model_type(self) -> str | None:

@@ -160,6 +160,14 @@ class TokenBuffers:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> None:
         self.tensors = {name: t.to(device, non_blocking=non_blocking) for name, t in self.tensors.items()}
 
+    def __getstate__(self) -> dict:
+        # Saved (pickle, torch.save), a buffer holds its live tokens only: a file the size of nbytes, not of the
+        # allocation's headroom or of a long prompt's evicted front. The next append grows it again.
+        state = self.__dict__.copy()
+        state["tensors"] = {name: self.view(name).clone() for name in self.tensors}
+        state["capacity"], state["start"] = self.length, 0
+        return state
+
     @property
     def nbytes(self) -> int:
         return sum(_nbytes(self.view(name)) for name in self.tensors)
@@ -198,6 +206,9 @@ class Workspace:
 
     def clear(self) -> None:
         self._buffers.clear()
+
+    def __getstate__(self) -> dict:
+        return {"_buffers": {}}  # scratch: a saved cache takes a new one at its next forward
 
     @property
     def nbytes(self) -> int:

@@ -42,15 +42,23 @@ from ..paging import PAD_BLOCK, BlockAllocator, BlockTables
 from ._common import AttentionMode, KVLayer, PaddingTracker, as_index, tokens_to_crop
 
 
-def _weak_method(method):
-    """A callable that forwards to a bound method without keeping its object alive."""
-    ref = weakref.WeakMethod(method)
+class _WeakMethod:
+    """A callable that forwards to a bound method without keeping its object alive. Pickled with its object (a
+    saved cache's pool calls its own state once loaded)."""
 
-    def call(*args):
-        target = ref()
+    def __init__(self, method) -> None:
+        self.__setstate__((method,))
+
+    def __call__(self, *args):
+        target = self._ref() if self._ref is not None else None
         return None if target is None else target(*args)
 
-    return call
+    def __getstate__(self) -> tuple:
+        return (self._ref() if self._ref is not None else None,)  # the bound method, pickled as (object, name)
+
+    def __setstate__(self, state: tuple) -> None:
+        (method,) = state
+        self._ref = weakref.WeakMethod(method) if method is not None else None
 
 
 def page_codec(bits: int | None) -> Int8Codec | None:
@@ -231,9 +239,9 @@ class PagedState:
 
     def _new_pool(self) -> None:
         self.allocator = BlockAllocator(
-            self.block_size, self.fixed_blocks, grow_blocks=self.grow_blocks, on_grow=_weak_method(self._on_grow)
+            self.block_size, self.fixed_blocks, grow_blocks=self.grow_blocks, on_grow=_WeakMethod(self._on_grow)
         )
-        self.tables = BlockTables(self.allocator, _weak_method(self._copy_block))
+        self.tables = BlockTables(self.allocator, _WeakMethod(self._copy_block))
         self.device_tables: dict[torch.device, DeviceTables] = {}  # one copy per device holding layers
         self.new_tokens = 0  # tokens of the current forward
         self._slots: dict[tuple, torch.Tensor] = {}  # per forward: (device, kind) -> slots, shared by its layers
@@ -251,8 +259,8 @@ class PagedState:
         memo[id(self)] = clone
         for name, value in self.__dict__.items():
             clone.__dict__[name] = copy.deepcopy(value, memo)
-        clone.allocator.on_grow = _weak_method(clone._on_grow)
-        clone.tables.copy_block = _weak_method(clone._copy_block)
+        clone.allocator.on_grow = _WeakMethod(clone._on_grow)
+        clone.tables.copy_block = _WeakMethod(clone._copy_block)
         return clone
 
     def storage(self, rank: int, spec: LayerSpec, dtype: torch.dtype, device: torch.device) -> PagedStorage:

@@ -1,0 +1,187 @@
+"""A cache saved (``torch.save``, ``pickle``) and loaded (``load_cache``, or ``torch.load`` then ``attach``) continues
+as the saved one would, for every cache kind of the shared matrix, left-padded and evicting; it refuses a forward
+until it has its model back, and a model of other layers; a file holds the live tokens, not the allocation."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from matrix import CACHE_CASES
+from models import PAD, VOCAB, config_model, generate, prefilled, tiny_model
+from transformers import LlamaConfig
+
+from hf_kvcache import QuantizedKVCache, load_cache, make_cache
+
+CASES = [
+    pytest.param(case, family, id=f"{case.id}-{family}")
+    for case in CACHE_CASES
+    for family in (case.families or ("llama", "gemma3"))
+]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def _inputs(length: int = 14, seed: int = 2) -> dict:
+    """Two rows, the second left-padded by 4 tokens."""
+    ids = torch.randint(3, VOCAB, (2, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    ids[1, :4], mask[1, :4] = PAD, 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _head(inputs: dict, n: int) -> dict:
+    return {k: v[:, :n] for k, v in inputs.items()}
+
+
+def _saved(cache) -> io.BytesIO:
+    f = io.BytesIO()
+    torch.save(cache, f)
+    f.seek(0)
+    return f
+
+
+def _same(a, b) -> None:
+    torch.testing.assert_close(a.sequences, b.sequences, rtol=0, atol=0)
+    for x, y in zip(a.logits, b.logits):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case, family", CASES)
+def test_a_loaded_cache_continues_as_the_saved_one(case, family):
+    """A prompt's first 9 tokens prefilled, saved and loaded: generate over the whole prompt gives the saved cache's
+    tokens and logits bit for bit (its remaining tokens as one forward, then 6 decode steps), with the same bytes."""
+    model = tiny_model(family, case.attn or "sdpa")
+    inputs = _inputs()
+    (cache,) = prefilled(model, _head(inputs, 9), make_cache(case.spec, model))
+    loaded = load_cache(_saved(cache), model)
+    assert type(loaded) is type(cache) and loaded is not cache
+    assert loaded.get_seq_length() == cache.get_seq_length() == 9
+    assert loaded.nbytes == cache.nbytes and loaded.padding.pad == cache.padding.pad
+    _same(generate(model, loaded, inputs, new=6), generate(model, cache, inputs, new=6))
+
+
+@pytest.mark.parametrize("spec", ["int2:residual_length=4:group_size=8", "sink:window=6:sinks=2", "paged:block_size=4"])
+def test_a_loaded_cache_refuses_a_forward_until_attached(spec):
+    """Loaded by torch.load alone (no model in the file), a forward is a ValueError that says what to do and leaves
+    the cache as it was; attach(model) then serves it as load_cache would."""
+    model = tiny_model("llama")
+    inputs = _inputs()
+    (cache,) = prefilled(model, _head(inputs, 9), make_cache(spec, model))
+    loaded = torch.load(_saved(cache), weights_only=False)
+    nbytes = loaded.nbytes
+    with pytest.raises(ValueError, match=r"loaded without its model.*cache\.attach\(model\)"):
+        generate(model, loaded, inputs, new=2)
+    assert loaded.get_seq_length() == 9 and loaded.nbytes == nbytes
+    loaded.attach(model)
+    _same(generate(model, loaded, inputs, new=4), generate(model, cache, inputs, new=4))
+
+
+def test_pickle_and_attach_serve_a_reset_cache_a_padded_prefill():
+    """pickle as torch.save: a loaded cache, attached, hears its model's forwards again, so after reset() a new
+    left-padded prefill places its sinks on each row's first real token, as a new cache does."""
+    model = tiny_model("qwen2")
+    spec = "int2:residual_length=4:group_size=8"
+    (cache,) = prefilled(model, _head(_inputs(seed=3), 9), make_cache(spec, model))
+    loaded = pickle.loads(pickle.dumps(cache))
+    loaded.attach(model)
+    loaded.reset()
+    other = _inputs(seed=4)
+    other["input_ids"][0, :2], other["attention_mask"][0, :2] = PAD, 0
+    _same(generate(model, loaded, other, new=5), generate(model, make_cache(spec, model), other, new=5))
+    assert loaded.padding.pad == (2, 4)
+
+
+def test_attach_refuses_a_model_of_other_layers():
+    """A cache of llama's tiny layers refuses gemma3's (other heads / layer types), naming the layer that differs,
+    and keeps refusing forwards until given its own model."""
+    model = tiny_model("llama")
+    (cache,) = prefilled(model, _head(_inputs(), 9), make_cache("int4:residual_length=4:group_size=8", model))
+    loaded = torch.load(_saved(cache), weights_only=False)
+    with pytest.raises(ValueError, match=r"model: this QuantizedKVCache was built for .* layer \d+ differs"):
+        loaded.attach(tiny_model("gemma3"))
+    with pytest.raises(ValueError, match="loaded without its model"):
+        generate(model, loaded, _inputs(), new=1)
+    with pytest.raises(ValueError, match="model must be the torch.nn.Module"):
+        loaded.attach(model.config)
+
+
+def test_load_cache_refuses_a_file_of_another_object():
+    f = io.BytesIO()
+    torch.save({"keys": torch.zeros(2)}, f)
+    f.seek(0)
+    with pytest.raises(ValueError, match="f: load_cache reads a saved hf_kvcache cache, this file holds a dict"):
+        load_cache(f, tiny_model("llama"))
+
+
+def test_a_cache_built_from_a_config_loads_without_a_model():
+    """Built from a config, a cache never had a model: loaded, it serves as before without attach."""
+    model = tiny_model("llama")
+    inputs = _inputs()
+    (cache,) = prefilled(model, _head(inputs, 9), QuantizedKVCache(model.config, bits=4, residual_length=4))
+    loaded = pickle.loads(pickle.dumps(cache))
+    _same(generate(model, loaded, inputs, new=4), generate(model, cache, inputs, new=4))
+
+
+def test_a_file_holds_the_live_tokens_not_the_allocation():
+    """A window that evicted a long prompt keeps the prompt's allocation until it grows again; its file holds the
+    window's tokens (about nbytes), and so does a loaded copy's storage."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (1, 300), generator=torch.Generator().manual_seed(0))
+    (cache,) = prefilled(model, {"input_ids": ids}, make_cache("sink:window=32:sinks=4", model))
+    assert cache.reserved_nbytes > 4 * cache.nbytes  # the prompt's allocation, evicted
+    size = len(_saved(cache).getvalue())
+    loaded = load_cache(_saved(cache), model)
+    assert loaded.reserved_nbytes == loaded.nbytes == cache.nbytes
+    assert size < cache.nbytes + (cache.reserved_nbytes - cache.nbytes) / 4
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "deepseek_v32"])
+def test_hybrid_and_sparse_attention_caches_save_and_load(model_type):
+    """A hybrid model's recurrent / convolution states and a sparse-attention model's indexer keys travel too."""
+    model = config_model(model_type, "eager", **({"index_topk": 4} if model_type == "deepseek_v32" else {}))
+    ids = torch.randint(3, VOCAB, (1, 14), generator=torch.Generator().manual_seed(1))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    for spec in ("int4:residual_length=4:group_size=8", "paged:block_size=4"):
+        (cache,) = prefilled(model, _head(inputs, 9), make_cache(spec, model))
+        loaded = load_cache(_saved(cache), model)
+        _same(generate(model, loaded, inputs, new=4), generate(model, cache, inputs, new=4))
+
+
+def test_a_copy_follows_its_model_to_another_attention():
+    """A copy serves the model its original serves: switched from the hf_kvcache attention to sdpa, the model gets
+    materialized K/V from the copy too (a copy that kept a config of its own handed sdpa a storage handle), and a
+    loaded cache reads the config of the model it is attached to."""
+    torch.manual_seed(0)
+    model = tiny_model("llama", "hf_kvcache")
+    inputs = _inputs()
+    spec = "int4:residual_length=4:group_size=8"
+    (cache,) = prefilled(model, _head(inputs, 9), make_cache(spec, model))
+    clone, f = copy.deepcopy(cache), _saved(cache)
+    model.set_attn_implementation("sdpa")
+    try:
+        loaded = load_cache(f, model)
+        want = generate(model, cache, inputs, new=4)
+        _same(generate(model, clone, inputs, new=4), want)
+        _same(generate(model, loaded, inputs, new=4), want)
+    finally:
+        model.set_attn_implementation("hf_kvcache")
+
+
+def test_attach_gives_a_config_built_cache_the_padding_of_its_forwards():
+    """A cache built from a config reads no padding by itself (rows count as unpadded); attached, it hears each
+    forward's mask as one built from the model."""
+    model = tiny_model("llama")
+    config = LlamaConfig(**model.config.to_dict())
+    cache = make_cache("int2:residual_length=4:group_size=8", config)
+    cache.attach(model)
+    inputs = _inputs()
+    want = generate(model, make_cache("int2:residual_length=4:group_size=8", model), inputs, new=4)
+    _same(generate(model, cache, inputs, new=4), want)
+    assert cache.padding.pad == (0, 4)
