@@ -105,6 +105,14 @@ def check_auto_key_widths(out: str, cwd: Path) -> None:
     assert nbytes[2] < nbytes[1] < nbytes[0]  # an int8 residual under int2's, both under full precision
 
 
+def check_saved_prompt_cache(out: str, cwd: Path) -> None:
+    rows = re.findall(r"\n  (\S+) +file +([\d,]+) bytes \(([\d.]+)x\).*continuations equal: (\w+)", out)
+    assert [r[0] for r in rows] == ["dynamic", "int8", "int4", "int2"], out
+    assert all(r[3] == "True" for r in rows)  # the other process continued each cache as this one did
+    ratios = {r[0]: float(r[2]) for r in rows}
+    assert ratios["int8"] < 0.3 and ratios["int2"] < 1  # the codes, not float32 K/V
+
+
 CHECKS = {
     "int8_generation": check_int8_generation,
     "streaming_sinks": check_streaming_sinks,
@@ -113,6 +121,7 @@ CHECKS = {
     "device_map_split": check_device_map_split,
     "hybrid_model": check_hybrid_model,
     "auto_key_widths": check_auto_key_widths,
+    "saved_prompt_cache": check_saved_prompt_cache,
 }
 
 
