@@ -106,6 +106,7 @@ class PaddingObserverMixin(ForwardObserver):
     forward they are passed (one shared hook per model, :mod:`hf_kvcache._hooks`)."""
 
     padding: PaddingTracker
+    _needs_model = False  # loaded from a file, not yet attached: refuses forwards (the instance's, once set)
 
     def _bind_model(self, model: torch.nn.Module | None, config) -> list[LayerSpec]:
         """What every cache takes from the model it serves once its own arguments are checked: each layer's spec
@@ -181,7 +182,7 @@ class PaddingObserverMixin(ForwardObserver):
         self._needs_model = False
 
     def _check_attached(self) -> None:
-        if self.__dict__.get("_needs_model"):
+        if self._needs_model:
             raise ValueError(
                 f"this {type(self).__name__} was loaded without its model (a saved cache does not hold the model): "
                 "call cache.attach(model) with the model it was built from before its next forward, or load it with "
