@@ -142,6 +142,27 @@ def test_a_file_holds_the_live_tokens_not_the_allocation():
     assert size < cache.nbytes + (cache.reserved_nbytes - cache.nbytes) / 4
 
 
+def test_a_paged_file_holds_the_blocks_in_use_and_loads_the_whole_pool():
+    """A fixed pool sized for many prompts, holding one: its file holds the prompt's blocks; loaded, the pool has
+    every block again (free ones zeroed), so the loaded cache takes the same rows and prompts the saved one could,
+    and continues alike."""
+    model = tiny_model("llama")
+    inputs = _inputs()
+    spec = "paged:block_size=4:num_blocks=512"
+    (cache,) = prefilled(model, _head(inputs, 9), make_cache(spec, model))
+    assert cache.reserved_nbytes > 20 * cache.nbytes
+    f = _saved(cache)
+    assert len(f.getvalue()) < 2 * cache.nbytes + 20_000
+    loaded = load_cache(f, model)
+    assert loaded.reserved_nbytes == cache.reserved_nbytes and loaded.nbytes == cache.nbytes
+    free = [b for b, n in enumerate(loaded.state.allocator.ref_cnt) if n == 0]
+    for storage in loaded.state.storages.values():
+        for t in storage.tensors.values():
+            assert t.stride(1) == t.shape[0] * (t[0, 0].numel())  # head-major, as a new pool
+            assert not t[free[0] * 4 :].any()
+    _same(generate(model, loaded, inputs, new=6), generate(model, cache, inputs, new=6))
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_next", "deepseek_v32"])
 def test_hybrid_and_sparse_attention_caches_save_and_load(model_type):
     """A hybrid model's recurrent / convolution states and a sparse-attention model's indexer keys travel too."""

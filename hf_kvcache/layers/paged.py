@@ -113,6 +113,15 @@ class PagedStorage:
     def num_slots(self) -> int:
         return self.keys.shape[0]
 
+    def head(self, num_slots: int) -> PagedStorage:
+        """A copy holding this storage's first ``num_slots`` slots (head-major, in storage of their own): what a saved
+        pool keeps (:meth:`PagedState.__getstate__`); :meth:`grow` covers the rest again."""
+        clone = copy.copy(self)
+        clone.tensors = {
+            name: t[:num_slots].transpose(0, 1).contiguous().transpose(0, 1) for name, t in self.tensors.items()
+        }
+        return clone
+
     def grow(self, num_slots: int) -> None:
         """Cover ``num_slots`` slots; existing slots keep their ids and contents."""
         if num_slots <= self.num_slots:
@@ -262,6 +271,21 @@ class PagedState:
         clone.allocator.on_grow = _WeakMethod(clone._on_grow)
         clone.tables.copy_block = _WeakMethod(clone._copy_block)
         return clone
+
+    def __getstate__(self) -> dict:
+        # Saved (pickle, torch.save), the pool keeps its blocks up to the last one in use: a fixed pool sized for a
+        # server holding one prompt saves the prompt's blocks, not the pool. Loaded, the pool is its full size again
+        # (the free blocks zeroed, as a new pool's) and every block keeps its id.
+        state = self.__dict__.copy()
+        used = max((b for b, count in enumerate(self.allocator.ref_cnt) if count > 0), default=-1) + 1
+        state["storages"] = {rank: s.head(used * self.block_size) for rank, s in self.storages.items()}
+        state["_slots"] = {}  # the current forward's
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        for storage in self.storages.values():
+            storage.grow(self.allocator.num_blocks * self.block_size)
 
     def storage(self, rank: int, spec: LayerSpec, dtype: torch.dtype, device: torch.device) -> PagedStorage:
         if rank not in self.storages:
