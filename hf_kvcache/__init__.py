@@ -5,14 +5,13 @@ import warnings as _warnings
 import transformers as _transformers
 
 from ._compat import untested_release as _untested_release
+from ._version import __version__
 from .attention import ATTENTION, register_attention
 from .caches import PagedKVCache, QuantizedKVCache, SlidingWindowKVCache, load_cache
 from .memory import cache_nbytes, dynamic_bytes_per_token
 from .models import default_model, load_model, load_reference_model, model_path
 from .reference import reference_model_path, reference_text
 from .registry import available_caches, make_cache, parse_spec, register_cache
-
-__version__ = "0.1.0"
 
 register_attention()  # attn_implementation="hf_kvcache" works once hf_kvcache is imported
 

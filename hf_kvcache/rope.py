@@ -38,6 +38,12 @@ _SINUSOIDAL_TABLE_MODELS = ("gptj", "codegen")
 _ROPE_HINTS = ("rotary_dim", "rope_theta", "rope_parameters", "rotary_pct", "partial_rotary_factor", "rotary_emb_base")
 
 
+def rope_fields(config) -> dict:
+    """The config's RoPE parameters, by field (None where unset): two configs whose fields differ rotate keys
+    differently, though their layers have the same shapes."""
+    return {name: getattr(config, name, None) for name in (*_ROPE_HINTS, "rope_scaling")}
+
+
 def declines_rope(config) -> bool:
     """Whether a config that carries RoPE parameters turns RoPE off with a flag its modeling code reads: Granite 4's
     hybrids build no rotary embedding unless ``position_embedding_type == "rope"`` (None and "nope" are NoPE),

@@ -100,3 +100,12 @@ def test_layers_import_downward_only():
     assert reaches(formats, upper) == []
     core = kernels | formats | under("hf_kvcache.layers") | under("hf_kvcache.caches")
     assert reaches(core, under("hf_kvcache.eval") | under("hf_kvcache.tools")) == []
+
+
+def test_the_recorded_release_is_pyproject_s():
+    """Saved caches and the harness's results record hf_kvcache.__version__: it is the version pyproject.toml
+    releases."""
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())
+    assert hf_kvcache.__version__ == pyproject["project"]["version"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from matrix import CACHE_CASES
 from models import PAD, VOCAB, config_model, generate, prefilled, tiny_model
-from transformers import LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hf_kvcache import QuantizedKVCache, load_cache, make_cache
 
@@ -99,13 +99,17 @@ def test_pickle_and_attach_serve_a_reset_cache_a_padded_prefill():
 
 
 def test_attach_refuses_a_model_of_other_layers():
-    """A cache of llama's tiny layers refuses gemma3's (other heads / layer types), naming the layer that differs,
-    and keeps refusing forwards until given its own model."""
+    """A cache of llama's tiny layers refuses gemma3's (another layer count) and a llama of other KV heads, naming
+    the field that differs, and keeps refusing forwards until given its own model."""
     model = tiny_model("llama")
     (cache,) = prefilled(model, _head(_inputs(), 9), make_cache("int4:residual_length=4:group_size=8", model))
     loaded = torch.load(_saved(cache), weights_only=False)
-    with pytest.raises(ValueError, match=r"model: this QuantizedKVCache was built for .* layer \d+ differs"):
+    with pytest.raises(ValueError, match=r"model: this QuantizedKVCache was built for .* other layers: 3 layers where"):
         loaded.attach(tiny_model("gemma3"))
+    config = copy.deepcopy(model.config)
+    config.num_key_value_heads = config.num_attention_heads
+    with pytest.raises(ValueError, match=rf"layer 0's num_kv_heads is {config.num_attention_heads} \(the cache's 2\)"):
+        loaded.attach(AutoModelForCausalLM.from_config(config))
     with pytest.raises(ValueError, match="loaded without its model"):
         generate(model, loaded, _inputs(), new=1)
     with pytest.raises(ValueError, match="model must be the torch.nn.Module"):
@@ -138,8 +142,33 @@ def test_a_file_holds_the_live_tokens_not_the_allocation():
     assert cache.reserved_nbytes > 4 * cache.nbytes  # the prompt's allocation, evicted
     size = len(_saved(cache).getvalue())
     loaded = load_cache(_saved(cache), model)
-    assert loaded.reserved_nbytes == loaded.nbytes == cache.nbytes
+    assert loaded.nbytes == cache.nbytes < loaded.reserved_nbytes < cache.reserved_nbytes / 2  # an append's headroom
     assert size < cache.nbytes + (cache.reserved_nbytes - cache.nbytes) / 4
+
+
+@pytest.mark.parametrize(
+    "spec", ["paged:block_size=4", "sink:window=32:sinks=4", "int4:residual_length=4:group_size=8"]
+)
+def test_a_file_holds_the_model_s_own_windows_not_the_prompt(spec):
+    """Gemma 3's sliding layers keep its window as a view of the prompt's K/V (transformers' layer, in the paged and
+    window caches): the file holds the window."""
+    model = tiny_model("gemma3")
+    ids = torch.randint(3, VOCAB, (1, 300), generator=torch.Generator().manual_seed(0))
+    (cache,) = prefilled(model, {"input_ids": ids}, make_cache(spec, model))
+    f = _saved(cache)
+    assert len(f.getvalue()) < 1.1 * cache.nbytes + 20_000
+    loaded = load_cache(f, model)
+    more = {"input_ids": torch.cat([ids, ids[:, :3]], 1)}
+    more["attention_mask"] = torch.ones_like(more["input_ids"])
+    _same(generate(model, loaded, more, new=4), generate(model, cache, more, new=4))
+
+
+def test_a_copy_keeps_its_allocation():
+    """copy.deepcopy (the prompt-cache recipe) copies the storage as it is, headroom included: its next tokens land
+    where the original's would."""
+    model = tiny_model("llama")
+    (cache,) = prefilled(model, _head(_inputs(), 9), make_cache("int4:residual_length=4:group_size=8", model))
+    assert copy.deepcopy(cache).reserved_nbytes == cache.reserved_nbytes > cache.nbytes
 
 
 def test_a_paged_file_holds_the_blocks_in_use_and_loads_the_whole_pool():
@@ -161,6 +190,71 @@ def test_a_paged_file_holds_the_blocks_in_use_and_loads_the_whole_pool():
             assert t.stride(1) == t.shape[0] * (t[0, 0].numel())  # head-major, as a new pool
             assert not t[free[0] * 4 :].any()
     _same(generate(model, loaded, inputs, new=6), generate(model, cache, inputs, new=6))
+
+
+def test_a_fragmented_pool_saves_its_blocks_in_use():
+    """Rows dropped from a batch leave their blocks free below the kept row's: the file holds the blocks in use
+    (their ids kept), and the loaded cache continues alike."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (4, 64), generator=torch.Generator().manual_seed(0))
+    (cache,) = prefilled(model, {"input_ids": ids}, make_cache("paged:block_size=4", model))
+    cache.batch_select_indices([3])
+    assert cache.reserved_nbytes > 3 * cache.nbytes
+    f = _saved(cache)
+    assert len(f.getvalue()) < 1.1 * cache.nbytes + 20_000
+    loaded = load_cache(f, model)
+    loaded.check_invariants()
+    assert loaded.state.tables.tables == cache.state.tables.tables
+    more = {"input_ids": torch.cat([ids[3:], ids[3:, :3]], 1)}
+    more["attention_mask"] = torch.ones_like(more["input_ids"])
+    _same(generate(model, loaded, more, new=4), generate(model, cache, more, new=4))
+
+
+def test_a_hybrid_cache_refuses_every_state_write_until_attached():
+    """A hybrid model's recurrent layers write their states before any attention layer stores K/V: each of the
+    cache's writes refuses a loaded cache, and leaves it as it was."""
+    model = config_model("qwen3_next", "eager")
+    ids = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(1))
+    (cache,) = prefilled(model, {"input_ids": ids}, make_cache("int4:residual_length=4:group_size=8", model))
+    loaded = torch.load(_saved(cache), weights_only=False)
+    state = next(i for i, layer in enumerate(loaded.layers) if getattr(layer, "conv_states", None))
+    before = {k: v.clone() for k, v in loaded.layers[state].conv_states.items()}
+    conv = loaded.layers[state].conv_states[0]
+    for write, args in [
+        ("update_conv_state", (conv, state)),
+        ("update_recurrent_state", (loaded.layers[state].recurrent_states[0], state)),
+        ("update", (torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16), 3)),
+    ]:
+        with pytest.raises(ValueError, match="loaded without its model"):
+            getattr(loaded, write)(*args)
+    assert all(torch.equal(v, before[k]) for k, v in loaded.layers[state].conv_states.items())
+    assert loaded.get_seq_length() == 10
+
+
+def test_a_file_of_other_releases_is_refused(monkeypatch):
+    """A saved cache pickles this package's and transformers' layer classes: a process on other releases refuses it
+    by name instead of reading another layout."""
+    from hf_kvcache.caches import _base
+
+    model = tiny_model("llama")
+    (cache,) = prefilled(model, _head(_inputs(), 9), make_cache("int8", model))
+    f = _saved(cache)
+    monkeypatch.setattr(_base, "_versions", lambda: {"hf_kvcache": "0.0.1", "transformers": "5.23.0"})
+    with pytest.raises(ValueError, match=r"was saved with hf_kvcache .*; this process runs hf_kvcache 0\.0\.1"):
+        load_cache(f, model)
+
+
+def test_attach_refuses_a_model_of_other_rope():
+    """Same layers, another RoPE base: the stored keys were rotated for the cache's, so the model is refused by
+    field."""
+    model = tiny_model("llama")
+    (cache,) = prefilled(model, _head(_inputs(), 9), make_cache("int2:residual_length=4:group_size=8", model))
+    config = copy.deepcopy(model.config)
+    config.rope_parameters = {**config.rope_parameters, "rope_theta": 500.0}
+    other = AutoModelForCausalLM.from_config(config).eval()
+    loaded = torch.load(_saved(cache), weights_only=False)
+    with pytest.raises(ValueError, match=r"other RoPE parameters than this model's \(rope_parameters"):
+        loaded.attach(other)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "deepseek_v32"])

@@ -4,9 +4,11 @@ cache about its forwards."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import weakref
 
 import torch
+import transformers
 from transformers.cache_utils import Cache
 
 from .._config import (
@@ -19,16 +21,30 @@ from .._config import (
     tensor_parallel_size,
 )
 from .._hooks import ForwardObserver, observe_forwards
+from .._version import __version__
 from ..layers._common import AttentionMode, PaddingTracker
+from ..rope import rope_fields
 
 __all__ = ["KVCacheReportMixin", "PaddingObserverMixin", "load_cache", "split_model"]
 
 
-def _describe(specs: list[LayerSpec], i: int) -> str:
-    if i >= len(specs):
-        return "none"
-    s = specs[i]
-    return f"{s.layer_type}, {s.num_kv_heads} KV heads of widths {s.key_dim} / {s.value_dim}"
+def _difference(built: list[LayerSpec], given: list[LayerSpec]) -> str:
+    """The first way ``given`` layers differ from the ``built`` ones, in words."""
+    if len(built) != len(given):
+        return f"{len(given)} layers where the cache holds {len(built)}"
+    i, (a, b) = next((i, pair) for i, pair in enumerate(zip(built, given)) if pair[0] != pair[1])
+    fields = [f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)]
+    return f"layer {i}'s " + ", ".join(f"{f} is {getattr(b, f)!r} (the cache's {getattr(a, f)!r})" for f in fields)
+
+
+def _versions() -> dict[str, str]:
+    return {"hf_kvcache": __version__, "transformers": transformers.__version__}
+
+
+def _named(versions: dict[str, str] | None) -> str:
+    if versions is None:
+        return "a release that recorded none"
+    return ", ".join(f"{name} {version}" for name, version in versions.items())
 
 
 def split_model(config_or_model) -> tuple[torch.nn.Module | None, object]:
@@ -154,25 +170,42 @@ class PaddingObserverMixin(ForwardObserver):
         # given it back the model's config (read at every forward) and forwards (each prefill's left padding).
         state["_observed_model"] = None
         state["_needs_model"] = self.__dict__.get("_built_from_model", False)
+        state["_saved_with"] = _versions()
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        # The file pickles this package's and transformers' own layer classes: another release may lay them out
+        # otherwise, and a cache read in the wrong layout would answer wrongly, not fail.
+        saved = state.pop("_saved_with", None)
+        if saved != _versions():
+            raise ValueError(
+                f"this {type(self).__name__} was saved with {_named(saved)}; this process runs {_named(_versions())}: "
+                "a saved cache loads with the releases it was saved with (prefill and save it again with these)"
+            )
+        self.__dict__.update(state)
 
     def attach(self, model: torch.nn.Module) -> None:
         """Serve ``model``: what a cache loaded from a file (``torch.load``, ``pickle``: the model is not saved with
         it) needs before its next forward, and what a cache built from a config may be given to read each prefill's
-        left padding itself. ``model`` must have the layers the cache was built for (model type, layer types, heads
-        and widths)."""
+        left padding itself. ``model`` must have the layers the cache was built for (model type, layer types, heads,
+        widths) and the same RoPE parameters."""
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model must be the torch.nn.Module the cache serves, got {type(model).__name__}")
         config = resolve_config(model)
         specs = layer_specs(config, type(self).__name__, tensor_parallel_size(model), model)
+        built_for = f"this {type(self).__name__} was built for model_type {self.attention_mode.model_type!r}"
         if specs != self.layer_specs:
-            pairs = zip(specs, self.layer_specs)
-            differ = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(specs), len(self.layer_specs)))
             raise ValueError(
-                f"model: this {type(self).__name__} was built for {len(self.layer_specs)} layers of model_type "
-                f"{self.attention_mode.model_type!r}; {type(model).__name__} (model_type {model_type(config)!r}) has "
-                f"{len(specs)}, and layer {differ} differs ({_describe(specs, differ)} against "
-                f"{_describe(self.layer_specs, differ)}): attach the model the cache was built from"
+                f"model: {built_for}; {type(model).__name__} (model_type {model_type(config)!r}) has other layers: "
+                f"{_difference(self.layer_specs, specs)}. Attach the model the cache was built from"
+            )
+        saved, given = rope_fields(self.attention_mode.config), rope_fields(config)
+        if saved != given:
+            differ = {k: (saved[k], given[k]) for k in saved if saved[k] != given[k]}
+            raise ValueError(
+                f"model: {built_for}, whose keys were rotated with other RoPE parameters than this model's ("
+                + "; ".join(f"{k} {a!r} in the cache, {b!r} in the model" for k, (a, b) in differ.items())
+                + "). Attach the model the cache was built from"
             )
         self.attention_mode.bind(config, model)
         observed = self.__dict__.get("_observed_model")
@@ -188,14 +221,6 @@ class PaddingObserverMixin(ForwardObserver):
                 "call cache.attach(model) with the model it was built from before its next forward, or load it with "
                 "hf_kvcache.load_cache(path, model)"
             )
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self._check_attached()
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-    def get_mask_sizes(self, *args, **kwargs):
-        self._check_attached()  # a forward builds its masks before its first layer stores anything
-        return super().get_mask_sizes(*args, **kwargs)
 
     def __copy__(self):
         clone = self.__class__.__new__(self.__class__)
@@ -213,6 +238,33 @@ class PaddingObserverMixin(ForwardObserver):
 
     def before_forward(self, kwargs: dict) -> None:
         self.padding.observe(kwargs.get("attention_mask"))
+
+
+# Every Cache method a forward (or generate's set-up) calls that stores or sizes anything: a loaded cache refuses each
+# before it changes a thing (a hybrid model's first layer may update its recurrent states before any attention layer
+# asks for the mask sizes, as where a 4-D mask is passed).
+_STATE_WRITES = (
+    "update",
+    "get_mask_sizes",
+    "update_conv_state",
+    "update_recurrent_state",
+    "update_indexer",
+    "early_initialization",
+)
+
+
+def _refusing_until_attached(name: str):
+    def method(self, *args, **kwargs):
+        self._check_attached()
+        return getattr(super(PaddingObserverMixin, self), name)(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+for _name in _STATE_WRITES:
+    if hasattr(Cache, _name):  # the release's Cache has it (a method transformers lacks stays absent)
+        setattr(PaddingObserverMixin, _name, _refusing_until_attached(_name))
 
 
 def load_cache(f, model: torch.nn.Module):

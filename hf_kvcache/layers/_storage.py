@@ -33,6 +33,26 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def saved_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a saved cache holds it (pickle, ``torch.save``): in host memory and storage of its own. torch.save
+    writes a view's whole storage (a buffer's headroom, a window's evicted prompt), and a copy on the device would
+    hold a cache's worth of device memory more while the file is written."""
+    return t.clone() if t.device.type == "cpu" else t.cpu()
+
+
+def check_device(device: torch.device) -> torch.device:
+    """``device``, where a saved cache's tensors go back to at load; a ``ValueError`` where this process has no such
+    device."""
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as err:  # torch built without CUDA asserts
+        raise ValueError(
+            f"this cache was saved from {device}, which this process cannot reach ({err}); load it where that device "
+            "is (a cache loads onto the device it was saved from)"
+        ) from err
+    return device
+
+
 class TokenBuffers:
     """Named tensors that share a token axis (dim 2), each with its own tokens-per-slot ``unit``.
 
@@ -160,13 +180,40 @@ class TokenBuffers:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> None:
         self.tensors = {name: t.to(device, non_blocking=non_blocking) for name, t in self.tensors.items()}
 
+    # -- saved and copied ---------------------------------------------------------------------------------------
+
     def __getstate__(self) -> dict:
         # Saved (pickle, torch.save), a buffer holds its live tokens only: a file the size of nbytes, not of the
-        # allocation's headroom or of a long prompt's evicted front. The next append grows it again.
+        # allocation's headroom or of a long prompt's evicted front.
         state = self.__dict__.copy()
-        state["tensors"] = {name: self.view(name).clone() for name in self.tensors}
+        state["tensors"] = {name: saved_tensor(self.view(name)) for name in self.tensors}
+        state["device"] = next(iter(self.tensors.values())).device if self.tensors else None
         state["capacity"], state["start"] = self.length, 0
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        live, device = state.pop("tensors"), state.pop("device")
+        self.__dict__.update(state)
+        self.tensors, self.capacity = {}, 0
+        if live:  # back on its device, with the headroom an append would have left
+            check_device(device)
+            self.capacity = _grown_capacity(self.length, self.align)
+            for name, t in live.items():
+                fresh = t.new_empty(
+                    (t.shape[0], t.shape[1], self.capacity // self.units[name], *t.shape[3:]), device=device
+                )
+                fresh[:, :, : t.shape[2]].copy_(t)
+                self.tensors[name] = fresh
+
+    def __deepcopy__(self, memo: dict) -> TokenBuffers:
+        # A copy (transformers' recipe for reusing a prompt's cache) keeps the allocation as it is, on its device:
+        # one copy of each tensor, and the next appends land in the headroom, as the original's would.
+        clone = TokenBuffers.__new__(TokenBuffers)
+        memo[id(self)] = clone
+        clone.__dict__.update(self.__dict__)
+        clone.units = dict(self.units)
+        clone.tensors = {name: t.clone() for name, t in self.tensors.items()}
+        return clone
 
     @property
     def nbytes(self) -> int:

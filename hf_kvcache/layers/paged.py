@@ -40,6 +40,7 @@ from ..formats.paged import gather_rows
 from ..kernels.append import append_kv
 from ..paging import PAD_BLOCK, BlockAllocator, BlockTables
 from ._common import AttentionMode, KVLayer, PaddingTracker, as_index, tokens_to_crop
+from ._storage import check_device, saved_tensor
 
 
 class _WeakMethod:
@@ -113,14 +114,21 @@ class PagedStorage:
     def num_slots(self) -> int:
         return self.keys.shape[0]
 
-    def head(self, num_slots: int) -> PagedStorage:
-        """A copy holding this storage's first ``num_slots`` slots (head-major, in storage of their own): what a saved
-        pool keeps (:meth:`PagedState.__getstate__`); :meth:`grow` covers the rest again."""
+    def saved(self, slots: torch.Tensor) -> PagedStorage:
+        """A copy holding only ``slots`` (a 1-D index) of each tensor, in host memory (:func:`saved_tensor`): what a
+        saved pool keeps (:meth:`PagedState.__getstate__`); :meth:`restore` puts them back into a whole pool."""
         clone = copy.copy(self)
-        clone.tensors = {
-            name: t[:num_slots].transpose(0, 1).contiguous().transpose(0, 1) for name, t in self.tensors.items()
-        }
+        clone.tensors = {name: saved_tensor(t.index_select(0, slots.to(t.device))) for name, t in self.tensors.items()}
+        clone.saved_device = self.keys.device
         return clone
+
+    def restore(self, slots: torch.Tensor, num_slots: int) -> None:
+        """Back from :meth:`saved`: zeroed pools of ``num_slots`` on the saved device, ``slots`` filled."""
+        device = check_device(self.__dict__.pop("saved_device"))
+        for name, saved in self.tensors.items():
+            pool = _pool(num_slots, saved.shape[1], saved.shape[2:], saved.dtype, device)
+            pool[slots.to(device)] = saved.to(device)
+            self.tensors[name] = pool
 
     def grow(self, num_slots: int) -> None:
         """Cover ``num_slots`` slots; existing slots keep their ids and contents."""
@@ -273,19 +281,26 @@ class PagedState:
         return clone
 
     def __getstate__(self) -> dict:
-        # Saved (pickle, torch.save), the pool keeps its blocks up to the last one in use: a fixed pool sized for a
-        # server holding one prompt saves the prompt's blocks, not the pool. Loaded, the pool is its full size again
-        # (the free blocks zeroed, as a new pool's) and every block keeps its id.
+        # Saved (pickle, torch.save), the pool keeps its blocks in use only: a fixed pool sized for a server and
+        # holding one prompt saves the prompt's blocks. Loaded, the pool has its full size again (the free blocks
+        # zeroed, as a new pool's) and every block keeps its id, so the tables and counts are saved as they are.
         state = self.__dict__.copy()
-        used = max((b for b, count in enumerate(self.allocator.ref_cnt) if count > 0), default=-1) + 1
-        state["storages"] = {rank: s.head(used * self.block_size) for rank, s in self.storages.items()}
+        slots = self._used_slots()
+        state["storages"] = {rank: s.saved(slots) for rank, s in self.storages.items()}
+        state["saved_slots"] = slots
         state["_slots"] = {}  # the current forward's
         return state
 
     def __setstate__(self, state: dict) -> None:
+        slots = state.pop("saved_slots")
         self.__dict__.update(state)
         for storage in self.storages.values():
-            storage.grow(self.allocator.num_blocks * self.block_size)
+            storage.restore(slots, self.allocator.num_blocks * self.block_size)
+
+    def _used_slots(self) -> torch.Tensor:
+        """The slots of every block in use, in block order (1-D, long)."""
+        blocks = torch.tensor([b for b, count in enumerate(self.allocator.ref_cnt) if count > 0], dtype=torch.long)
+        return (blocks[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)
 
     def storage(self, rank: int, spec: LayerSpec, dtype: torch.dtype, device: torch.device) -> PagedStorage:
         if rank not in self.storages:

@@ -3,12 +3,14 @@ precision: transformers' ``DynamicSlidingWindowLayer``, with our reporting and l
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from .._config import LayerSpec
 from ._common import as_index, check_same_state
-from ._storage import _nbytes
+from ._storage import _nbytes, check_device, saved_tensor
 
 
 def dynamic_layer_nbytes(spec: LayerSpec, tokens: int, dtype: torch.dtype) -> int:
@@ -48,6 +50,31 @@ class ModelSlidingWindowLayer(DynamicSlidingWindowLayer):
         if self.get_seq_length() > 0:
             index = as_index(indices, self.keys.device)
             self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
+
+    def __getstate__(self) -> dict:
+        # transformers keeps the window as a view of the forward's whole K/V (a prompt's, on a prefill): a saved layer
+        # holds the window's tokens only, in host memory (saved_tensor), and goes back to its device at load.
+        state = self.__dict__.copy()
+        if self.is_initialized:
+            state["keys"], state["values"] = saved_tensor(self.keys), saved_tensor(self.values)
+            state["saved_device"] = self.keys.device
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        device = state.pop("saved_device", None)
+        self.__dict__.update(state)
+        if device is not None:
+            check_device(device)
+            self.keys, self.values = self.keys.to(device), self.values.to(device)
+
+    def __deepcopy__(self, memo: dict) -> ModelSlidingWindowLayer:
+        # The window's tokens, copied on their device (a deep copy of the view would copy the whole prompt's K/V)
+        clone = self.__class__.__new__(self.__class__)
+        memo[id(self)] = clone
+        for name, value in self.__dict__.items():
+            window = name in ("keys", "values") and self.is_initialized
+            clone.__dict__[name] = value.clone() if window else copy.deepcopy(value, memo)
+        return clone
 
     @property
     def stored_tokens(self) -> int:

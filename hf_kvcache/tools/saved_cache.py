@@ -1,8 +1,7 @@
 """What a saved cache costs and saves: a prompt of the held-out text prefilled into each cache, saved with
 ``torch.save`` and loaded with ``load_cache``. Per cache: the file's bytes (against ``DynamicCache``'s file and the
-cache's own ``nbytes``; a paged cache's file holds its whole block pool, ``reserved_nbytes``), the prefill's time,
-the save's and the load's (in memory: no disk in the timing), and whether the loaded cache continues with the saved
-one's tokens.
+cache's own ``nbytes``), the prefill's time, the save's and the load's (in memory: no disk in the timing), and
+whether the loaded cache continues with the saved one's tokens.
 
     python benchmarks/saved_cache.py --model smollm2 --tokens 4096 --caches int8,int4,int2
 """
