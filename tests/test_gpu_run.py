@@ -60,7 +60,7 @@ def test_smoke_run_every_stage_with_the_lent_machines_modules(smoke):
     assert sorted(p.name for p in smoke_run.iterdir()) == sorted(["run.json", *(f"{s}.json" for s in STAGES)])
     assert all("log_tail" in json.loads((smoke_run / f"{s}.json").read_text()) for s in STAGES)
     correctness = json.loads((smoke_run / "correctness.json").read_text())["items"]
-    assert {i["check"] for i in correctness} == {"decode", "encode", "model"}
+    assert {i["check"] for i in correctness} == {"decode", "encode", "model", "saved"}
     assert all(i["passed"] for i in correctness)
     generate = json.loads((smoke_run / "generate.json").read_text())["items"]
     decoded = {(i["cache"], i["attn"]) for i in generate if i["measure"] == "decode"}

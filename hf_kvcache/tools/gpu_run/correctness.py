@@ -13,7 +13,10 @@ bfloat16 (the CPU interpreter cannot check bfloat16), for every storage kind, an
    reconstruction error over the reference's;
 3. **model**: a small random Llama (head_dim 128) in each dtype, a prompt then 8 teacher-forced decode steps through
    each cache under sdpa and under ``hf_kvcache``: the largest logit difference of the two attention paths over the
-   same cache, relative to the logits' spread.
+   same cache, relative to the logits' spread;
+4. **saved**: each of those caches prefilled, saved (``torch.save``: its stored tokens copied to the host) and loaded
+   (``load_cache``: back on the device), then the same decode steps under sdpa through the loaded and the saved cache:
+   the logits must be identical.
 
 Each check is one item with ``passed``; a check that raises (a kernel that does not compile here) is an error item
 and the next runs.
@@ -21,10 +24,13 @@ and the next runs.
 
 from __future__ import annotations
 
+import io
+
 import torch
 from transformers import LlamaForCausalLM
 
 from ..._compat import with_cache
+from ...caches import load_cache
 from ...formats import KVHandle, codec_for, decode_attention
 from ...kernels import torch_decode
 from ...registry import make_cache
@@ -137,18 +143,42 @@ def _error_ratio(codec, got: dict, want: dict, k: torch.Tensor, v: torch.Tensor)
     return worst[0] / worst[1] if worst[1] > 0 else (1.0 if worst[0] == 0 else float("inf"))
 
 
-def _teacher_forced(model, spec: str, attn: str, ids: torch.Tensor, prompt: int) -> torch.Tensor:
-    """Logits of each decode step after a ``prompt``-token prefill, feeding ``ids`` one token at a time."""
+def _prefilled(model, spec: str, attn: str, ids: torch.Tensor, prompt: int):
     model.set_attn_implementation(attn)
     cache = make_cache(spec, model)
+    with torch.inference_mode():
+        model(input_ids=ids[:, :prompt], attention_mask=torch.ones_like(ids[:, :prompt]), **with_cache(model, cache))
+    return cache
+
+
+def _continued(model, cache, ids: torch.Tensor, prompt: int) -> torch.Tensor:
+    """Logits of each decode step after the ``prompt`` tokens ``cache`` holds, feeding ``ids`` one token at a time."""
     mask = torch.ones_like(ids)
     with torch.inference_mode():
-        model(input_ids=ids[:, :prompt], attention_mask=mask[:, :prompt], **with_cache(model, cache))
         steps = [
             model(input_ids=ids[:, t : t + 1], attention_mask=mask[:, : t + 1], **with_cache(model, cache)).logits
             for t in range(prompt, ids.shape[1])
         ]
     return torch.cat(steps, 1).float()
+
+
+def _teacher_forced(model, spec: str, attn: str, ids: torch.Tensor, prompt: int) -> torch.Tensor:
+    """Logits of each decode step after a ``prompt``-token prefill, feeding ``ids`` one token at a time."""
+    return _continued(model, _prefilled(model, spec, attn, ids, prompt), ids, prompt)
+
+
+def _saved_check(model, spec: str, ids: torch.Tensor, prompt: int) -> dict:
+    """A cache prefilled on the device, saved (its stored tokens copied to the host) and loaded (back on the device):
+    the next steps through the loaded cache against the saved one's, under sdpa (exact: the same stored tokens)."""
+    cache = _prefilled(model, spec, "sdpa", ids, prompt)
+    f = io.BytesIO()
+    torch.save(cache, f)
+    f.seek(0)
+    loaded = load_cache(f, model)
+    got, want = _continued(model, loaded, ids, prompt), _continued(model, cache, ids, prompt)
+    err = float((got - want).abs().max())
+    return {"max_error": err, "tolerance": 0.0, "file_bytes": len(f.getvalue()), "nbytes": cache.nbytes,
+            "passed": err == 0}  # fmt: skip
 
 
 def _model_checks(record: StageRecord, dev, dtype, smoke: bool) -> None:
@@ -176,6 +206,12 @@ def _model_checks(record: StageRecord, dev, dtype, smoke: bool) -> None:
         tol = 4 * TOLERANCE[dtype] if dtype != torch.float32 else 1e-3
         record.add({"check": "model", "kind": label, "dtype": str(dtype), "max_error_over_std": err,
                     "tolerance": tol, "passed": err <= tol})  # fmt: skip
+        if spec == "dynamic":
+            continue
+        try:
+            record.add({"check": "saved", "kind": label, "dtype": str(dtype)} | _saved_check(model, spec, ids, prompt))
+        except Exception as err:
+            record.error(f"saved {label} {str(dtype)[6:]}", err)
     del model
 
 
@@ -199,7 +235,7 @@ def run(record: StageRecord, device: str, smoke: bool) -> None:
 def headline(record: dict) -> list[str]:
     items = record.get("items", [])
     lines = []
-    for check in ("decode", "encode", "model"):
+    for check in ("decode", "encode", "model", "saved"):
         mine = [i for i in items if i["check"] == check]
         failed = [f"{i['kind']} {i['dtype'][6:]}" + (f" q={i['q_len']}" if "q_len" in i else "") for i in mine
                   if not i["passed"]]  # fmt: skip

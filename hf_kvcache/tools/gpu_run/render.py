@@ -90,11 +90,16 @@ def _ratio(error, tolerance: float) -> float:
 
 def _correctness(record: dict) -> str:
     rows = []
-    for check in ("decode", "encode", "model"):
+    for check in ("decode", "encode", "model", "saved"):
         mine = [i for i in record.get("items", []) if i["check"] == check]
+        if check == "saved" and not mine:  # runs before 2026-12-03 had no such check
+            continue
         failed = [i for i in mine if not i["passed"]]
         worst = ""
-        if check != "encode" and mine:
+        if check == "saved" and mine:  # exact: the largest difference, with no tolerance to divide by
+            top = max(mine, key=lambda i: float(i["max_error"]))
+            worst = f"{float(top['max_error']):.2e} ({top['kind']}, {top['dtype'][6:]}; must be 0)"
+        elif check != "encode" and mine:
             key = "max_error" if check == "decode" else "max_error_over_std"
             top = max(mine, key=lambda i: _ratio(i[key], i["tolerance"]))
             worst = f"{float(top[key]):.2e} ({top['kind']}, {top['dtype'][6:]}; tolerance {top['tolerance']:.0e})"
