@@ -208,6 +208,9 @@ def _model_checks(record: StageRecord, dev, dtype, smoke: bool) -> None:
                     "tolerance": tol, "passed": err <= tol})  # fmt: skip
         if spec == "dynamic":
             continue
+        if not record.has_time(2):
+            record.skip(f"saved {label} {str(dtype)[6:]}", "the stage's time box ran out")
+            continue
         try:
             record.add({"check": "saved", "kind": label, "dtype": str(dtype)} | _saved_check(model, spec, ids, prompt))
         except Exception as err:
