@@ -71,12 +71,20 @@ def write_tokens(cache: Cache, layer_idx: int, key_states: torch.Tensor, value_s
     attention (our layers' ``write``; transformers' layers, whose ``update`` returns what they store, update). Called
     for every layer in layer order per forward, as the model does, it leaves the state the forward leaves: a chunked
     prefill written this way chunk by chunk stores what one through the cache stores, with no scratch."""
+    _check_attached(cache)
     layers = getattr(cache, "layers", None)
     layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
     if isinstance(layer, (KVLayer, AttentionInside)):
         layer.write(key_states, value_states)
     else:
         cache.update(key_states, value_states, layer_idx)
+
+
+def _check_attached(cache: Cache) -> None:
+    """A cache loaded without its model stores nothing, here as in a forward (``attach(model)`` first)."""
+    check = getattr(cache, "_check_attached", None)
+    if check is not None:
+        check()
 
 
 def _copy_states(cache: Cache, layer_idx: int, source) -> None:
@@ -131,6 +139,7 @@ def store_prefill(
     >>> store_prefill(QuantizedKVCache(config), kv).get_seq_length()
     40
     """
+    _check_attached(cache)
     if cache.get_seq_length() != 0:
         raise ValueError(
             f"store_prefill needs an empty cache; this one holds {cache.get_seq_length()} tokens (call cache.reset())"

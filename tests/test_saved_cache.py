@@ -232,16 +232,58 @@ def test_a_hybrid_cache_refuses_every_state_write_until_attached():
 
 
 def test_a_file_of_other_releases_is_refused(monkeypatch):
-    """A saved cache pickles this package's and transformers' layer classes: a process on other releases refuses it
-    by name instead of reading another layout."""
+    """A saved cache pickles this package's and transformers' layer classes: a file saved by other releases (or
+    another layout) is refused by name before any of its state is read."""
+    from hf_kvcache.caches import _base
+
+    model = tiny_model("llama")
+    (cache,) = prefilled(model, _head(_inputs(), 9), make_cache("int4:residual_length=4:group_size=8", model))
+    with monkeypatch.context() as m:
+        m.setattr(_base, "_stamp", lambda: {"hf_kvcache": "0.0.1", "transformers": "5.23.0", "format": 1})
+        f = _saved(cache)
+    with pytest.raises(ValueError, match=r"was saved with hf_kvcache 0\.0\.1, transformers 5\.23\.0, format 1; this"):
+        load_cache(f, model)
+
+
+def test_a_file_from_a_device_this_process_lacks_is_refused(monkeypatch):
+    """The file names the devices its tensors were on; a process without one refuses it by name, before torch
+    would fail to place a tensor there."""
     from hf_kvcache.caches import _base
 
     model = tiny_model("llama")
     (cache,) = prefilled(model, _head(_inputs(), 9), make_cache("int8", model))
-    f = _saved(cache)
-    monkeypatch.setattr(_base, "_versions", lambda: {"hf_kvcache": "0.0.1", "transformers": "5.23.0"})
-    with pytest.raises(ValueError, match=r"was saved with hf_kvcache .*; this process runs hf_kvcache 0\.0\.1"):
+    with monkeypatch.context() as m:
+        m.setattr(_base, "_tensor_devices", lambda layers: iter([torch.device("cuda", 7)]))
+        f = _saved(cache)
+    with pytest.raises(ValueError, match=r"saved from cuda:7, which this process cannot reach"):
         load_cache(f, model)
+
+
+def test_a_loaded_cache_stores_nothing_until_attached():
+    """A handed-over prefill and assisted decoding's recording are refused too; attached, an int8 cache (which needs
+    no row's padding) adds no hook to the model."""
+    from hf_kvcache._hooks import hook_count
+    from hf_kvcache.prefill import SharedPrefill
+
+    model = tiny_model("llama")
+    inputs = _inputs()
+    loaded = torch.load(_saved(make_cache("int8", model)), weights_only=False)
+    with pytest.raises(ValueError, match="loaded without its model"):
+        SharedPrefill(model, inputs["input_ids"], inputs["attention_mask"]).into(loaded)
+    with pytest.raises(ValueError, match="loaded without its model"):
+        loaded.activate_past_recording()
+    assert loaded.get_seq_length() == 0
+    hooks = hook_count(model)
+    loaded.attach(model)
+    assert hook_count(model) == hooks
+
+
+def test_a_cache_saved_before_its_first_forward_serves_as_a_new_one():
+    model = tiny_model("gemma3")
+    inputs = _inputs()
+    for spec in ("int2:residual_length=4:group_size=8", "paged:block_size=4", "sink:window=6:sinks=2"):
+        loaded = load_cache(_saved(make_cache(spec, model)), model)
+        _same(generate(model, loaded, inputs, new=4), generate(model, make_cache(spec, model), inputs, new=4))
 
 
 def test_attach_refuses_a_model_of_other_rope():

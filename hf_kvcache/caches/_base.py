@@ -23,6 +23,7 @@ from .._config import (
 from .._hooks import ForwardObserver, observe_forwards
 from .._version import __version__
 from ..layers._common import AttentionMode, PaddingTracker
+from ..layers._storage import check_device
 from ..rope import rope_fields
 
 __all__ = ["KVCacheReportMixin", "PaddingObserverMixin", "load_cache", "split_model"]
@@ -37,14 +38,48 @@ def _difference(built: list[LayerSpec], given: list[LayerSpec]) -> str:
     return f"layer {i}'s " + ", ".join(f"{f} is {getattr(b, f)!r} (the cache's {getattr(a, f)!r})" for f in fields)
 
 
-def _versions() -> dict[str, str]:
-    return {"hf_kvcache": __version__, "transformers": transformers.__version__}
+# The layout of a saved cache: bumped with any change to what a cache, its layers or their storage pickle, so that
+# a file of another layout is refused by name (hf_kvcache's release number alone moves less often).
+SAVED_FORMAT = 2
 
 
-def _named(versions: dict[str, str] | None) -> str:
-    if versions is None:
-        return "a release that recorded none"
-    return ", ".join(f"{name} {version}" for name, version in versions.items())
+def _stamp() -> dict[str, object]:
+    return {"hf_kvcache": __version__, "transformers": transformers.__version__, "format": SAVED_FORMAT}
+
+
+def _saved_cache(cls: type, stamp: dict, devices: tuple[str, ...]):
+    """Where unpickling a saved cache starts (:meth:`PaddingObserverMixin.__reduce_ex__`), before its state is read:
+    the file pickles this package's and transformers' own layer classes, which another release may lay out otherwise
+    (a cache read in the wrong layout would answer wrongly, not fail), and holds tensors of ``devices``."""
+    if stamp != _stamp():
+        saved = ", ".join(f"{k} {v}" for k, v in stamp.items())
+        here = ", ".join(f"{k} {v}" for k, v in _stamp().items())
+        raise ValueError(
+            f"this {cls.__name__} was saved with {saved}; this process runs {here}: a saved cache loads with the "
+            "releases it was saved with (prefill and save it again with these)"
+        )
+    for device in devices:
+        check_device(torch.device(device))
+    return cls.__new__(cls)
+
+
+def _tensor_devices(obj, seen: set | None = None):
+    """The devices of the tensors held by ``obj`` (through containers and objects' attributes, not modules or
+    configs)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or isinstance(obj, (torch.nn.Module, transformers.PretrainedConfig, weakref.ref)):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj.device
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensor_devices(value, seen)
+    elif isinstance(obj, (list, tuple, set)):
+        for value in obj:
+            yield from _tensor_devices(value, seen)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        yield from _tensor_devices(vars(obj), seen)
 
 
 def split_model(config_or_model) -> tuple[torch.nn.Module | None, object]:
@@ -164,25 +199,24 @@ class PaddingObserverMixin(ForwardObserver):
 
     # -- a cache saved and loaded (pickle, torch.save / torch.load, another process) ----------------------------
 
+    def __reduce_ex__(self, protocol):
+        # Unpickling starts with _saved_cache, before any of the state below is read: a file of other releases or
+        # layout, or from a device this process lacks, is refused by name there, not half read.
+        devices = tuple(sorted({str(d) for d in _tensor_devices(self.layers)}))
+        return _saved_cache, (type(self), _stamp(), devices), self.__getstate__()
+
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         # The model is not part of a saved cache: the loaded one serves the tokens it holds once attach(model) has
         # given it back the model's config (read at every forward) and forwards (each prefill's left padding).
         state["_observed_model"] = None
         state["_needs_model"] = self.__dict__.get("_built_from_model", False)
-        state["_saved_with"] = _versions()
         return state
 
-    def __setstate__(self, state: dict) -> None:
-        # The file pickles this package's and transformers' own layer classes: another release may lay them out
-        # otherwise, and a cache read in the wrong layout would answer wrongly, not fail.
-        saved = state.pop("_saved_with", None)
-        if saved != _versions():
-            raise ValueError(
-                f"this {type(self).__name__} was saved with {_named(saved)}; this process runs {_named(_versions())}: "
-                "a saved cache loads with the releases it was saved with (prefill and save it again with these)"
-            )
-        self.__dict__.update(state)
+    def _observes_forwards(self) -> bool:
+        """Whether the cache needs the model's forwards (each prefill's left padding): every cache but a quantized
+        one whose layers all encode each token on its own (:attr:`QuantizedLayer.reads_padding`)."""
+        return True
 
     def attach(self, model: torch.nn.Module) -> None:
         """Serve ``model``: what a cache loaded from a file (``torch.load``, ``pickle``: the model is not saved with
@@ -209,7 +243,7 @@ class PaddingObserverMixin(ForwardObserver):
             )
         self.attention_mode.bind(config, model)
         observed = self.__dict__.get("_observed_model")
-        if observed is None or observed() is not model:
+        if self._observes_forwards() and (observed is None or observed() is not model):
             self._observe_model(model)
         self._built_from_model = True
         self._needs_model = False
@@ -237,13 +271,15 @@ class PaddingObserverMixin(ForwardObserver):
         return clone
 
     def before_forward(self, kwargs: dict) -> None:
-        self.padding.observe(kwargs.get("attention_mask"))
+        if not self._needs_model:  # a loaded cache's forward is refused at its first write: nothing changes before
+            self.padding.observe(kwargs.get("attention_mask"))
 
 
 # Every Cache method a forward (or generate's set-up) calls that stores or sizes anything: a loaded cache refuses each
 # before it changes a thing (a hybrid model's first layer may update its recurrent states before any attention layer
 # asks for the mask sizes, as where a 4-D mask is passed).
 _STATE_WRITES = (
+    "activate_past_recording",  # assisted decoding, before its first forward
     "update",
     "get_mask_sizes",
     "update_conv_state",

@@ -416,7 +416,10 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
 
     def before_forward(self, kwargs: dict) -> None:
         if self.get_seq_length() == 0:  # the sinks are placed at the prefill; later masks are not needed
-            self.padding.observe(kwargs.get("attention_mask"))
+            super().before_forward(kwargs)
+
+    def _observes_forwards(self) -> bool:
+        return self._reads_padding
 
     def bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> float:
         """Analytic stored bytes per quantized token, summed over layers, for K/V of ``dtype``.

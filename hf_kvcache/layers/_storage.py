@@ -35,8 +35,9 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def saved_tensor(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a saved cache holds it (pickle, ``torch.save``): in host memory and storage of its own. torch.save
-    writes a view's whole storage (a buffer's headroom, a window's evicted prompt), and a copy on the device would
-    hold a cache's worth of device memory more while the file is written."""
+    writes a view's whole storage (a buffer's headroom, a window's evicted prompt); copies kept on the device would
+    all be alive until the file is written, a cache's worth of device memory more (here one tensor at a time, the
+    time of its copy to the host)."""
     return t.clone() if t.device.type == "cpu" else t.cpu()
 
 
@@ -208,7 +209,7 @@ class TokenBuffers:
     def __deepcopy__(self, memo: dict) -> TokenBuffers:
         # A copy (transformers' recipe for reusing a prompt's cache) keeps the allocation as it is, on its device:
         # one copy of each tensor, and the next appends land in the headroom, as the original's would.
-        clone = TokenBuffers.__new__(TokenBuffers)
+        clone = type(self).__new__(type(self))
         memo[id(self)] = clone
         clone.__dict__.update(self.__dict__)
         clone.units = dict(self.units)

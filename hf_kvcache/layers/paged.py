@@ -285,22 +285,23 @@ class PagedState:
         # holding one prompt saves the prompt's blocks. Loaded, the pool has its full size again (the free blocks
         # zeroed, as a new pool's) and every block keeps its id, so the tables and counts are saved as they are.
         state = self.__dict__.copy()
-        slots = self._used_slots()
+        blocks = [b for b, count in enumerate(self.allocator.ref_cnt) if count > 0]
+        slots = self._block_slots(blocks)
         state["storages"] = {rank: s.saved(slots) for rank, s in self.storages.items()}
-        state["saved_slots"] = slots
+        state["saved_blocks"] = blocks
         state["_slots"] = {}  # the current forward's
         return state
 
     def __setstate__(self, state: dict) -> None:
-        slots = state.pop("saved_slots")
+        slots = self._block_slots(state.pop("saved_blocks"), state["block_size"])
         self.__dict__.update(state)
         for storage in self.storages.values():
             storage.restore(slots, self.allocator.num_blocks * self.block_size)
 
-    def _used_slots(self) -> torch.Tensor:
-        """The slots of every block in use, in block order (1-D, long)."""
-        blocks = torch.tensor([b for b, count in enumerate(self.allocator.ref_cnt) if count > 0], dtype=torch.long)
-        return (blocks[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)
+    def _block_slots(self, blocks: list[int], block_size: int | None = None) -> torch.Tensor:
+        """The slots of ``blocks``, in their order (1-D, long)."""
+        size = self.block_size if block_size is None else block_size
+        return (torch.tensor(blocks, dtype=torch.long)[:, None] * size + torch.arange(size)).reshape(-1)
 
     def storage(self, rank: int, spec: LayerSpec, dtype: torch.dtype, device: torch.device) -> PagedStorage:
         if rank not in self.storages:
