@@ -342,3 +342,45 @@ def test_attach_gives_a_config_built_cache_the_padding_of_its_forwards():
     want = generate(model, make_cache("int2:residual_length=4:group_size=8", model), inputs, new=4)
     _same(generate(model, cache, inputs, new=4), want)
     assert cache.padding.pad == (0, 4)
+
+
+def _layout(obj, seen: set, found: set) -> None:
+    """(class, attribute names) of every object of this package's classes a cache holds, through containers."""
+    if id(obj) in seen or isinstance(obj, (torch.Tensor, torch.nn.Module, type)):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        for value in obj.values():
+            _layout(value, seen, found)
+    elif isinstance(obj, (list, tuple, set)):
+        for value in obj:
+            _layout(value, seen, found)
+    elif hasattr(obj, "__dict__"):
+        if type(obj).__module__.startswith("hf_kvcache"):
+            found.add(f"{type(obj).__module__}.{type(obj).__qualname__}:{','.join(sorted(vars(obj)))}")
+        for value in vars(obj).values():
+            _layout(value, seen, found)
+
+
+# What a saved file holds of this package's classes, by SAVED_FORMAT (the sha256 of their sorted layouts, which the
+# test prints when it fails). A change to it is a change of the file's layout: bump
+# hf_kvcache.caches._base.SAVED_FORMAT (files of the old layout are then refused by name) and record the new digest.
+SAVED_LAYOUT = {2: "5c17d2a2cdf023a6"}
+
+
+def test_the_saved_layout_is_the_format_s():
+    """A saved cache's classes and their attributes are the ones its format number stands for."""
+    import hashlib
+
+    from hf_kvcache.caches._base import SAVED_FORMAT
+
+    found: set = set()
+    for family in ("llama", "gemma3"):
+        model = tiny_model(family)
+        for spec in ("int8", "int2:residual_length=4:group_size=8", "int4:residual_length=4:group_size=8",
+                     "paged:block_size=4", "paged:block_size=4:bits=8", "sink:window=6:sinks=2",
+                     "sink:window=6:sinks=2:bits=8", "fp8"):  # fmt: skip
+            (cache,) = prefilled(model, _inputs(), make_cache(spec, model))
+            _layout(pickle.loads(pickle.dumps(cache)), set(), found)
+    digest = hashlib.sha256("\n".join(sorted(found)).encode()).hexdigest()[:16]
+    assert SAVED_LAYOUT.get(SAVED_FORMAT) == digest, f"layout {digest}:\n" + "\n".join(sorted(found))
