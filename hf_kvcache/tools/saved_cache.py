@@ -35,6 +35,7 @@ def measure(model, ids: torch.Tensor, specs: list[str], new_tokens: int = 8) -> 
     from transformers import DynamicCache
 
     from ..caches import load_cache
+    from ..memory import cache_nbytes
     from ..registry import make_cache
 
     caches = {}
@@ -52,9 +53,7 @@ def measure(model, ids: torch.Tensor, specs: list[str], new_tokens: int = 8) -> 
         start = time.perf_counter()
         loaded = torch.load(f, weights_only=False) if spec == "dynamic" else load_cache(f, model)
         load_s = time.perf_counter() - start
-        nbytes = getattr(cache, "nbytes", None)
-        if nbytes is None:  # DynamicCache: its keys and values
-            nbytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        nbytes = cache_nbytes(cache)
         caches[spec] = {
             "file_bytes": len(f.getvalue()),
             "nbytes": int(nbytes),
