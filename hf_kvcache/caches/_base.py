@@ -23,7 +23,6 @@ from .._config import (
 from .._hooks import ForwardObserver, observe_forwards
 from .._version import __version__
 from ..layers._common import AttentionMode, PaddingTracker
-from ..layers._storage import check_device
 from ..rope import rope_fields
 
 __all__ = ["KVCacheReportMixin", "PaddingObserverMixin", "load_cache", "split_model"]
@@ -59,8 +58,14 @@ def _saved_cache(cls: type, stamp: dict, devices: tuple[str, ...]):
             f"this {cls.__name__} was saved with {saved}; this process runs {here}: a saved cache loads with the "
             "releases it was saved with (prefill and save it again with these)"
         )
-    for device in devices:
-        check_device(torch.device(device))
+    for device in devices:  # every tensor of the file, the buffers' host copies included, goes back to one of these
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError) as err:  # torch built without CUDA asserts
+            raise ValueError(
+                f"this {cls.__name__} was saved from {device}, which this process cannot reach ({err}); load it where "
+                "that device is (a cache loads onto the device it was saved from)"
+            ) from err
     return cls.__new__(cls)
 
 

@@ -10,7 +10,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from .._config import LayerSpec
 from ._common import as_index, check_same_state
-from ._storage import _nbytes, check_device, saved_tensor
+from ._storage import _nbytes, saved_tensor
 
 
 def dynamic_layer_nbytes(spec: LayerSpec, tokens: int, dtype: torch.dtype) -> int:
@@ -64,7 +64,6 @@ class ModelSlidingWindowLayer(DynamicSlidingWindowLayer):
         device = state.pop("saved_device", None)
         self.__dict__.update(state)
         if device is not None:
-            check_device(device)
             self.keys, self.values = self.keys.to(device), self.values.to(device)
 
     def __deepcopy__(self, memo: dict) -> ModelSlidingWindowLayer:
