@@ -194,31 +194,28 @@ def _model_checks(record: StageRecord, dev, dtype, smoke: bool) -> None:
     ids = torch.randint(3, config.vocab_size, (2, prompt + 8), generator=torch.Generator().manual_seed(3))
     ids = ids.to(dev)
     for label, spec in {"dynamic": "dynamic", **cache_kinds(), **SAVED_ONLY}.items():
-        if label in SAVED_ONLY:
-            if record.has_time(2):
-                _add_saved(record, model, label, spec, ids, prompt, dtype)
-            continue
-        what = f"model {label} {str(dtype)[6:]}"
-        if not record.has_time(3):
-            record.skip(what, "the stage's time box ran out")
-            continue
-        try:
-            sdpa = _teacher_forced(model, spec, "sdpa", ids, prompt)
-            ours = _teacher_forced(model, spec, "hf_kvcache", ids, prompt)
-        except Exception as err:
-            record.error(what, err)
-            continue
-        err = float((ours - sdpa).abs().max() / sdpa.std())
-        tol = 4 * TOLERANCE[dtype] if dtype != torch.float32 else 1e-3
-        record.add({"check": "model", "kind": label, "dtype": str(dtype), "max_error_over_std": err,
-                    "tolerance": tol, "passed": err <= tol})  # fmt: skip
-        if spec == "dynamic":
-            continue
-        if not record.has_time(2):
-            record.skip(f"saved {label} {str(dtype)[6:]}", "the stage's time box ran out")
-            continue
-        _add_saved(record, model, label, spec, ids, prompt, dtype)
+        if label not in SAVED_ONLY:
+            _add_model(record, model, label, spec, ids, prompt, dtype)
+        if spec != "dynamic":
+            _add_saved(record, model, label, spec, ids, prompt, dtype)
     del model
+
+
+def _add_model(record: StageRecord, model, label: str, spec: str, ids: torch.Tensor, prompt: int, dtype) -> None:
+    what = f"model {label} {str(dtype)[6:]}"
+    if not record.has_time(3):
+        record.skip(what, "the stage's time box ran out")
+        return
+    try:
+        sdpa = _teacher_forced(model, spec, "sdpa", ids, prompt)
+        ours = _teacher_forced(model, spec, "hf_kvcache", ids, prompt)
+    except Exception as err:
+        record.error(what, err)
+        return
+    err = float((ours - sdpa).abs().max() / sdpa.std())
+    tol = 4 * TOLERANCE[dtype] if dtype != torch.float32 else 1e-3
+    record.add({"check": "model", "kind": label, "dtype": str(dtype), "max_error_over_std": err,
+                "tolerance": tol, "passed": err <= tol})  # fmt: skip
 
 
 # Saved and loaded beside the kinds the run times: the window cache (its sinks and window, and the full-precision
@@ -227,10 +224,14 @@ SAVED_ONLY = {"sink": "sink:window=128:sinks=4", "sink int8": "sink:window=128:s
 
 
 def _add_saved(record: StageRecord, model, label: str, spec: str, ids: torch.Tensor, prompt: int, dtype) -> None:
+    what = f"saved {label} {str(dtype)[6:]}"
+    if not record.has_time(2):
+        record.skip(what, "the stage's time box ran out")
+        return
     try:
         record.add({"check": "saved", "kind": label, "dtype": str(dtype)} | _saved_check(model, spec, ids, prompt))
     except Exception as err:
-        record.error(f"saved {label} {str(dtype)[6:]}", err)
+        record.error(what, err)
 
 
 def run(record: StageRecord, device: str, smoke: bool) -> None:
