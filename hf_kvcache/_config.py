@@ -43,9 +43,9 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attenti
 # DeltaNet, LFM2's convolutions; "linear_attention", "conv") and layers with nothing to cache (MoE- or MLP-only
 # blocks, which transformers calls "dummy"). Every cache keeps them as transformers does (``hf_kvcache.layers.state``).
 STATE_LAYER_TYPES = ("linear_attention", "conv", "dummy")
-# Layers with recurrent states *and* full attention (Falcon-H1, Zamba): the attention's kind of cache beside the
-# states. (hybrid_sliding, Inkling's, is not served yet: its masks do not line up with a sliding layer's keys.)
-WITH_STATES_LAYER_TYPES = {"hybrid": "full_attention"}
+# Layers with recurrent states *and* attention (Falcon-H1, Zamba: full; Inkling: a sliding window beside its short
+# convolutions' states): the attention's kind of cache beside the states.
+WITH_STATES_LAYER_TYPES = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
 # Layers of DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5's glm_moe_dsa): full attention whose indexer keeps one
 # narrow key per token beside the K/V (``Cache.update_indexer``) to pick each query's top-k tokens.
 INDEXED_LAYER_TYPES = {"indexed_attention": "full_attention"}
@@ -215,6 +215,23 @@ def _rope_flags(config: PretrainedConfig, n_layers: int) -> list[bool]:
     return [bool(f) for f in flags]
 
 
+class _SlidingWidths:
+    """A layer config read as its sliding layers see it: ``swa_num_attention_heads``, ``swa_num_key_value_heads`` and
+    ``swa_head_dim`` (Inkling's) over the global widths, where the config names them."""
+
+    _NAMES = ("num_attention_heads", "num_key_value_heads", "head_dim")
+
+    def __init__(self, config):
+        self._config = config
+
+    def __getattr__(self, name: str):
+        if name in self._NAMES:
+            own = _global(self._config, f"swa_{name}")
+            if isinstance(own, int) and own > 0:
+                return own
+        return getattr(self._config, name)
+
+
 def _cached_kv_heads(config: PretrainedConfig, layer_config, q_heads: int) -> int:
     """KV heads a layer passes to the cache, where the config's attribute names do not say it directly."""
     if model_type(config) == "falcon":
@@ -310,6 +327,8 @@ def layer_specs(config: PretrainedConfig, cache_name: str, tp_size: int = 1, mod
             if value_dim == 0 and key_dim > 1:  # NoPE latent: nothing in the value slot, the latent split over both
                 key_dim, value_dim, split = key_dim - key_dim // 2, key_dim // 2, True
         else:
+            if kind == "sliding_attention":  # Inkling's sliding layers have their own widths (swa_*), beside the rest's
+                layer_config = _SlidingWidths(layer_config)
             q_heads = _global(layer_config, "num_attention_heads")
             if not isinstance(q_heads, int):
                 raise ValueError(

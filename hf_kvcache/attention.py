@@ -64,6 +64,13 @@ def _picked(mask: torch.Tensor | None, indices: torch.Tensor, query: torch.Tenso
     return base & picked[..., :total].unsqueeze(1)
 
 
+POSITION_BIAS_REFUSAL = (
+    "model_type {!r} adds a position bias to its attention scores (position_bias), which the hf_kvcache "
+    "attention's kernels do not read, so attn_implementation='hf_kvcache' cannot serve it; load or set the model "
+    "with 'sdpa' or 'eager', which every hf_kvcache cache serves"
+)
+
+
 def hf_kvcache_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -90,12 +97,16 @@ def hf_kvcache_attention(
     if indices is not None:
         mask = _picked(mask, indices, query, total)
     if isinstance(key, KVHandle):
+        if kwargs.get("position_bias") is not None:  # a cache built from a config alone (one from the model refuses)
+            raise ValueError(POSITION_BIAS_REFUSAL.format(key.model_type))
         if dropout and module.training:
             raise ValueError("the hf_kvcache attention reads a cache at inference: dropout must be 0")
         if mask is None and query.shape[2] > 1:  # causal (one query token sees every token: no mask at all)
             mask = _causal_mask(query.shape[0], query.shape[2], total, query.device)
         return decode_attention(query, key, mask, scaling, softcap or 0.0, s_aux), None
     if softcap or s_aux is not None:  # sdpa has neither: the reference over the plain tensors
+        if kwargs.get("position_bias") is not None:  # which adds no bias
+            raise ValueError(POSITION_BIAS_REFUSAL.format(getattr(getattr(module, "config", None), "model_type", None)))
         if mask is None and query.shape[2] > 1:
             mask = _causal_mask(query.shape[0], query.shape[2], total, query.device)
         handle = KVHandle((DenseSegment(key, value),))

@@ -144,7 +144,7 @@ def test_recurrent_layer_refuses_another_batch_until_reset(name):
     torch.testing.assert_close(again.sequences, fresh.sequences, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", (*FAMILIES, "inkling_text"))
 @pytest.mark.parametrize("name", ["paged", "int8", "int2", "sink"])
 def test_shared_prefill_hands_over_recurrent_states(family, name):
     """One prefill stored in a cache (attention K/V written, recurrent states copied) leaves the state a prefill
@@ -269,12 +269,99 @@ def test_plan_counts_the_smoothed_keys_scales_beside_states():
     assert planned == cache.nbytes - cache.state_nbytes
 
 
-def test_sliding_layers_with_states_are_refused_by_name():
-    """Inkling's hybrid_sliding layers (states beside a sliding window) are not served yet: a ValueError naming them."""
-    model = _model("inkling_text", "eager")
-    for spec in ("int8", "paged", "sink"):
-        with pytest.raises(ValueError, match=r"'inkling_text'\) has hybrid_sliding layers"):
-            make_cache(spec, model)
+def _inkling(attn: str = "sdpa"):
+    """Inkling: ``hybrid_sliding`` layers (convolution states beside an 8-token sliding window, of their own widths:
+    ``swa_*``) and ``hybrid`` full-attention layers, both adding relative-position logits to their scores from the
+    cache's mask sizes and query offset; the logits' profiles drawn wider than a random model's (std 0.02), so a
+    cache whose positions were off would show."""
+    model = _model("inkling_text", attn)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == "InklingRelativeLogits":
+                module.proj.normal_(0, 2.0, generator=g)
+    return model
+
+
+def _inkling_params():
+    for name in CASES:
+        for attn in ("eager", "sdpa"):
+            for batch in ("single", "padded"):
+                fast = attn == "sdpa" and batch == "padded" and name in ("paged", "int2", "sink")
+                marks = () if fast else (pytest.mark.slow,)
+                yield pytest.param(name, attn, batch, id=f"{name}-{attn}-{batch}", marks=marks)
+
+
+@pytest.mark.parametrize("name, attn, batch", list(_inkling_params()))
+def test_sliding_layers_with_states_match_dynamic_cache(name, attn, batch):
+    """Inkling's sliding layers with states (its 12-token prompts and 8 new tokens slide its 8-token window) and
+    full layers with states: every cache keeps the states beside its own attention layer; lossless kinds give
+    DynamicCache's tokens and logits, lossy ones stay within their bounds."""
+    spec, lossless, bound = CASES[name]
+    model = _inkling(attn)
+    inputs = _prompt(batch)
+    ref = _generate(_inkling("sdpa"), DynamicCache(config=model.config), inputs)
+    cache = make_cache(spec, model)
+    out = _generate(model, cache, inputs)
+    assert [type(layer) for layer in cache.layers] == [AttentionWithStates] * 2
+    assert [layer.spec.layer_type for layer in cache.layers] == ["sliding_attention", "full_attention"]
+    assert_generation_matches(out, ref, lossless, bound)
+
+
+def test_sliding_layers_widths_come_from_the_config():
+    """Inkling's sliding layers pass ``swa_num_key_value_heads`` heads of ``swa_head_dim`` channels, not the global
+    widths: a cache built from the config alone reads them as one built from the model does, and serves the model."""
+    from hf_kvcache._config import layer_specs
+
+    model = _inkling()
+    config = model.config
+    specs = layer_specs(config, "QuantizedKVCache")
+    assert specs == layer_specs(config, "QuantizedKVCache", model=model)
+    assert (specs[0].num_kv_heads, specs[0].key_dim) == (config.swa_num_key_value_heads, config.swa_head_dim)
+    assert (specs[1].num_kv_heads, specs[1].key_dim) == (config.num_key_value_heads, config.head_dim)
+    inputs = _prompt("padded")
+    spec = CASES["int4"][0]
+    out = _generate(model, make_cache(spec, config), inputs)
+    want = _generate(model, make_cache(spec, model), inputs)
+    torch.testing.assert_close(out.sequences, want.sequences, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["int8", "paged", "sink"])
+def test_position_bias_is_refused_under_the_hf_kvcache_attention(name):
+    """The kernels add no score bias: a cache built from a model that passes ``position_bias`` to its attention is
+    refused under the hf_kvcache attention (at construction, or at the first forward after a switch to it), and one
+    built from its config alone at the first decode step, never a wrong answer. Under sdpa the same cache serves."""
+    spec = CASES[name][0]
+    refusal = r"model_type 'inkling_text' adds a position bias to its attention scores \(position_bias\)"
+    with pytest.raises(ValueError, match=refusal):
+        make_cache(spec, _inkling("hf_kvcache"))
+    model = _inkling("sdpa")
+    cache = make_cache(spec, model)
+    model.set_attn_implementation("hf_kvcache")
+    with pytest.raises(ValueError, match=refusal):
+        _generate(model, cache, _prompt("padded"))
+    with pytest.raises(ValueError, match=refusal):
+        _generate(model, make_cache(spec, model.config), _prompt("padded"))
+    model.set_attn_implementation("sdpa")
+    cache.reset()
+    ref = _generate(model, DynamicCache(config=model.config), _prompt("padded"))
+    assert_generation_matches(_generate(model, cache, _prompt("padded")), ref, *CASES[name][1:])
+
+
+def test_plain_tensors_with_a_position_bias_go_to_sdpa():
+    """DynamicCache under the hf_kvcache attention hands it plain tensors: sdpa adds Inkling's bias (DynamicCache
+    under sdpa's tokens and logits); beside softcapping, which sdpa lacks and the reference kernel's path would take
+    without the bias, it is refused."""
+    model = _inkling("hf_kvcache")
+    out = _generate(model, DynamicCache(config=model.config), _prompt("padded"))
+    sdpa = _inkling("sdpa")
+    assert_generation_matches(out, _generate(sdpa, DynamicCache(config=sdpa.config), _prompt("padded")), True, 0.0)
+    from hf_kvcache.attention import hf_kvcache_attention
+
+    module = next(m for m in model.modules() if type(m).__name__ == "InklingAttention")
+    query = torch.zeros(1, 2, 3, 8)
+    with pytest.raises(ValueError, match=r"'inkling_text' adds a position bias"):
+        hf_kvcache_attention(module, query, query, query, None, softcap=30.0, position_bias=torch.zeros(1, 2, 3, 3))
 
 
 @pytest.mark.parametrize(

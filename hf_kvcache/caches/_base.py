@@ -9,7 +9,7 @@ import weakref
 
 import torch
 import transformers
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from .._config import (
     LayerSpec,
@@ -164,6 +164,15 @@ class PaddingObserverMixin(ForwardObserver):
 
     padding: PaddingTracker
     _needs_model = False  # loaded from a file, not yet attached: refuses forwards (the instance's, once set)
+
+    @property
+    def is_linear(self) -> list[bool]:
+        """Layers with recurrent states and no attention, as transformers 5.24 counts them: a layer with both
+        (:class:`~hf_kvcache.layers.state.AttentionWithStates`) is an attention layer. 5.23 counted only its own
+        ``LinearAttentionAndFullAttentionLayer`` so, and built Inkling's full-attention mask from its first (sliding)
+        layer's sizes, which a cache of ours would then not match."""
+        return [isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, CacheLayerMixin)
+                for layer in self.layers]  # fmt: skip
 
     def _bind_model(self, model: torch.nn.Module | None, config) -> list[LayerSpec]:
         """What every cache takes from the model it serves once its own arguments are checked: each layer's spec

@@ -15,6 +15,7 @@ Lifecycle contract (every layer, every cache kind):
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .._compat import cache_arg, forward_parameters
 from .._config import LayerSpec, has_state_layers
-from ..attention import MAX_DECODE_QUERY, is_hf_kvcache_attention
+from ..attention import MAX_DECODE_QUERY, POSITION_BIAS_REFUSAL, is_hf_kvcache_attention
 
 __all__ = [
     "AttentionMode",
@@ -109,6 +110,21 @@ def _hybrid_routing_attention(model, config) -> bool:
     return has_state_layers(config) and module is not None and hasattr(module, "ALL_ATTENTION_FUNCTIONS")
 
 
+def _adds_position_bias(model) -> bool:
+    """Whether the model's attention modules hand their attention function an additive score bias
+    (``position_bias=``: Inkling's relative-position logits), which a storage handle's kernels do not add. Read from
+    the modules' ``forward`` source, as nothing else says it before the first decode step; the attention function
+    refuses such a bias beside a handle in any case (:func:`hf_kvcache.attention.hf_kvcache_attention`)."""
+    for cls in {type(module) for module in model.modules()}:
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):  # built in, or no source shipped
+            continue
+        if "attention_interface(" in source and "position_bias=" in source.replace(" ", ""):
+            return True
+    return False
+
+
 class AttentionMode:
     """Whether a cache's layers answer a forward with a storage handle (:mod:`hf_kvcache.attention`) instead of
     materialized K/V: when the model's config names the ``hf_kvcache`` attention, the forward brings at most
@@ -137,6 +153,8 @@ class AttentionMode:
                 "attn_implementation='hf_kvcache' cannot serve it; load or set it with 'sdpa' or 'eager', which "
                 "every hf_kvcache cache serves"
             )
+        elif model is not None and _adds_position_bias(model):
+            self.refusal = POSITION_BIAS_REFUSAL.format(self.model_type)
         self.check()
 
     def __deepcopy__(self, memo: dict) -> AttentionMode:

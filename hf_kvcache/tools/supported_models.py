@@ -770,7 +770,8 @@ def render(saved: dict) -> str:
         "",
         "Models whose attention layers sit beside recurrent ones (Mamba, gated DeltaNet, convolutions: transformers' "
         "`linear_attention` and `conv` layer types), MLP-only blocks (`dummy`), or layers with both (`hybrid`: "
-        "Falcon-H1, Zamba) are served: every cache keeps the recurrent states as `DynamicCache` "
+        "Falcon-H1, Zamba; `hybrid_sliding`, a sliding window beside convolutions: Inkling) are served: every cache "
+        "keeps the recurrent states as `DynamicCache` "
         "does (transformers' own layer classes, full precision) and its own storage for the attention's K/V, which "
         "the `hf_kvcache` attention reads in place as any other model's. Sparse attention's `indexed_attention` "
         "layers (DeepSeek-V3.2, GLM-5's `glm_moe_dsa`, Dots 3 Note, Qwen4-Exp beside gated DeltaNet) are served by the "
@@ -785,8 +786,9 @@ def render(saved: dict) -> str:
         "front (the model appends those copies to `DynamicCache`'s at its first forward), planned and counted; where "
         "one cache layer serves every loop and the earlier loops read its tensors in place "
         '(`recurrent_kv_cache_mode="last_loop"`), a cache whose layers keep their own layout refuses it. Refused by '
-        "name: `hybrid_sliding` layers, compressed attention (DeepSeek-V4), and layers that read another layer's "
-        "cache (KV sharing).",
+        "name: compressed attention (DeepSeek-V4), layers that read another layer's cache (KV sharing), and, under "
+        "the `hf_kvcache` attention, models that add a position bias to their attention scores (`position_bias`: "
+        "Inkling's relative-position logits), which its kernels do not read.",
         "",
         "Caches: " + ", ".join(f"`{c}` = `{spec}`" for c, spec, *_ in CACHES) + ". Reproduce with "
         "`python scripts/supported_models.py --run` (the whole matrix, a few minutes on one core); the test suite "
