@@ -149,3 +149,28 @@ def test_sharp_attention_is_measured_and_tempering_leaves_the_model_as_it_was():
     assert error is not None and error < 0.06
     assert {m: m.scaling for m in spreads} == before
     assert max(supported_models.attention_spread(supported_models.build("llama", "sdpa")).values()) < 1
+
+
+def test_a_norm_on_the_attentions_output_is_found_and_bypassing_it_leaves_the_model_as_it_was():
+    """Gemma 2 normalizes each attention's output before the residual add (its tiny random model's output scaled
+    many times over); Llama adds it as it is (no such norm found, though one of its norms is named
+    post_attention_layernorm). Bypassed, Gemma 2's int2 error falls under int2's bound; afterwards the model's logits
+    are as before."""
+    import torch
+    from transformers import DynamicCache
+
+    from hf_kvcache import make_cache
+
+    torch.set_num_threads(1)
+    model = supported_models.build("gemma2", "eager")
+    norms = supported_models.attention_output_norms(model)
+    assert set(norms) == {layer.post_attention_layernorm for layer in model.model.layers}
+    assert min(norms.values()) > 5
+    before = supported_models._generate(model, DynamicCache(config=model.config))
+    spec = "int2:residual_length=2:group_size=8"
+    with_norm = supported_models._compare(before, supported_models._generate(model, make_cache(spec, model)), False)[1]
+    without = supported_models.unnormed_error(model, spec, norms, make_cache)
+    assert without < 1.0 < with_norm
+    after = supported_models._generate(model, DynamicCache(config=model.config))
+    torch.testing.assert_close(after.logits, before.logits, rtol=0, atol=0)
+    assert supported_models.attention_output_norms(supported_models.build("llama", "sdpa")) == {}
