@@ -153,7 +153,8 @@ OVERRIDES: dict[str, dict] = {
     "gpt_bigcode": {"num_key_value_heads": DROP},  # a declared field real checkpoints leave unset (multi_query)
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1},
     "gemma3n_text": {"num_kv_shared_layers": 0},
-    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0}},
+    # A drafter whose every layer reads the main model's cache (KV sharing); its class's defaults fail its validator.
+    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}},
     "prophetnet": {"num_hidden_layers": DROP},  # sized by num_encoder_layers / num_decoder_layers
     "reformer": {"axial_pos_embds_dim": [32, 32], "attn_layers": ["local", "local"]},
     # Its width and KV heads by its own names, as its checkpoints give them: hidden_size (an alias) is set after the
@@ -289,7 +290,11 @@ def tiny_config(model_type: str, variant: dict | None = None):
         both = isinstance(value, dict) and isinstance(overrides.get(key), dict) and not key.startswith("later:")
         overrides[key] = overrides[key] | value if both else value
     later = {key.removeprefix("later:"): overrides.pop(key) for key in list(overrides) if key.startswith("later:")}
-    config = _rebuilt(CONFIG_MAPPING[model_type](), SHRINK, overrides)
+    try:
+        default = CONFIG_MAPPING[model_type]()
+    except Exception:  # noqa: BLE001  (a class whose own defaults fail its validator: the family's overrides fix them)
+        default = CONFIG_MAPPING[model_type](**{k: v for k, v in overrides.items() if v is not DROP})
+    config = _rebuilt(default, SHRINK, overrides)
     for key, value in later.items():
         setattr(config, key, value)
     return config
