@@ -259,6 +259,75 @@ def test_a_file_from_a_device_this_process_lacks_is_refused(monkeypatch):
         load_cache(f, model)
 
 
+def _device_records(obj, found: set, seen: set) -> None:
+    """Every device a loaded cache names: its tensors' and the torch.device values and keys it keeps beside them."""
+    from transformers import PretrainedConfig
+
+    if id(obj) in seen or isinstance(obj, (torch.nn.Module, PretrainedConfig, type)):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        found.add(str(obj.device))
+    elif isinstance(obj, torch.device):
+        found.add(str(obj))
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            _device_records(key, found, seen)
+            _device_records(value, found, seen)
+    elif isinstance(obj, (list, tuple, set)):
+        for value in obj:
+            _device_records(value, found, seen)
+    elif hasattr(obj, "__dict__"):
+        _device_records(vars(obj), found, seen)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_next"])
+@pytest.mark.parametrize("spec", ["int8", "int2:residual_length=4:group_size=8", "paged:block_size=4",
+                                  "paged:block_size=4:bits=8", "sink:window=6:sinks=2", "fp8"])  # fmt: skip
+def test_map_location_sends_every_tensor_and_device_record_there(family, spec):
+    """map_location as a device: every tensor of the loaded cache is there, and so is every device the cache records
+    beside them (its layers', the model's own sliding layers', the block tables' per device, a hybrid's recurrent
+    layers'), so that its next forward on that device is served, not refused as another device's. The meta device
+    stands for a device this machine does not have."""
+    model = config_model(family) if family == "qwen3_next" else tiny_model(family)
+    (cache,) = prefilled(model, _head(_inputs(), 9), make_cache(spec, model))
+    found: set = set()
+    _device_records(load_cache(_saved(cache), model, map_location="meta"), found, set())
+    assert found == {"meta"}
+    found.clear()
+    _device_records(load_cache(_saved(cache), model, map_location={"cpu": "meta"}), found, set())
+    assert found == {"meta"}
+
+
+@pytest.mark.parametrize("spec", ["int2:residual_length=4:group_size=8", "paged:block_size=4", "sink:window=6:sinks=2"])
+def test_a_file_from_another_device_loads_where_map_location_sends_it(monkeypatch, spec):
+    """Saved from a device this process lacks (cuda:7 here), a file loads with map_location naming where it goes,
+    and continues as the saved cache would; map_location as a device does the same."""
+    from hf_kvcache.caches import _base
+
+    model = tiny_model("llama")
+    inputs = _inputs()
+    (cache,) = prefilled(model, _head(inputs, 9), make_cache(spec, model))
+    with monkeypatch.context() as m:
+        m.setattr(_base, "_tensor_devices", lambda layers: iter([torch.device("cuda", 7)]))
+        f = _saved(cache)
+    want = generate(model, copy.deepcopy(cache), inputs, new=4)
+    for where in ({"cuda:7": "cpu"}, "cpu", torch.device("cpu")):
+        f.seek(0)
+        _same(generate(model, load_cache(f, model, map_location=where), inputs, new=4), want)
+    f.seek(0)
+    with pytest.raises(ValueError, match=r"saved from cuda:7, which this process cannot reach.*map_location="):
+        load_cache(f, model)
+
+
+@pytest.mark.parametrize("where", ["nowhere", {0: "cpu"}, {"cuda:0": None}, 3.5, ["cpu"]])
+def test_a_map_location_that_names_no_device_is_refused(where):
+    model = tiny_model("llama")
+    (cache,) = prefilled(model, _head(_inputs(), 9), make_cache("int8", model))
+    with pytest.raises(ValueError, match=r"map_location must be None .* or a dict of saved device names to devices"):
+        load_cache(_saved(cache), model, map_location=where)
+
+
 def test_a_loaded_cache_stores_nothing_until_attached():
     """A handed-over prefill and assisted decoding's recording are refused too; attached, an int8 cache (which needs
     no row's padding) adds no hook to the model."""

@@ -23,6 +23,7 @@ from .._config import (
 from .._hooks import ForwardObserver, observe_forwards
 from .._version import __version__
 from ..layers._common import AttentionMode, PaddingTracker
+from ..layers._storage import loaded_device, mapping_devices
 from ..rope import rope_fields
 
 __all__ = ["KVCacheReportMixin", "PaddingObserverMixin", "load_cache", "split_model"]
@@ -58,15 +59,60 @@ def _saved_cache(cls: type, stamp: dict, devices: tuple[str, ...]):
             f"this {cls.__name__} was saved with {saved}; this process runs {here}: a saved cache loads with the "
             "releases it was saved with (prefill and save it again with these)"
         )
-    for device in devices:  # every tensor of the file, the buffers' host copies included, goes back to one of these
+    for device in devices:  # every tensor of the file, the buffers' host copies included, goes to one of these
+        target = loaded_device(device)
         try:
-            torch.empty(0, device=device)
+            torch.empty(0, device=target)
         except (RuntimeError, AssertionError) as err:  # torch built without CUDA asserts
+            onto = "" if str(target) == device else f" (map_location sends it to {target})"
             raise ValueError(
-                f"this {cls.__name__} was saved from {device}, which this process cannot reach ({err}); load it where "
-                "that device is (a cache loads onto the device it was saved from)"
+                f"this {cls.__name__} was saved from {device}{onto}, which this process cannot reach ({err}); load it "
+                "where that device is, or onto another: load_cache(f, model, map_location='cpu' or "
+                "{'cuda:0': 'cuda:1'})"
             ) from err
     return cls.__new__(cls)
+
+
+def _check_map_location(map_location) -> None:
+    named = map_location if isinstance(map_location, dict) else {"": map_location}
+    try:
+        ok = map_location is None or (
+            all(isinstance(k, str) for k in named) and all(torch.device(d) is not None for d in named.values())
+        )
+    except (RuntimeError, TypeError):  # not a device name, or not a name at all
+        ok = False
+    if not ok:
+        raise ValueError(
+            "map_location must be None (each tensor back to the device it was saved from), a device ('cpu', "
+            f"'cuda:1', a torch.device) or a dict of saved device names to devices; got {map_location!r}"
+        )
+
+
+def _remap_devices(obj, seen: set | None = None) -> None:
+    """Points the device records a loaded cache keeps beside its tensors (a layer's ``device``, the per-device block
+    tables' keys) where :func:`loaded_device` sends them; the tensors themselves were placed by the load."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or isinstance(obj, (torch.nn.Module, transformers.PretrainedConfig, weakref.ref, type)):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        for key in list(obj):
+            value = obj[key]
+            if isinstance(key, torch.device):
+                del obj[key]
+                key = loaded_device(key)
+            obj[key] = loaded_device(value) if isinstance(value, torch.device) else value
+            _remap_devices(value, seen)
+    elif isinstance(obj, list):
+        for i, value in enumerate(obj):
+            if isinstance(value, torch.device):
+                obj[i] = loaded_device(value)
+            _remap_devices(value, seen)
+    elif isinstance(obj, (tuple, set)):
+        for value in obj:
+            _remap_devices(value, seen)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, torch.Tensor):
+        _remap_devices(vars(obj), seen)
 
 
 def _tensor_devices(obj, seen: set | None = None):
@@ -318,13 +364,26 @@ for _name in _STATE_WRITES:
         setattr(PaddingObserverMixin, _name, _refusing_until_attached(_name))
 
 
-def load_cache(f, model: torch.nn.Module):
+def load_cache(f, model: torch.nn.Module, map_location=None):
     """A cache saved with ``torch.save(cache, f)`` (any hf_kvcache cache, prefilled or not), attached to ``model``
     and ready to continue: ``model.generate(..., past_key_values=load_cache(f, model))`` continues as the saved cache
     would have. ``f``: a path or file object, as ``torch.load`` takes. The file is a pickle: load only files you
-    trust. It loads onto the device it was saved from.
+    trust.
+
+    ``map_location``: where its tensors go. None (default): each back to the device it was saved from. A device
+    (``"cpu"``, ``"cuda:1"``, a ``torch.device``): every tensor there, as for a model moved there. A dict of saved
+    device names to devices (``{"cuda:0": "cuda:1"}``): a model split over devices, each layer where its model layer
+    now is. A cache serves forwards whose keys and values are on its layers' devices.
     """
-    cache = torch.load(f, weights_only=False)
+    _check_map_location(map_location)
+    if isinstance(map_location, dict):
+        map_location = {k: str(torch.device(v)) for k, v in map_location.items()}
+    elif map_location is not None:
+        map_location = str(torch.device(map_location))
+    with mapping_devices(map_location):
+        cache = torch.load(f, weights_only=False, map_location=map_location)
+        if isinstance(cache, PaddingObserverMixin) and map_location is not None:
+            _remap_devices(cache)
     if not isinstance(cache, PaddingObserverMixin):
         raise ValueError(
             f"f: load_cache reads a saved hf_kvcache cache, this file holds a {type(cache).__name__} "

@@ -8,8 +8,10 @@ the token axis by a fraction of the current size, so an append costs amortized O
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -39,6 +41,32 @@ def saved_tensor(t: torch.Tensor) -> torch.Tensor:
     all be alive until the file is written, a cache's worth of device memory more (here one tensor at a time, the
     time of its copy to the host)."""
     return t.clone() if t.device.type == "cpu" else t.cpu()
+
+
+# Where a cache being loaded (hf_kvcache.load_cache's map_location) sends the tensors saved from each device: None
+# (each back to its own), a device (all there) or {saved device: device}, as torch.load reads its map_location.
+_MAP_LOCATION: contextvars.ContextVar = contextvars.ContextVar("hf_kvcache_map_location", default=None)
+
+
+@contextlib.contextmanager
+def mapping_devices(map_location) -> Iterator[None]:
+    """Loads inside send what was saved from a device where ``map_location`` says (:func:`loaded_device`)."""
+    token = _MAP_LOCATION.set(map_location)
+    try:
+        yield
+    finally:
+        _MAP_LOCATION.reset(token)
+
+
+def loaded_device(device: torch.device | str | None) -> torch.device | None:
+    """The device a tensor saved from ``device`` goes to as a cache is loaded: ``device`` itself, or where the active
+    :func:`mapping_devices` sends it."""
+    where = _MAP_LOCATION.get()
+    if device is None or where is None:
+        return None if device is None else torch.device(device)
+    if isinstance(where, dict):
+        where = where.get(str(device), device)
+    return torch.device(where)
 
 
 class TokenBuffers:
@@ -180,7 +208,7 @@ class TokenBuffers:
         return state
 
     def __setstate__(self, state: dict) -> None:
-        live, device = state.pop("tensors"), state.pop("device")
+        live, device = state.pop("tensors"), loaded_device(state.pop("device"))
         self.__dict__.update(state)
         self.tensors, self.capacity = {}, 0
         if live:  # back on its device, with the headroom an append would have left

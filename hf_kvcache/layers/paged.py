@@ -40,7 +40,7 @@ from ..formats.paged import gather_rows
 from ..kernels.append import append_kv
 from ..paging import PAD_BLOCK, BlockAllocator, BlockTables
 from ._common import AttentionMode, KVLayer, PaddingTracker, as_index, tokens_to_crop
-from ._storage import saved_tensor
+from ._storage import loaded_device, saved_tensor
 
 
 class _WeakMethod:
@@ -124,7 +124,7 @@ class PagedStorage:
 
     def restore(self, slots: torch.Tensor, num_slots: int) -> None:
         """Back from :meth:`saved`: zeroed pools of ``num_slots`` on the saved device, ``slots`` filled."""
-        device = self.__dict__.pop("saved_device")
+        device = loaded_device(self.__dict__.pop("saved_device"))
         for name, saved in self.tensors.items():
             pool = _pool(num_slots, saved.shape[1], saved.shape[2:], saved.dtype, device)
             pool[slots.to(device)] = saved.to(device)

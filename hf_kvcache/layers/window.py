@@ -10,7 +10,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from .._config import LayerSpec
 from ._common import as_index, check_same_state
-from ._storage import _nbytes, saved_tensor
+from ._storage import _nbytes, loaded_device, saved_tensor
 
 
 def dynamic_layer_nbytes(spec: LayerSpec, tokens: int, dtype: torch.dtype) -> int:
@@ -61,7 +61,7 @@ class ModelSlidingWindowLayer(DynamicSlidingWindowLayer):
         return state
 
     def __setstate__(self, state: dict) -> None:
-        device = state.pop("saved_device", None)
+        device = loaded_device(state.pop("saved_device", None))
         self.__dict__.update(state)
         if device is not None:
             self.keys, self.values = self.keys.to(device), self.values.to(device)

@@ -31,6 +31,7 @@ from transformers import LlamaForCausalLM
 
 from ..._compat import with_cache
 from ...caches import load_cache
+from ...caches._base import _tensor_devices
 from ...formats import KVHandle, codec_for, decode_attention
 from ...kernels import torch_decode
 from ...registry import make_cache
@@ -169,7 +170,8 @@ def _teacher_forced(model, spec: str, attn: str, ids: torch.Tensor, prompt: int)
 
 def _saved_check(model, spec: str, ids: torch.Tensor, prompt: int) -> dict:
     """A cache prefilled on the device, saved (its stored tokens copied to the host) and loaded (back on the device):
-    the next steps through the loaded cache against the saved one's, under sdpa (exact: the same stored tokens)."""
+    the next steps through the loaded cache against the saved one's, under sdpa (exact: the same stored tokens).
+    Loaded again with ``map_location="cpu"``: every tensor and layer device record on the host (``on_cpu``)."""
     cache = _prefilled(model, spec, "sdpa", ids, prompt)
     f = io.BytesIO()
     torch.save(cache, f)
@@ -179,8 +181,12 @@ def _saved_check(model, spec: str, ids: torch.Tensor, prompt: int) -> dict:
     got, want = _continued(model, loaded, ids, prompt), _continued(model, cache, ids, prompt)
     err = float((got - want).abs().max())
     small = len(f.getvalue()) <= 1.1 * nbytes + 64 * 1024  # the live tokens (and pickle's own bytes), not storage
-    return {"max_error": err, "tolerance": 0.0, "file_bytes": len(f.getvalue()), "nbytes": nbytes,
-            "passed": err == 0 and small}  # fmt: skip
+    f.seek(0)
+    moved = load_cache(f, model, map_location="cpu")
+    records = {str(getattr(layer, "device", "cpu")) for layer in moved.layers}
+    on_cpu = {str(d) for d in _tensor_devices(moved)} | records <= {"cpu"}
+    return {"max_error": err, "tolerance": 0.0, "file_bytes": len(f.getvalue()), "nbytes": nbytes, "on_cpu": on_cpu,
+            "passed": err == 0 and small and on_cpu}  # fmt: skip
 
 
 def _model_checks(record: StageRecord, dev, dtype, smoke: bool) -> None:
