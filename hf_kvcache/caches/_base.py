@@ -214,9 +214,9 @@ class PaddingObserverMixin(ForwardObserver):
     @property
     def is_linear(self) -> list[bool]:
         """Layers with recurrent states and no attention, as transformers 5.24 counts them: a layer with both
-        (:class:`~hf_kvcache.layers.state.AttentionWithStates`) is an attention layer. 5.23 counted only its own
-        ``LinearAttentionAndFullAttentionLayer`` so, and built Inkling's full-attention mask from its first (sliding)
-        layer's sizes, which a cache of ours would then not match."""
+        (:class:`~hf_kvcache.layers.state.AttentionWithStates`) is an attention layer. 5.23 counted every layer with
+        states as linear but its own ``LinearAttentionAndFullAttentionLayer``, so under our caches it found no full
+        layer and built Inkling's full-attention mask from its first (sliding) layer's sizes."""
         return [isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, CacheLayerMixin)
                 for layer in self.layers]  # fmt: skip
 
