@@ -15,6 +15,7 @@ Lifecycle contract (every layer, every cache kind):
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import os
 import sys
@@ -115,14 +116,17 @@ def _adds_position_bias(model) -> bool:
     (``position_bias=``: Inkling's relative-position logits), which a storage handle's kernels do not add. Read from
     the modules' ``forward`` source, as nothing else says it before the first decode step; the attention function
     refuses such a bias beside a handle in any case (:func:`hf_kvcache.attention.hf_kvcache_attention`)."""
-    for cls in {type(module) for module in model.modules()}:
-        try:
-            source = inspect.getsource(cls.forward)
-        except (OSError, TypeError):  # built in, or no source shipped
-            continue
-        if "attention_interface(" in source and "position_bias=" in source.replace(" ", ""):
-            return True
-    return False
+    return any(_forward_passes_position_bias(cls) for cls in {type(module) for module in model.modules()})
+
+
+@functools.cache
+def _forward_passes_position_bias(cls: type) -> bool:
+    """Read once per class (a harness builds many caches for one model)."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):  # built in, or no source shipped
+        return False
+    return "attention_interface(" in source and "position_bias=" in source.replace(" ", "")
 
 
 class AttentionMode:
