@@ -292,8 +292,11 @@ def test_map_location_sends_every_tensor_and_device_record_there(family, spec):
     model = config_model(family) if family == "qwen3_next" else tiny_model(family)
     (cache,) = prefilled(model, _head(_inputs(), 9), make_cache(spec, model))
     found: set = set()
-    _device_records(load_cache(_saved(cache), model, map_location="meta"), found, set())
+    loaded = load_cache(_saved(cache), model, map_location="meta")
+    _device_records(loaded, found, set())
     assert found == {"meta"}
+    with pytest.raises(ValueError, match=r"torch\.float32 on meta; this forward pass(es|ed) .* on cpu"):
+        generate(model, loaded, _inputs(), new=2)  # the model stayed on the CPU: refused, not read across devices
     found.clear()
     _device_records(load_cache(_saved(cache), model, map_location={"cpu": "meta"}), found, set())
     assert found == {"meta"}
