@@ -46,6 +46,9 @@ STATE_LAYER_TYPES = ("linear_attention", "conv", "dummy")
 # Layers with recurrent states *and* attention (Falcon-H1, Zamba: full; Inkling: a sliding window beside its short
 # convolutions' states): the attention's kind of cache beside the states.
 WITH_STATES_LAYER_TYPES = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
+# DeepSeek-V4's compressed attention: a sliding window beside compressed entries (one per 4 or 128 tokens) that the
+# model writes and reads through its own cache layer classes' methods; refused by name.
+COMPRESSED_LAYER_TYPES = ("compressed_sparse_attention", "heavily_compressed_attention")
 # Layers of DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5's glm_moe_dsa): full attention whose indexer keeps one
 # narrow key per token beside the K/V (``Cache.update_indexer``) to pick each query's top-k tokens.
 INDEXED_LAYER_TYPES = {"indexed_attention": "full_attention"}
@@ -286,6 +289,14 @@ def layer_specs(config: PretrainedConfig, cache_name: str, tp_size: int = 1, mod
         )
     served = (*ATTENTION_LAYER_TYPES, *INDEXED_LAYER_TYPES, *STATE_LAYER_TYPES, *WITH_STATES_LAYER_TYPES)
     unsupported = sorted({t for t in layer_types if t not in served})
+    compressed = [t for t in unsupported if t in COMPRESSED_LAYER_TYPES]
+    if compressed:
+        raise ValueError(
+            f"{cache_name} cannot serve model_type {model_type(config)!r}: its {', '.join(compressed)} layers keep "
+            "compressed entries beside a sliding window, which the model builds and reads through transformers' own "
+            "layer classes (store_compression_weights, update_compressor_states), not through a cache's update; use "
+            "DynamicCache"
+        )
     if unsupported:
         attention = ", ".join((*ATTENTION_LAYER_TYPES, *INDEXED_LAYER_TYPES))
         raise ValueError(

@@ -171,3 +171,20 @@ def test_rope_keyed_by_the_models_own_name_for_a_layer_kind():
     assert_generation_matches(generate(model, make_cache("int2", model), inputs), ref, False, LOGIT_BOUNDS["int2"])
     window = make_cache("sink:window=64:sinks=2", model)
     assert_generation_matches(generate(model, window, inputs), ref, True, 0.0)
+
+
+@pytest.mark.parametrize("spec", ["int8", "paged", "sink", "plan"])
+def test_compressed_attention_is_refused_by_what_it_keeps(spec):
+    """DeepSeek-V4's compressed layers keep compressed entries that the model writes and reads through transformers'
+    own layer classes: every cache, and plan, refuse the config by name and point to DynamicCache."""
+    from hf_kvcache.tools.supported_models import tiny_config
+
+    config = tiny_config("deepseek_v4")
+    refusal = (
+        r"model_type 'deepseek_v4': its compressed_sparse_attention, heavily_compressed_attention layers .*DynamicCache"
+    )
+    with pytest.raises(ValueError, match=refusal):
+        if spec == "plan":
+            kv_bytes("int8", config, 100)
+        else:
+            make_cache(spec, config)
