@@ -261,8 +261,9 @@ class KVLayer(BatchOpsMixin, CacheLayerMixin):
             raise ValueError(
                 f"{self.owner} layer {self.layer_idx}{named} was built from a config whose layer passes keys "
                 f"(B, {want[0]}, T, {want[1]}) and values (B, {want[2]}, T, {want[3]}); this forward passed keys "
-                f"{tuple(key_states.shape)} and values {tuple(value_states.shape)}. Build the cache from this "
-                "model's config."
+                f"{tuple(key_states.shape)} and values {tuple(value_states.shape)}. Build the cache from the model "
+                "itself (make_cache(spec, model)), which reads the widths its attention modules project; if it was, "
+                "the model's attention passes its keys in a layout no hf_kvcache cache serves: use DynamicCache."
             )
 
     def _hands_storage(self, new_tokens: int, past_tokens: int) -> bool:
