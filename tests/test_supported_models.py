@@ -174,3 +174,22 @@ def test_a_norm_on_the_attentions_output_is_found_and_bypassing_it_leaves_the_mo
     after = supported_models._generate(model, DynamicCache(config=model.config))
     torch.testing.assert_close(after.logits, before.logits, rtol=0, atol=0)
     assert supported_models.attention_output_norms(supported_models.build("llama", "sdpa")) == {}
+
+
+def test_attention_computed_in_the_models_own_code_is_measured_from_its_projections():
+    """CPM-Ant computes its scores itself (the recording attention function sees nothing) with 1.0-std random
+    weights: its projections' scores spread far wider than SHARP; dividing its query projection by that spread
+    brings int8 under its bound, and the weights are put back exactly."""
+    import torch
+
+    from hf_kvcache import make_cache
+
+    torch.set_num_threads(1)
+    model = supported_models.build("cpmant", "eager")
+    assert supported_models.attention_spread(model) == {}
+    spreads = supported_models.projected_spread(model)
+    assert len(spreads) == model.config.num_hidden_layers
+    assert min(spreads.values()) > 10 * supported_models.SHARP
+    weights = [p.clone() for p in model.parameters()]
+    assert supported_models.tempered_queries_error(model, "int8", spreads, make_cache, slice(0, 1)) < 0.06
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), weights))

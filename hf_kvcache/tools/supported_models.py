@@ -564,10 +564,12 @@ def _causes(model, spec, ref, out, choices: tuple, rows, make_cache) -> dict:
     errors = _step_errors(ref, out, rows)
     if flip is not None and flip < len(errors):
         found.update(flip=flip, before=round(max(errors[:flip], default=0.0), 4))
-    spreads = attention_spread(model)
+    spreads, temper = attention_spread(model), tempered_error
+    if not spreads:  # attention computed in the model's own code, out of the recording function's reach
+        spreads, temper = projected_spread(model), tempered_queries_error
     if spreads and max(spreads.values()) > SHARP:
         found["spread"] = round(max(spreads.values()), 2)
-        tempered = tempered_error(model, spec, spreads, make_cache, rows)
+        tempered = temper(model, spec, spreads, make_cache, rows)
         if tempered is not None:
             found["tempered"] = round(tempered, 4)
     norms = attention_output_norms(model)
@@ -587,16 +589,6 @@ CHOOSERS = ("Router", "Indexer")
 SHARP = 2.0
 CAUSES = ("flip", "before", "spread", "tempered", "gain", "unnormed")  # what _causes records of an over-bound cell
 ROWS = 2  # the prompt's batch (_prompt)
-# CPM-Ant computes its attention itself, not through the AttentionInterface whose scores attention_spread records.
-# Measured by hand (2026-12-03): its scores (query . key / sqrt(dim_head), the unpadded row) with each attention
-# module's project_q weights divided by that spread, baseline alike.
-CPMANT_NOTE = (
-    "CPM-Ant's cells are sharp attention out of the matrix's reach: it computes its attention itself, not through "
-    "the AttentionInterface whose scores the matrix records, and its random weights have std 1.0 (its `init_std`), "
-    "so its scores spread about 64 (63.1 and 65.3 in its two layers); with its queries divided by that spread, "
-    "baseline alike, int8 0.018, fp8 0.095, int4 0.139 and int2 0.708, each within its bound (measured by hand, "
-    "2026-12-03)."
-)
 
 
 @contextlib.contextmanager
@@ -695,6 +687,86 @@ def tempered_error(model, spec, spreads: dict, make_cache, rows=slice(None)) -> 
     finally:
         for module, scaling in kept.items():
             module.scaling = scaling
+
+
+# The query and key projections of an attention module that computes its scores itself (CPM-Ant's project_q /
+# project_k, or q_proj / k_proj), with its heads and head width by the names such modules keep them under.
+_PROJECTIONS = (("q_proj", "k_proj"), ("project_q", "project_k"))
+
+
+def _own_projections(module) -> tuple | None:
+    """``(query projection, key projection, query heads, head width)`` of an attention module, or None."""
+    heads = getattr(module, "num_heads", None) or getattr(module, "num_attention_heads", None)
+    width = getattr(module, "head_dim", None) or getattr(module, "dim_head", None)
+    for q_name, k_name in _PROJECTIONS:
+        q, k = getattr(module, q_name, None), getattr(module, k_name, None)
+        linear = isinstance(q, torch.nn.Linear) and isinstance(k, torch.nn.Linear)
+        sized = isinstance(heads, int) and isinstance(width, int) and width > 0
+        if linear and sized and q.out_features == heads * width and k.out_features % width == 0:
+            return q, k, heads, width
+    return None
+
+
+def projected_spread(model) -> dict:
+    """``{attention module: std of its prefill scores}`` for a model whose attention modules compute their scores
+    themselves (not through the AttentionInterface :func:`attention_spread` records): query . key / sqrt(head width)
+    from each module's own projections of its input, over the prompt's unpadded row (key positions up to the
+    query's; no RoPE or position bias: the spread the projections give). ``{}`` where no module has such
+    projections."""
+    from transformers import DynamicCache
+
+    from hf_kvcache._compat import with_cache
+
+    spreads: dict = {}
+
+    def measure(module, args, kwargs):
+        hidden = args[0] if args else kwargs.get("hidden_states", kwargs.get("hidden_q"))
+        if module in spreads or not torch.is_tensor(hidden) or hidden.dim() != 3:
+            return
+        q_proj, k_proj, heads, width = _own_projections(module)
+        row = hidden[:1].float()
+        q = (row @ q_proj.weight.float().T).view(1, -1, heads, width).transpose(1, 2)
+        k = (row @ k_proj.weight.float().T).view(1, -1, k_proj.out_features // width, width).transpose(1, 2)
+        k = k.repeat_interleave(heads // k.shape[1], 1)
+        s = (q @ k.transpose(-1, -2)) * width**-0.5
+        t = s.shape[-1]
+        spreads[module] = float(s[..., torch.ones(t, t, dtype=torch.bool).tril()].std())
+
+    attentions = [m for m in model.modules() if type(m).__name__.endswith("Attention") and _own_projections(m)]
+    handles = [m.register_forward_pre_hook(measure, with_kwargs=True) for m in attentions]
+    try:
+        with torch.no_grad():
+            model(**_prompt(model.config.get_text_config().vocab_size or VOCAB),
+                  **with_cache(model, DynamicCache(config=model.config)))  # fmt: skip
+    finally:
+        for handle in handles:
+            handle.remove()
+    return spreads
+
+
+def tempered_queries_error(model, spec, spreads: dict, make_cache, rows=slice(None)) -> float:
+    """:func:`tempered_error` where the attention's scaling is in the model's code: each module's query projection
+    divided by its scores' spread instead (those wider than 1), baseline included; the weights are put back."""
+    from transformers import DynamicCache
+
+    kept = {}
+    try:
+        with torch.no_grad():
+            for module, spread in spreads.items():
+                if spread > 1:
+                    q_proj = _own_projections(module)[0]
+                    kept[q_proj] = (q_proj.weight.clone(), None if q_proj.bias is None else q_proj.bias.clone())
+                    q_proj.weight.div_(spread)
+                    if q_proj.bias is not None:
+                        q_proj.bias.div_(spread)
+        ref = _generate(model, DynamicCache(config=model.config))
+        return _compare(ref, _generate(model, make_cache(spec, model)), False, rows)[1]
+    finally:
+        with torch.no_grad():
+            for q_proj, (weight, bias) in kept.items():
+                q_proj.weight.copy_(weight)
+                if bias is not None:
+                    q_proj.bias.copy_(bias)
 
 
 def attention_output_norms(model) -> dict:
@@ -981,7 +1053,9 @@ def render(saved: dict) -> str:
         f"- **sharp attention**: where the prompt's attention scores (query . key x scaling, over its unpadded row) "
         f"spread wider than {SHARP:g} (a standard model's `head_dim ** -0.5` over unit-RMS queries and keys spreads "
         "them about 1), that spread and the cell's error with each attention's scaling divided by its scores' spread, "
-        "the baseline tempered alike. Gemma 4 scales its RMS-normalized queries and keys by 1.0 and leaves the "
+        "the baseline tempered alike (where a model computes its attention itself, CPM-Ant, the scores from each "
+        "attention module's own query and key projections, and its query projection divided instead). Gemma 4 "
+        "scales its RMS-normalized queries and keys by 1.0 and leaves the "
         "temperature to its trained `q_norm` weights, which a random model has at 1, so its scores spread about "
         "sqrt(head_dim) (its global layers' head_dim is 512): each key error moves the weights as much more. How "
         "sharp a trained Gemma 4's attention is, this matrix cannot say (no weights); measure it with `hf-kvcache "
@@ -1002,10 +1076,7 @@ def render(saved: dict) -> str:
         "A normalized attention output: " + ("; ".join(normed) or "none") + ".",
         "",
         f"Of the {over_cells} cells, {settled} are within their bound before the flip, once tempered or without the "
-        "norm. No cause measured: "
-        + ("; ".join(unexplained) or "none")
-        + "."
-        + (" " + CPMANT_NOTE if any(name.startswith("`cpmant`") for name in unexplained) else ""),
+        "norm. No cause measured: " + ("; ".join(unexplained) or "none") + ".",
     ]
     lines += ["", "## Refusals", ""]
     for n, (text, types) in enumerate(reasons.items(), 1):
