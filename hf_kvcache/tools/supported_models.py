@@ -725,8 +725,12 @@ def projected_spread(model) -> dict:
             return
         q_proj, k_proj, heads, width = _own_projections(module)
         row = hidden[:1].float()
-        q = (row @ q_proj.weight.float().T).view(1, -1, heads, width).transpose(1, 2)
-        k = (row @ k_proj.weight.float().T).view(1, -1, k_proj.out_features // width, width).transpose(1, 2)
+
+        def project(linear: torch.nn.Linear, n: int) -> torch.Tensor:
+            bias = None if linear.bias is None else linear.bias.float()
+            return torch.nn.functional.linear(row, linear.weight.float(), bias).view(1, -1, n, width).transpose(1, 2)
+
+        q, k = project(q_proj, heads), project(k_proj, k_proj.out_features // width)
         k = k.repeat_interleave(heads // k.shape[1], 1)
         s = (q @ k.transpose(-1, -2)) * width**-0.5
         t = s.shape[-1]
