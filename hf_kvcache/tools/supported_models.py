@@ -689,6 +689,22 @@ def tempered_error(model, spec, spreads: dict, make_cache, rows=slice(None)) -> 
             module.scaling = scaling
 
 
+def _hooked_prompt(model, handles: list) -> None:
+    """One forward of the prompt (:func:`_prompt`) through a ``DynamicCache``, for the hooks of ``handles`` to
+    measure; they are removed after it."""
+    from transformers import DynamicCache
+
+    from hf_kvcache._compat import with_cache
+
+    try:
+        with torch.no_grad():
+            model(**_prompt(model.config.get_text_config().vocab_size or VOCAB),
+                  **with_cache(model, DynamicCache(config=model.config)))  # fmt: skip
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 # The query and key projections of an attention module that computes its scores itself (CPM-Ant's project_q /
 # project_k, or q_proj / k_proj), with its heads and head width by the names such modules keep them under.
 _PROJECTIONS = (("q_proj", "k_proj"), ("project_q", "project_k"))
@@ -713,10 +729,6 @@ def projected_spread(model) -> dict:
     from each module's own projections of its input, over the prompt's unpadded row (key positions up to the
     query's; no RoPE or position bias: the spread the projections give). ``{}`` where no module has such
     projections."""
-    from transformers import DynamicCache
-
-    from hf_kvcache._compat import with_cache
-
     spreads: dict = {}
 
     def measure(module, args, kwargs):
@@ -737,14 +749,7 @@ def projected_spread(model) -> dict:
         spreads[module] = float(s[..., torch.ones(t, t, dtype=torch.bool).tril()].std())
 
     attentions = [m for m in model.modules() if type(m).__name__.endswith("Attention") and _own_projections(m)]
-    handles = [m.register_forward_pre_hook(measure, with_kwargs=True) for m in attentions]
-    try:
-        with torch.no_grad():
-            model(**_prompt(model.config.get_text_config().vocab_size or VOCAB),
-                  **with_cache(model, DynamicCache(config=model.config)))  # fmt: skip
-    finally:
-        for handle in handles:
-            handle.remove()
+    _hooked_prompt(model, [m.register_forward_pre_hook(measure, with_kwargs=True) for m in attentions])
     return spreads
 
 
@@ -780,10 +785,6 @@ def attention_output_norms(model) -> dict:
     attention module (a class name ending in Attention) returned; the factor is the RMS of the norm's output over that
     of its input, on the unpadded row. ``{}`` where the model has none (Llama adds the attention's output to the
     stream as it is)."""
-    from transformers import DynamicCache
-
-    from hf_kvcache._compat import with_cache
-
     outputs: dict[int, torch.Tensor] = {}
     found: dict = {}
 
@@ -799,14 +800,7 @@ def attention_output_norms(model) -> dict:
 
     modules = list(model.modules())
     handles = [m.register_forward_hook(returned) for m in modules if type(m).__name__.endswith("Attention")]
-    handles += [m.register_forward_hook(normed) for m in modules if "Norm" in type(m).__name__]
-    try:
-        with torch.no_grad():
-            model(**_prompt(model.config.get_text_config().vocab_size or VOCAB),
-                  **with_cache(model, DynamicCache(config=model.config)))  # fmt: skip
-    finally:
-        for handle in handles:
-            handle.remove()
+    _hooked_prompt(model, handles + [m.register_forward_hook(normed) for m in modules if "Norm" in type(m).__name__])
     return found
 
 
