@@ -75,8 +75,7 @@ def _decode_checks(record: StageRecord, dev, dtype, q_len: int, smoke: bool) -> 
     query = torch.randn((2, heads, q_len, dim), generator=g, device=dev, dtype=dtype)
     for label, spec in cache_kinds().items():
         what = f"decode {label} {str(dtype)[6:]} q={q_len}"
-        if not record.has_time(2):
-            record.skip(what, "the stage's time box ran out")
+        if record.out_of_time(what, 2):
             continue
         try:
             handle = decode_handle(spec, config, k, v, *new)[0]
@@ -104,8 +103,7 @@ def _encode_checks(record: StageRecord, dev, dtype) -> None:
     k, v = k.to(dtype), v.to(dtype)
     for name, codec in codecs.items():
         what = f"encode {name} {str(dtype)[6:]}"
-        if not record.has_time(2):
-            record.skip(what, "the stage's time box ran out")
+        if record.out_of_time(what, 2):
             continue
         try:
             want = codec.encode(k, v)
@@ -209,8 +207,7 @@ def _model_checks(record: StageRecord, dev, dtype, smoke: bool) -> None:
 
 def _add_model(record: StageRecord, model, label: str, spec: str, ids: torch.Tensor, prompt: int, dtype) -> None:
     what = f"model {label} {str(dtype)[6:]}"
-    if not record.has_time(3):
-        record.skip(what, "the stage's time box ran out")
+    if record.out_of_time(what, 3):
         return
     try:
         sdpa = _teacher_forced(model, spec, "sdpa", ids, prompt)
@@ -231,8 +228,7 @@ SAVED_ONLY = {"sink": "sink:window=128:sinks=4", "sink int8": "sink:window=128:s
 
 def _add_saved(record: StageRecord, model, label: str, spec: str, ids: torch.Tensor, prompt: int, dtype) -> None:
     what = f"saved {label} {str(dtype)[6:]}"
-    if not record.has_time(2):
-        record.skip(what, "the stage's time box ran out")
+    if record.out_of_time(what, 2):
         return
     try:
         record.add({"check": "saved", "kind": label, "dtype": str(dtype)} | _saved_check(model, spec, ids, prompt))

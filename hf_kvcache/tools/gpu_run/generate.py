@@ -321,9 +321,9 @@ def _measure(record: StageRecord, model, dev: torch.device, smoke: bool) -> None
             if measure != "decode" and attn == "sdpa" and label != "dynamic":
                 continue  # a prefill is sdpa's under either attention; the largest batch is ours under hf_kvcache
             what = f"{measure} {label} [{attn}] {context}" + (f" x {batch}" if batch else "")
-            if not record.has_time(3):
-                record.skip(what, "the stage's time box ran out")
-            elif measure == "decode":
+            if record.out_of_time(what, 3):
+                continue
+            if measure == "decode":
                 profiled = (context, batch) == decode_cells[0] and (label, attn) in PROFILED
                 _attempt(record, what, _decode_cell, model, label, spec, attn, context, batch, new_tokens, warm, gen,
                          profiled)  # fmt: skip

@@ -106,16 +106,14 @@ def run(record: StageRecord, device: str, smoke: bool) -> None:
                     "kv_heads": config.num_key_value_heads, "head_dim": config.head_dim, "peak_bandwidth": peak,
                     "peak_source": source}  # fmt: skip
     for context, batch in SMOKE_SHAPES if smoke else SHAPES:
-        if not record.has_time(5):
-            record.skip(f"{context} x {batch}", "the stage's time box ran out")
+        if record.out_of_time(f"{context} x {batch}", 5):
             continue
         _cell(record, config, dev, dtype, context, batch, peak)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     context, batch = SMOKE_SHAPES[1] if smoke else (4096, 1)
     for label in HOST_KINDS:
-        if not record.has_time(5):
-            record.skip(f"host {label}", "the stage's time box ran out")
+        if record.out_of_time(f"host {label}", 5):
             continue
         try:
             record.add(_host(config, dev, dtype, context, batch, label))
@@ -123,8 +121,7 @@ def run(record: StageRecord, device: str, smoke: bool) -> None:
             record.error(f"host {label}", err)
     context, batch = SMOKE_SHAPES[0] if smoke else SHAPES[0]
     for label, variants in VARIANTS.items():
-        if not record.has_time(10):
-            record.skip(f"variants {label}", "the stage's time box ran out")
+        if record.out_of_time(f"variants {label}", 10):
             continue
         try:
             for item in _variants(config, dev, dtype, context, batch, label, variants):
@@ -220,8 +217,7 @@ def _cell(record: StageRecord, config, dev, dtype, context: int, batch: int, pea
                | _graph_fields(base_graph, base_graph, base_bytes, peak))  # fmt: skip
     kinds = {"dense": None, **cache_kinds()}
     for label, spec in kinds.items():
-        if not record.has_time(2):
-            record.skip(f"{label} {context} x {batch}", "the stage's time box ran out")
+        if record.out_of_time(f"{label} {context} x {batch}", 2):
             continue
         try:
             if spec is None:  # our kernel over the bf16 K/V sdpa reads

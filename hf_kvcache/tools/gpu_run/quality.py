@@ -53,8 +53,7 @@ def _setting(record: StageRecord, where: torch.device, dtype: torch.dtype, cache
             what = f"{label} [{attn}] {where.type} {str(dtype)[6:]}"
             if label == "dynamic" and attn == "hf_kvcache":
                 continue  # DynamicCache hands attention plain tensors: sdpa either way
-            if not record.has_time(2):
-                record.skip(what, "the stage's time box ran out")
+            if record.out_of_time(what, 2):
                 continue
             try:
                 result = window_perplexity(model, ids, lambda spec=spec: make_cache(spec, model), context, prefill,

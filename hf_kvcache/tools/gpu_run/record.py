@@ -65,6 +65,14 @@ class StageRecord:
     def has_time(self, needed: float = 0.0) -> bool:
         return self.left() > needed
 
+    def out_of_time(self, what: str, needed: float) -> bool:
+        """Whether item ``what`` must be left out, ``needed`` seconds being more than the box has left (recorded as
+        skipped, then)."""
+        if self.has_time(needed):
+            return False
+        self.skip(what, "the stage's time box ran out")
+        return True
+
     def add(self, item: dict) -> None:
         self.items.append(item)
         self.save()
