@@ -61,12 +61,12 @@ def mapping_devices(map_location) -> Iterator[None]:
 def loaded_device(device: torch.device | str | None) -> torch.device | None:
     """The device a tensor saved from ``device`` goes to as a cache is loaded: ``device`` itself, or where the active
     :func:`mapping_devices` sends it."""
+    if device is None:
+        return None
     where = _MAP_LOCATION.get()
-    if device is None or where is None:
-        return None if device is None else torch.device(device)
     if isinstance(where, dict):
         where = where.get(str(device), device)
-    return torch.device(where)
+    return torch.device(device if where is None else where)
 
 
 class TokenBuffers:
