@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from functools import cache
 
 import torch
@@ -30,12 +31,22 @@ def rotary(width: int, layout: str = "half"):
 
 
 def tiny_model(family: str, attn: str = "sdpa", seed: int = 0):
-    """A seeded random model; ``seed=1`` gives a different model of the same family (an assistant that disagrees)."""
+    """A seeded random model; ``seed=1`` gives a different model of the same family (an assistant that disagrees).
+
+    Each call returns a fresh model (tests may change its config or attention), a copy of the first one built, with
+    the global RNG left as building it leaves it: the suite builds thousands, and a copy costs half a build."""
+    model, rng = _built(family, attn, seed)
+    torch.set_rng_state(rng)
+    return copy.deepcopy(model)
+
+
+@cache
+def _built(family: str, attn: str, seed: int):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(FAMILIES[family](), attn_implementation=attn).eval()
     model.generation_config.pad_token_id = PAD
     model.generation_config.eos_token_id = None  # generate the full length: compare equal-length outputs
-    return model
+    return model, torch.get_rng_state()
 
 
 def prompt(batch: str, length: int = 12, seed: int = 1) -> dict[str, torch.Tensor]:

@@ -331,8 +331,8 @@ def test_scoring_tasks_give_the_same_numbers_stepwise_in_fewer_forwards(referenc
 
     model, tokenizer = reference
     caches = ("dynamic", "int8", "int2", "sink:window=128:sinks=4", "paged:block_size=16")
-    config = EvalConfig(task=("perplexity", "repeat", "stream"), caches=caches, max_tokens=512, context=256,
-                        prefill=64, distances=(0, 200), passage=48, samples=2, stream_tokens=600, bucket=200,
+    config = EvalConfig(task=("perplexity", "repeat", "stream"), caches=caches, max_tokens=256, context=256,
+                        prefill=64, distances=(0, 200), passage=48, samples=2, stream_tokens=400, bucket=200,
                         quiet=True)  # fmt: skip
     sizes = []
     original = scoring.decode_equivalent_tokens

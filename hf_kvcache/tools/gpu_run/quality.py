@@ -26,7 +26,7 @@ __all__ = ["headline", "run"]
 
 TOKENS = 4096
 CONTEXT, PREFILL, CHUNK = 1024, 512, 4
-SMOKE = {"tokens": 600, "context": 300, "prefill": 200}
+SMOKE = {"tokens": 300, "context": 300, "prefill": 200}  # one window: its prefill encodes a 2-bit group
 
 
 def run(record: StageRecord, device: str, smoke: bool) -> None:
