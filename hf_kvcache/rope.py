@@ -280,8 +280,8 @@ def rotary_spec(
     rope_type = _scaled(getattr(module, "rope_type", "default"), layer_type)
     if rope_type in _LENGTH_DEPENDENT:
         raise ValueError(
-            f"rope_type {rope_type!r} changes its frequencies with the sequence length, so cached keys cannot be "
-            f"re-rotated exactly; use {way_out}"
+            f"model_type {getattr(config, 'model_type', '?')!r}: its rope_type {rope_type!r} changes its frequencies "
+            f"with the sequence length, so cached keys cannot be re-rotated exactly; use {way_out}"
         )
     inv_freq = getattr(module, f"{layer_type}_inv_freq", None)
     if inv_freq is None:

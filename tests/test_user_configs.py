@@ -16,6 +16,7 @@ from hf_kvcache import make_cache
 from hf_kvcache.cli import main as cli
 from hf_kvcache.plan import kv_bytes, plan_memory
 from hf_kvcache.registry import parse_spec
+from hf_kvcache.tools.supported_models import PUBLISHED
 
 COMMON = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
@@ -190,68 +191,20 @@ def test_compressed_attention_is_refused_by_what_it_keeps(spec):
             make_cache(spec, config)
 
 
-def _llama3_rope(factor: float) -> dict:
-    return {"rope_scaling": {"factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 8192, "rope_type": "llama3"}}  # fmt: skip
-
-
-_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-# Published checkpoints' config.json fields where they differ from the matrix's tiny configs (RoPE scaling as the
-# hub files spell it, attention scalars that are not 1/sqrt(head_dim), NoPE layers, sinks beside a short window,
-# latent attention under YaRN), their widths shrunk.
-PUBLISHED = {
-    "Llama-3.1-8B-Instruct": dict(model_type="llama", **_SMALL, num_key_value_heads=1, rope_theta=500000.0,
-                                  max_position_embeddings=131072, **_llama3_rope(8.0)),
-    "Qwen2.5-7B-Instruct-YaRN": dict(model_type="qwen2", **_SMALL, num_key_value_heads=2, rope_theta=1000000.0,
-                                     sliding_window=131072, use_sliding_window=False, max_window_layers=28,
-                                     rope_scaling={"factor": 4.0, "original_max_position_embeddings": 32768,
-                                                   "type": "yarn"}),
-    "gemma-2-27b-it": dict(model_type="gemma2", **_SMALL, num_key_value_heads=2, head_dim=16,
-                           query_pre_attn_scalar=144, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-                           sliding_window=16),
-    "gemma-3-4b-it": dict(model_type="gemma3_text", **(_SMALL | {"num_hidden_layers": 6}), num_key_value_heads=2,
-                          head_dim=32, query_pre_attn_scalar=256, sliding_window=16, sliding_window_pattern=6,
-                          rope_local_base_freq=10000.0, rope_theta=1000000.0,
-                          rope_scaling={"factor": 8.0, "rope_type": "linear"}),
-    "Phi-3.5-mini-instruct": dict(model_type="phi3", **_SMALL, num_key_value_heads=4,
-                                  original_max_position_embeddings=4096, max_position_embeddings=131072,
-                                  sliding_window=262144,
-                                  rope_scaling={"type": "longrope",
-                                                "long_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 3.0, 5.0, 9.0],
-                                                "short_factor": [1.0, 1.0, 1.0, 1.0, 1.05, 1.1, 1.2, 1.3]}),
-    "SmolLM3-3B": dict(model_type="smollm3", **(_SMALL | {"num_hidden_layers": 4}), num_key_value_heads=1,
-                       no_rope_layers=[1, 1, 1, 0], no_rope_layer_interval=4, use_sliding_window=False,
-                       rope_theta=5000000.0),
-    "granite-3.1-2b-instruct": dict(model_type="granite", **_SMALL, num_key_value_heads=2,
-                                    attention_multiplier=0.015625, embedding_multiplier=12.0,
-                                    residual_multiplier=0.22, logits_scaling=8.0),
-    "gpt-oss-20b": dict(model_type="gpt_oss", **(_SMALL | {"num_attention_heads": 8, "intermediate_size": 64}),
-                        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-                        sliding_window=8, layer_types=["sliding_attention", "full_attention"], attention_bias=True,
-                        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                      "truncate": False, "original_max_position_embeddings": 4096}),
-    "DeepSeek-V2-Lite-Chat": dict(model_type="deepseek_v2", **_SMALL, num_key_value_heads=4, moe_intermediate_size=32,
-                                  kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                                  v_head_dim=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-                                  first_k_dense_replace=1, topk_method="greedy",
-                                  rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
-                                                "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
-                                                "type": "yarn"}),
-}  # fmt: skip
-
-
-@pytest.mark.parametrize("name", list(PUBLISHED))
-def test_published_configs_are_served_under_the_hf_kvcache_attention(name):
-    """A published checkpoint's config fields, shrunk: int8, int2 at its defaults (rotated pre-RoPE keys where the
-    RoPE allows, sinks, smoothed keys; a small residual so that tokens are encoded) and exact pages, each under the
-    hf_kvcache attention against DynamicCache under the model's own attention, left-padded; plan reads the config."""
+@pytest.mark.parametrize("label", list(PUBLISHED))
+def test_published_configs_are_served_under_the_hf_kvcache_attention(label):
+    """A published checkpoint's config fields, shrunk: int8, int3 at its defaults (Hadamard-rotated codes, keys
+    quantized before RoPE where the RoPE allows, 4 sinks; a small residual so that tokens are encoded) and exact pages,
+    each under the hf_kvcache attention against DynamicCache under the model's own attention, left-padded; plan reads
+    the config. (The supported-models matrix runs these rows under every cache and attention: this is the suite's
+    check of them.)"""
     from models import assert_generation_matches, generate
 
     from hf_kvcache.compare import LOGIT_BOUNDS
+    from hf_kvcache.tools.supported_models import tiny_config
 
     torch.set_num_threads(1)
-    fields = dict(PUBLISHED[name])
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields, **COMMON)
+    config = tiny_config(*PUBLISHED[label])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
@@ -260,7 +213,7 @@ def test_published_configs_are_served_under_the_hf_kvcache_attention(name):
     model.set_attn_implementation("hf_kvcache")
     for spec, lossless, bound in [
         ("int8", False, LOGIT_BOUNDS["int8"]),
-        ("int2:residual_length=4:group_size=8", False, LOGIT_BOUNDS["int2"]),
+        ("int3:residual_length=4:group_size=8", False, LOGIT_BOUNDS["int3"]),
         ("paged:block_size=4", True, 0.0),
     ]:
         assert_generation_matches(generate(model, make_cache(spec, model), inputs, new=6), ref, lossless, bound)

@@ -216,6 +216,37 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # one cache layer for every loop, written by the last and read in place by the others (not through update)
     "dory (last_loop KV cache)": ("dory", {"recurrent_kv_cache_mode": "last_loop"}),
 }
+# Published checkpoints' fields, as their config.json spells them: RoPE scaling (the pre-RoPE keys of int3 / int2 are
+# turned with the scaled frequencies, or not quantized before RoPE where the frequencies change with the length),
+# attention scalars other than 1/sqrt(head_dim), NoPE layers. Rows of the matrix, and tests/test_user_configs.py's.
+PUBLISHED: dict[str, tuple[str, dict]] = {
+    "llama (llama3 RoPE scaling, Llama-3.1)": ("llama", {"rope_theta": 500000.0, "max_position_embeddings": 131072,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192}}),
+    "qwen2 (YaRN, Qwen2.5 past 32k)": ("qwen2", {"rope_theta": 1000000.0, "sliding_window": 131072,
+        "use_sliding_window": False, "max_window_layers": 28,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}),
+    "gemma2 (query_pre_attn_scalar 144, gemma-2-27b)": ("gemma2", {"query_pre_attn_scalar": 144}),
+    "gemma3_text (linear RoPE scaling, gemma-3-4b)": ("gemma3_text", {"rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}),
+    "phi3 (longrope, Phi-3.5-mini)": ("phi3", {"original_max_position_embeddings": 4096,
+        "max_position_embeddings": 131072, "rope_scaling": {"type": "longrope",
+        "long_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 3.0, 5.0, 9.0],
+        "short_factor": [1.0, 1.0, 1.0, 1.0, 1.05, 1.1, 1.2, 1.3]}}),
+    "phi3 (longrope, partial rotary, Phi-4-mini)": ("phi3", {"original_max_position_embeddings": 4096,
+        "max_position_embeddings": 131072, "partial_rotary_factor": 0.75, "rope_scaling": {"type": "longrope",
+        "long_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 6.0], "short_factor": [1.0] * 6}}),
+    "smollm3 (NoPE layers, SmolLM3-3B)": ("smollm3", {"no_rope_layers": [1, 0], "use_sliding_window": False}),
+    "granite (multipliers, granite-3.1)": ("granite", {"attention_multiplier": 0.015625, "embedding_multiplier": 12.0,
+        "residual_multiplier": 0.22, "logits_scaling": 8.0}),
+    "gpt_oss (YaRN, gpt-oss-20b)": ("gpt_oss", {"initial_context_length": 4096, "rope_scaling": {"rope_type": "yarn",
+        "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 4096}}),
+    "deepseek_v2 (YaRN with mscale, DeepSeek-V2-Lite)": ("deepseek_v2", {"rope_scaling": {"type": "yarn", "factor": 40,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 4096}}),
+}  # fmt: skip
+VARIANTS |= PUBLISHED
 # Left-padded rows of very different lengths (short, long): a quantized cache with sinks must store what plan says
 # for the long one, whatever the padding (the column `ragged`).
 RAGGED = (3, 24)
@@ -266,7 +297,10 @@ def _rebuilt(config, sizes: dict, overrides: dict):
         if sub is not None and hasattr(sub, "to_dict"):
             # As a dict, as a checkpoint's config.json passes it: the parent fills in what it shares with the child.
             kwargs[key] = _rebuilt(sub, sizes, overrides.get(key, {})).to_dict()
-    kwargs.update({k: v for k, v in overrides.items() if not isinstance(v, dict)})
+    # A dict for one of the class's sub-configs holds that sub-config's overrides (above); any other dict (RoPE
+    # scaling) is the field's value, as a checkpoint's config.json gives it.
+    subs = getattr(config, "sub_configs", {}) or {}
+    kwargs.update({k: v for k, v in overrides.items() if not (isinstance(v, dict) and k in subs)})
     kwargs = {k: v for k, v in kwargs.items() if v is not DROP}
     try:
         return type(config)(**kwargs)
