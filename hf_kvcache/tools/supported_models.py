@@ -70,6 +70,7 @@ SHRINK = {
     "num_key_value_heads": 2,
     "head_dim": 16,
     "vocab_size": VOCAB,
+    "unpadded_vocab_size": VOCAB,  # Inkling 2: its head's width (the embeddings' is vocab_size)
     "max_position_embeddings": 512,
     "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 32,
