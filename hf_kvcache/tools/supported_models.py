@@ -142,6 +142,7 @@ _DOTS3 = {
 # Per-family overrides where the generic shrink cannot build or run (the reason in a comment).
 OVERRIDES: dict[str, dict] = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2},  # no default layer kinds
+    "xmod": {"default_language": "en_XX"},  # a language's adapters must be chosen before a forward
     # Hybrids whose layer kinds derive from periods or block lists: one attention layer among two or three.
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
     "recurrent_gemma": {"num_hidden_layers": 3},  # block_types: recurrent, recurrent, attention
