@@ -204,7 +204,20 @@ def test_published_configs_are_served_under_the_hf_kvcache_attention(label):
     from hf_kvcache.tools.supported_models import tiny_config
 
     torch.set_num_threads(1)
-    config = tiny_config(*PUBLISHED[label])
+    model_type, fields = PUBLISHED[label]
+    config = tiny_config(model_type, fields)
+    # The checkpoint's fields reached the config (a dict-valued one too: RoPE scaling is a field, not a sub-config).
+    params = config.rope_parameters
+    per_kind = list(params.values()) if "rope_type" not in params else [params]  # Gemma 3: one per layer kind
+    for name, value in fields.items():
+        if name == "rope_scaling":
+            assert value.get("rope_type", value.get("type")) in {p["rope_type"] for p in per_kind}, params
+        elif name in ("rope_theta", "rope_local_base_freq"):  # folded into rope_parameters
+            assert value in {p["rope_theta"] for p in per_kind}, (name, params)
+        elif name == "sliding_window" and fields.get("use_sliding_window") is False:
+            assert config.sliding_window is None  # Qwen2's config drops an unused window, as loading Qwen2.5 does
+        else:
+            assert getattr(config, name) == value, name
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
