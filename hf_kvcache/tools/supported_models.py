@@ -929,8 +929,9 @@ def render(saved: dict) -> str:
         "and run under "
         f"`generate()` on a left-padded batch of 2 for {NEW_TOKENS} new tokens, against transformers' `DynamicCache`; "
         f"then {len(VARIANTS)} configurations popular checkpoints load that the tiny build does not reach (rows "
-        "named with their flags, e.g. multi-query Falcon, ALiBi, a flag set after construction). Each cell is one "
-        "of:",
+        "named with their flags, e.g. multi-query Falcon, ALiBi, a flag set after construction; and, named with the "
+        "checkpoint, a published config.json's fields such as Llama-3.1's RoPE scaling or Phi-3.5's longrope, as the "
+        "file spells them). Each cell is one of:",
         "",
         "- **equal**: tokens and logits equal `DynamicCache`'s (lossless caches);",
         "- **within bound** (the number: max teacher-forced logit error / std of the baseline's logits): lossy "
