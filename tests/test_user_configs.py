@@ -195,17 +195,18 @@ def test_compressed_attention_is_refused_by_what_it_keeps(spec):
 def test_published_configs_are_served_under_the_hf_kvcache_attention(label):
     """A published checkpoint's config fields, shrunk: int8, int3 at its defaults (Hadamard-rotated codes, keys
     quantized before RoPE where the RoPE allows, 4 sinks; a small residual so that tokens are encoded) and exact pages,
-    each under the hf_kvcache attention against DynamicCache under the model's own attention, left-padded; plan reads
-    the config. (The supported-models matrix runs these rows under every cache and attention: this is the suite's
+    each under the hf_kvcache attention against DynamicCache under eager (every model has it), left-padded; plan
+    reads the config. (The supported-models matrix runs these rows under every cache and attention: this is the suite's
     check of them.)"""
     from models import assert_generation_matches, generate
 
     from hf_kvcache.compare import LOGIT_BOUNDS
-    from hf_kvcache.tools.supported_models import tiny_config
+    from hf_kvcache.tools.supported_models import build
 
     torch.set_num_threads(1)
     model_type, fields = PUBLISHED[label]
-    config = tiny_config(model_type, fields)
+    model = build(model_type, "eager", fields)
+    config = model.config
     # The checkpoint's fields reached the config (a dict-valued one too: RoPE scaling is a field, not a sub-config).
     params = config.rope_parameters
     per_kind = list(params.values()) if "rope_type" not in params else [params]  # Gemma 3: one per layer kind
@@ -218,9 +219,6 @@ def test_published_configs_are_served_under_the_hf_kvcache_attention(label):
             assert config.sliding_window is None  # Qwen2's config drops an unused window, as loading Qwen2.5 does
         else:
             assert getattr(config, name) == value, name
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
     inputs = prompt("padded", 24)
     ref = generate(model, DynamicCache(config=config), inputs, new=6)
     model.set_attn_implementation("hf_kvcache")

@@ -294,14 +294,14 @@ def _rebuilt(config, sizes: dict, overrides: dict):
         kept = list(dict.fromkeys(types))[:4]
         kwargs["layer_types"] = kept if len(kept) > 1 else kept * 2
         kwargs["num_hidden_layers"] = len(kwargs["layer_types"])
-    for key in getattr(config, "sub_configs", {}) or {}:
+    subs = getattr(config, "sub_configs", {}) or {}
+    for key in subs:
         sub = getattr(config, key, None)
         if sub is not None and hasattr(sub, "to_dict"):
             # As a dict, as a checkpoint's config.json passes it: the parent fills in what it shares with the child.
             kwargs[key] = _rebuilt(sub, sizes, overrides.get(key, {})).to_dict()
     # A dict for one of the class's sub-configs holds that sub-config's overrides (above); any other dict (RoPE
     # scaling) is the field's value, as a checkpoint's config.json gives it.
-    subs = getattr(config, "sub_configs", {}) or {}
     kwargs.update({k: v for k, v in overrides.items() if not (isinstance(v, dict) and k in subs)})
     kwargs = {k: v for k, v in kwargs.items() if v is not DROP}
     try:
@@ -316,8 +316,8 @@ def _rebuilt(config, sizes: dict, overrides: dict):
 
 def tiny_config(model_type: str, variant: dict | None = None):
     """The model type's config class built small (generic sizes, then the family's overrides, then a variant's;
-    ``later:`` keys are set on the built config, as a loaded config can end up, or where a dict-valued field would
-    otherwise be read as a sub-config's overrides)."""
+    ``later:`` keys are set on the built config, as a loaded config can end up, or where a sub-config's dict is to be
+    set whole rather than read as its overrides)."""
     from transformers import CONFIG_MAPPING
 
     overrides = dict(OVERRIDES.get(model_type, {}))
