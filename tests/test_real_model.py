@@ -98,8 +98,8 @@ def test_it_copies_and_finds_passkeys_and_a_short_window_loses_them(smollm2):
         distances=(200,),
         passage=64,
         repeat_chunk=4,  # the second copy through the cache 4 tokens per forward: a quarter of the forwards
-        lengths=(1024,),
-        depths=(0.0, 0.25),  # the key is ~750 to 1,000 tokens before the question: outside a 256-token window
+        lengths=(640,),
+        depths=(0.0, 0.25),  # the key is ~450 to 640 tokens before the question: outside a 256-token window
         samples=2,
         quiet=True,
     )
