@@ -9,13 +9,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import assert_generation_matches, config_model, generate, handed_prefill_continues_alike, prefilled
+from models import (
+    assert_generation_matches,
+    config_model,
+    generate,
+    handed_prefill_continues_alike,
+    prefilled,
+    tiny_model,
+)
 from models import prompt as _prompt
 from transformers import DynamicCache
 
 from hf_kvcache import make_cache
 from hf_kvcache.attention import hf_kvcache_attention
 from hf_kvcache.compare import LOGIT_BOUNDS
+from hf_kvcache.formats.handle import KVHandle
 from hf_kvcache.layers.indexed import IndexedAttention
 from hf_kvcache.layers.inside import SplitKeys
 from hf_kvcache.memory import recurrent_state_bytes
@@ -112,6 +120,43 @@ def test_the_hf_kvcache_attention_applies_the_indexers_selection(family):
     ours, sdpa, every = runs["hf_kvcache", True], runs["sdpa", True], runs["sdpa", False]
     assert_generation_matches(ours, sdpa, True, 0.0)
     assert any((a - b).abs().amax() > 1e-3 for a, b in zip(sdpa.logits, every.logits))
+
+
+@pytest.mark.parametrize("spec", ["int4:residual_length=2:group_size=8", "int2:residual_length=2:group_size=8"])
+def test_a_selection_that_skips_a_padded_rows_sinks_skips_their_exact_copies(spec):
+    """A padded row's exact sinks reach the hf_kvcache attention as a segment outside the mask's columns (their codes'
+    copies masked out). An indexer that does not pick a sink's position hides that sink there too: attention over the
+    storage handle equals sdpa over the same cache state's materialized keys and values with the same picks."""
+    from hf_kvcache.prefill import store_prefill
+
+    model = tiny_model("llama")
+    heads, dim = model.config.num_key_value_heads, model.config.head_dim
+    g = torch.Generator().manual_seed(0)
+    kv = [(torch.randn(2, heads, 40, dim, generator=g), torch.randn(2, heads, 40, dim, generator=g))
+          for _ in range(model.config.num_hidden_layers)]  # fmt: skip
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :5] = 0  # row 1 is left-padded: its sinks are positions 5 .. 8
+    new = (torch.randn(2, heads, 1, dim, generator=g), torch.randn(2, heads, 1, dim, generator=g))
+    read = {}
+    for implementation in ("hf_kvcache", "sdpa"):
+        cache = store_prefill(make_cache(spec, model), kv, mask)
+        assert cache.sinks == 4
+        model.set_attn_implementation(implementation)
+        read[implementation] = cache.update(*new, 0)
+    model.set_attn_implementation("sdpa")
+    assert isinstance(read["hf_kvcache"][0], KVHandle) and read["hf_kvcache"][0].extra  # the sinks outside the columns
+    query = torch.randn(2, model.config.num_attention_heads, 1, dim, generator=g)
+    visible = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1).bool()[:, None, None, :]
+    left_out = (0, 2, 5, 7)  # row 0's sinks 0 and 2, row 1's first and third
+    indices = torch.tensor([p for p in range(41) if p not in left_out])[None, None, :].expand(2, 1, -1)
+    attn = model.model.layers[0].self_attn
+    outs = {
+        name: hf_kvcache_attention(attn, query, k, v, visible, scaling=dim**-0.5, indices=indices)[0]
+        for name, (k, v) in read.items()
+    }
+    torch.testing.assert_close(outs["hf_kvcache"], outs["sdpa"], rtol=1e-5, atol=1e-5)
+    every = hf_kvcache_attention(attn, query, *read["sdpa"], visible, scaling=dim**-0.5)[0]
+    assert (every - outs["sdpa"]).abs().amax() > 1e-3  # the picks change the output: the sinks' exclusion is seen
 
 
 def test_a_block_sparse_selection_the_attention_cannot_apply_is_refused():

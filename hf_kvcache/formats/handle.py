@@ -44,8 +44,11 @@ class KVHandle:
     # exact sinks mask the codes' copies of them out this way.
     columns: object = field(default=None, compare=False)
     # Leading segments outside the attention mask's columns (each row's exact sinks), with their own (B, n) masks (or
-    # None: every token), read under those only.
+    # None: every token), read under those and the attention mask's columns of the same positions (``extra_at``).
     extra: tuple = field(default=(), compare=False)
+    # Per extra segment, (B, n): the attention mask's column of each of its tokens (the codes' copy of a sink sits
+    # there), so a mask that hides a position (a sparse attention's indexer not picking it) hides its exact copy too.
+    extra_at: tuple = field(default=(), compare=False)
 
     def _refuse(self, use: str):
         raise ValueError(
@@ -85,14 +88,19 @@ def segment_inputs(
     handle's ``columns`` narrow them further."""
     col = 0
     b, _, q, _ = query.shape
+    given = mask
     if handle.columns is not None:  # one AND over every column, the segments' masks views of it
         kept = handle.columns[:, None, None, :]
         mask = kept.expand(b, 1, q, handle.length) if mask is None else mask & kept
     extra = len(handle.extra)
     for i, segment in enumerate(handle.segments):
-        if i < extra:  # outside the attention mask's columns: its own mask only
+        if i < extra:  # outside the attention mask's columns: its own mask, and the given mask at its positions
             own = handle.extra[i]
             part_mask = None if own is None else own[:, None, :].expand(b, q, segment.length)
+            if given is not None and i < len(handle.extra_at):
+                at = handle.extra_at[i].clamp(0, given.shape[-1] - 1)  # a sink not held yet: masked by its own
+                seen = given[:, 0].gather(-1, at[:, None, :].expand(b, q, segment.length))
+                part_mask = seen if part_mask is None else part_mask & seen
         else:
             part_mask = None if mask is None else mask[:, 0, :, col : col + segment.length]
             col += segment.length

@@ -46,20 +46,20 @@ class RowSinks:
         """No padding and every sink held: the sinks are positions ``0 .. count - 1`` of every row."""
         return not any(self.pads) and tokens >= self.count
 
-    def _slots(self, first: int) -> torch.Tensor:
+    def slots(self, first: int) -> torch.Tensor:
         """``(B, S)``: where each row's sink ``j`` sits among positions counted from ``first``."""
         return self.starts[:, None] + torch.arange(self.count, device=self.starts.device) - first
 
     def filled(self, tokens: int) -> torch.Tensor:
         """``(B, S)`` bool: the sinks held after ``tokens`` tokens."""
-        return self._slots(0) < tokens
+        return self.slots(0) < tokens
 
     def fill(self, keys: torch.Tensor, values: torch.Tensor, first: int) -> None:
         """Take the sinks among a forward's tokens (positions ``first ..``)."""
         n = keys.shape[2]
         if first >= max(self.pads) + self.count or n == 0:
             return
-        slots = self._slots(first)
+        slots = self.slots(first)
         take = (slots >= 0) & (slots < n)
         index = slots.clamp(0, n - 1)[:, None, :, None]  # (B, 1, S, 1)
         for mine, new in ((self.k, keys), (self.v, values)):
@@ -80,7 +80,7 @@ class RowSinks:
                 keys[:, :, : stop - start].copy_(self.k[:, :, start:stop])
                 values[:, :, : stop - start].copy_(self.v[:, :, start:stop])
             return
-        slots = self._slots(first)
+        slots = self.slots(first)
         held = self.filled(tokens) & (slots >= 0) & (slots < keys.shape[2])
         if not bool(held.any()):
             return

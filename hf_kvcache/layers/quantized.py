@@ -335,7 +335,7 @@ class QuantizedLayer(KVLayer):
         nq, nr = self.store.length, self.residual.length - n
         held = self.cumulative_length + n  # tokens stored, the joined ones included
         skip = nq + nr - visible  # tokens out of a sliding layer's window (there are no sinks there)
-        segments, columns, extra = [], None, ()
+        segments, columns, extra, extra_at = [], None, (), ()
         sinks = self.sink
         if sinks is not None and sinks.aligned(held):  # the sinks are positions 0 .. S - 1 of every row
             skip = self.sinks
@@ -343,6 +343,7 @@ class QuantizedLayer(KVLayer):
         elif sinks is not None and held > min(sinks.pads):  # a sink held: read exactly, the codes' copies masked out
             segments.append(DenseSegment(sinks.k, sinks.v))
             extra = (None if sinks.complete(held) else sinks.filled(held),)
+            extra_at = (sinks.slots(self.dropped + skip),)  # the mask's columns of their codes' copies
             total = nq + self.residual.length - skip + (0 if joined else k_new.shape[-2])  # the mask's columns
             columns = sinks.columns(self.dropped + skip, total, held)
         if skip < nq:
@@ -356,7 +357,7 @@ class QuantizedLayer(KVLayer):
             segments.append(self.residual_codec.segment(self.residual.views(), max(skip - nq, 0)))
         if not joined:
             segments.append(DenseSegment(k_new, v_new))
-        return KVHandle(tuple(segments), self.mode.model_type, columns, extra)
+        return KVHandle(tuple(segments), self.mode.model_type, columns, extra, extra_at)
 
     def _take_sinks(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Each row's sinks among a forward's tokens (positions from :attr:`cumulative_length`), kept exact."""
