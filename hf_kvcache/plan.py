@@ -444,7 +444,7 @@ def plan_memory(
     >>> config = LlamaConfig(num_hidden_layers=16, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
     >>> plan = plan_memory(config, "1GiB", context=4096, caches=("dynamic", "int4"), reserve="256MiB")
     >>> plan.row("dynamic").max_batch, plan.row("int4").max_batch
-    (38, 96)
+    (38, 101)
     """
     label = str(config) if isinstance(config, (str, Path)) else None
     config = _load_config(config)

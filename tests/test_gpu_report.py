@@ -172,7 +172,7 @@ def _main_rows(report: dict) -> dict:
 def test_thresholds_no_spills_and_loop_cost_against_dense(report):
     """At the 8B shape with one query token: no kernel spills on sm_80 or sm_90, and on sm_90 (the issue's target)
     int8 keeps >= 3 blocks resident per SM and per 64 tokens its main loop costs <= 1.5x the dense kernel's
-    instructions, KIVI 4-bit's <= 2x."""
+    instructions, KIVI's 4-bit layout's <= 2x."""
     rows = _main_rows(report)
     for (kind, arch), r in rows.items():
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (kind, arch, r["spill_stores"], r["spill_loads"])
@@ -180,7 +180,8 @@ def test_thresholds_no_spills_and_loop_cost_against_dense(report):
     assert rows[("int8", 90)]["blocks_per_sm"] >= 3, rows[("int8", 90)]  # 102 registers: 4 blocks
     dense = rows[("dense", 90)]["loop_instructions"]
     assert rows[("int8", 90)]["loop_instructions"] <= 1.5 * dense, (rows[("int8", 90)]["loop_instructions"], dense)
-    assert rows[("int4", 90)]["loop_instructions"] <= 2.0 * dense, (rows[("int4", 90)]["loop_instructions"], dense)
+    kivi4 = rows[("int4 KIVI layout", 90)]["loop_instructions"]
+    assert kivi4 <= 2.0 * dense, (kivi4, dense)
 
 
 @needs_ptxas

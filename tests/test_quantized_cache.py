@@ -878,10 +878,11 @@ def test_three_bit_head_widths_must_fill_whole_bytes():
 
 @pytest.mark.parametrize(
     "spec, dtype, magnitude",
-    [("int8", torch.float16, 6e4), ("int4", torch.float16, 6e4), ("int3", torch.float16, 3e4),
+    [("int8", torch.float16, 6e4), ("int4", torch.float16, 3e4), ("int3", torch.float16, 3e4),
      ("int2", torch.float16, 3e4), ("int2:rotate=none:sinks=0:pre_rope=false", torch.float16, 6e4),
-     ("int4:scale_dtype=float16", torch.bfloat16, 1e5)],
-    ids=["int8-fp16", "int4-fp16", "int3-fp16", "int2-fp16", "int2-kivi-fp16", "int4-fp16-scales-bf16"],
+     ("int4:rotate=none:sinks=0", torch.float16, 6e4), ("int4:rotate=none:scale_dtype=float16", torch.bfloat16, 1e5)],
+    ids=["int8-fp16", "int4-fp16", "int3-fp16", "int2-fp16", "int2-kivi-fp16", "int4-kivi-fp16",
+         "int4-fp16-scales-bf16"],
 )  # fmt: skip
 @pytest.mark.parametrize("attn", ["sdpa", "hf_kvcache"])
 def test_values_at_the_edge_of_the_16_bit_range_stay_finite(spec, dtype, magnitude, attn):
@@ -1323,7 +1324,10 @@ def test_smoothing_scales_do_not_depend_on_the_layout_and_stay_finite():
         (dict(bits=2, smooth=3), "smooth must be a number from 0 \\(off\\) to 2.0 or 'auto', got 3"),
         (dict(bits=2, smooth=True), "smooth must be a number"),
         (dict(bits=2, smooth="max"), "smooth must be a number"),
-        (dict(bits=4, smooth=1), "smooth=1 scales the keys before the Hadamard rotation .* set rotate='hadamard'"),
+        (
+            dict(bits=4, rotate=None, smooth=1),
+            "smooth=1 scales the keys before the Hadamard rotation .* set rotate='hadamard'",
+        ),
         (dict(bits=8, smooth=1), "smooth applies to the 4/3/2-bit kinds"),
         (dict(bits="fp8", smooth=1), "smooth applies to the 4/3/2-bit kinds"),
     ],

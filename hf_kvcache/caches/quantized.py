@@ -34,17 +34,22 @@ _SCALE_DTYPES = ("float32", "float16", "bfloat16")
 _KIVI_SCALES = (*_SCALE_DTYPES, E5M3_NAME)  # the names a 4/3/2-bit kind's error lists (e5m3 handled before)
 MAX_SMOOTH = 2.0  # the strength of the smoothed keys' scales: past 1 they over-correct (docs/results.md)
 # What rotate / sinks / pre_rope = "auto" (the defaults) mean at each width: the best setting measured on SmolLM2
-# through the harness's perplexity protocol (docs/results/eval-ablation.json; tests/test_quantized_cache.py checks
-# the defaults against it). 2 bits: KIVI +32.9%, all three options +2.5%; 3 bits: +2.8% -> +0.1%. At 4 bits every
-# setting is within 0.25% of DynamicCache, so KIVI's layout, the cheapest, stays; int8 needs none of them.
+# through the harness, on perplexity (docs/results/eval-ablation.json; tests/test_quantized_cache.py checks the
+# defaults against it) and on retrieval. 2 bits: KIVI +32.9%, all three options +2.5%; 3 bits: +2.8% -> +0.1%. At 4
+# bits every setting is within 0.25% on perplexity, but not on RULER's four needle tasks (1k tokens, 400 documents,
+# docs/results/report-ruler-int4.json): KIVI's layout loses 2.9 points [-5.6, -0.3], and so do 4 sinks alone, where
+# every rotated layout keeps DynamicCache's score (rotation alone -0.4; with sinks and 8-bit scales +0.6 [-1.9, +3.0];
+# with pre-RoPE keys too +0.3). So int4 rotates, with 4 sinks and 8-bit scales (the fewest bytes of them: 0.97x of
+# KIVI's layout's with float32 K/V), its keys after RoPE (pre-RoPE keys bought nothing measurable at 4 bits and cost
+# every key tile a turn in the kernel). int8 needs none of them.
 # smooth = "auto" (docs/results/eval-smooth.json, eval-ruler-smooth.json), by the width of a layer's keys: at 2 bits
 # strength 1 took perplexity from +2.51% to +0.92%, second copies from +45.7% to +34.2% and RULER's loss from 23.9 to
 # 16.4 points; with 3-bit keys (int3, int2:key_bits=3) no strength beat none. Where rotate is None it means 0 (the
 # scales act on what the rotation mixes).
 # scale_dtype = "auto" (docs/results/eval-scales.json; benchmarks/window_kl.py): 8-bit scales where the codes are
 # Hadamard-rotated (int3 / int2: KL divergence from DynamicCache through SmolLM2 over six windows 0.95x / 0.99x of
-# float32 scales', perplexity and second copies within their noise, 7% fewer bytes at 8k tokens); without a rotation
-# the K/V dtype's (int4's KL 1.41x).
+# float32 scales', perplexity and second copies within their noise, 7% fewer bytes at 8k tokens; int4: RULER and
+# perplexity as its 16-bit scales', above); without a rotation the K/V dtype's (KIVI's int4 layout: KL 1.41x).
 # residual_bits = "auto" (docs/results/eval-residual.json, eval-ruler-residual.json; benchmarks/window_kl.py): full
 # precision at every width for now. At 2 bits a rotated int8 residual measured nearly free (KL from DynamicCache over
 # six windows 1.004x, perplexity +0.90% against +0.78%, copies, passkeys and RULER at 1k unchanged) for 0.85x of int2's
@@ -56,7 +61,7 @@ _ROTATED = {"rotate": "hadamard", "sinks": 4, "pre_rope": True, "scale_dtype": "
 MEASURED_DEFAULTS = {
     8: _PLAIN,
     "fp8": _PLAIN,  # int8's bytes
-    4: _PLAIN,
+    4: {**_ROTATED, "pre_rope": False, "smooth": 0.0, "residual_bits": None},
     3: {**_ROTATED, "smooth": 0.0, "residual_bits": None},
     2: {**_ROTATED, "smooth": 1.0, "residual_bits": None},
 }
@@ -78,11 +83,12 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
       ``key_axis="token"`` quantizes keys per token like the values instead: the paper's ablation (its per-token
       keys fail at 2 bits), offered to reproduce that finding, not for use.
     * ``rotate``, ``sinks``, ``pre_rope``, ``smooth``, ``scale_dtype`` and ``residual_bits`` default to ``"auto"``:
-      the best setting measured at that width on the real model (:data:`MEASURED_DEFAULTS`: at 3 and 2 bits
-      ``rotate="hadamard", sinks=4, pre_rope=True``, where the model has RoPE, and 8-bit scales,
-      ``scale_dtype="e5m3"``; at 2 bits ``smooth=1``; at 4 and 8 bits none; ``residual_bits``: full precision at
-      every width). KIVI's own layout is ``rotate=None, sinks=0, pre_rope=False`` (spec
-      ``int2:rotate=none:sinks=0:pre_rope=false``, which also keeps 16-bit scales).
+      the best setting measured at that width on the real model (:data:`MEASURED_DEFAULTS`: at 4, 3 and 2 bits
+      ``rotate="hadamard", sinks=4`` and 8-bit scales, ``scale_dtype="e5m3"``; at 3 and 2 bits ``pre_rope=True`` too,
+      where the model has RoPE; at 2 bits ``smooth=1``; at 8 bits none; ``residual_bits``: full precision at every
+      width). KIVI's own layout is ``rotate=None, sinks=0, pre_rope=False`` (spec
+      ``int2:rotate=none:sinks=0:pre_rope=false``, which also keeps 16-bit scales); at 4 bits it loses RULER needles
+      that the rotation keeps.
 
     Every token is encoded exactly once (the prompt's tail stays in the residual; nothing is re-quantized), appends
     are amortized, and the K/V handed to attention are decoded into one workspace shared by all layers. On hybrid
@@ -111,7 +117,7 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             for the per-token groups (values, ``key_axis="token"``); per-channel key groups keep their zero points
             in the ``None`` dtype, their channel offsets being many steps from 0. At head_dim 64 or 128 with bf16
             K/V a token's scales and zero points shrink from 8 to 5 bytes per head (4 + 4 to 3 + 2). Default
-            ``"auto"``: :data:`MEASURED_DEFAULTS` (``"e5m3"`` at 3 and 2 bits with their rotation, else ``None``).
+            ``"auto"``: :data:`MEASURED_DEFAULTS` (``"e5m3"`` at 4, 3 and 2 bits with their rotation, else ``None``).
         key_axis: 4/3/2 bits only: ``"channel"`` (default, KIVI: one scale and zero point per channel over groups of
             ``group_size`` tokens) or ``"token"`` (KIVI's ablation: per token over groups of ``group_size`` channels,
             like the values; every token encoded on its own). Under the ``hf_kvcache`` attention per-token keys are

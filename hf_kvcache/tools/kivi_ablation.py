@@ -4,9 +4,10 @@ KIVI (Liu et al. 2024, https://arxiv.org/abs/2402.02750) finds that keys must be
 per token, and that per-token keys fail at 2 bits. Two kinds of rows, all scored by the harness's ``perplexity``
 task (:func:`hf_kvcache.eval.run_eval`) on the same windows and positions:
 
-* **through the cache**: ``int4`` / ``int2`` (``QuantizedKVCache``: groups of ``group_size`` tokens per key channel,
-  a full-precision residual of the last 128 tokens) with ``key_axis=channel`` (KIVI) and ``key_axis=token`` (the
-  ablation), the text fed `--chunk` tokens per forward after a prefill, each attending to what the cache returns.
+* **through the cache**: ``int4`` / ``int2`` in KIVI's layout (``QuantizedKVCache`` without rotation or sinks:
+  groups of ``group_size`` tokens per key channel, a full-precision residual of the last 128 tokens) with
+  ``key_axis=channel`` (KIVI) and ``key_axis=token`` (the ablation), the text fed `--chunk` tokens per forward after a
+  prefill, each attending to what the cache returns.
 * **fake quantization, no grouping** (the paper's simulated rows): ``DynamicCache`` under an attention wrapper that
   quantizes and dequantizes every key and value it is handed, post-RoPE as the cache stores them, per token (one
   scale / zero point per token and head, over all channels) or per channel (one per channel and head, over every
@@ -39,9 +40,10 @@ import torch
 from hf_kvcache import quant
 from hf_kvcache.eval import EvalConfig, run_eval
 
-# KIVI's layout at both widths (int4's defaults are; int2's add a rotation, sinks, pre-RoPE and smoothed keys)
+# KIVI's layout at both widths (the defaults add a rotation and sinks, int2's pre-RoPE and smoothed keys too)
+_KIVI4 = "int4:rotate=none:sinks=0"
 _KIVI2 = "int2:rotate=none:sinks=0:pre_rope=false"
-CACHE_SPECS = ("dynamic", "int4", "int4:key_axis=token", _KIVI2, f"{_KIVI2}:key_axis=token")
+CACHE_SPECS = ("dynamic", _KIVI4, f"{_KIVI4}:key_axis=token", _KIVI2, f"{_KIVI2}:key_axis=token")
 AXES = ("token", "channel")
 
 

@@ -80,6 +80,29 @@ KEYWIDTHS_POOLED = [
     "eval-ruler-keywidths-residual-4k",
     *(f"eval-ruler-keywidths-residual{suffix}-seed{seed}" for suffix, _, _, seed in KEYWIDTHS_SEEDS),
 ]
+# int4's layouts measured on RULER's needles (report-ruler-int4): KIVI's (the default then), 4 sinks, the rotation
+# alone, with sinks, with sinks and 8-bit scales (the default since), with sinks and pre-RoPE keys (int3's layout).
+INT4_LAYOUTS = (  # every option spelled out: the same caches whatever int4's defaults
+    "dynamic",
+    "int4:rotate=none:sinks=0",
+    "int3",
+    "int4:rotate=none:sinks=4",
+    "int4:rotate=hadamard:sinks=0:scale_dtype=none",
+    "int4:rotate=hadamard:sinks=4:scale_dtype=none",
+    "int4:rotate=hadamard:sinks=4:scale_dtype=e5m3",
+    "int4:rotate=hadamard:sinks=4:pre_rope=true:scale_dtype=none",
+)
+_INT4_KIVI = ",".join(INT4_LAYOUTS[:3])
+_INT4_SINKS = ",".join(["dynamic", INT4_LAYOUTS[3], INT4_LAYOUTS[7]])
+_INT4_ROTATED = ",".join(["dynamic", *INT4_LAYOUTS[4:7]])
+INT4_RULER_RUNS = (  # (name suffix, seed suffix, seed, caches)
+    ("", "", 0, _INT4_KIVI),
+    ("-sinks", "", 0, _INT4_SINKS),
+    ("-rotated", "", 0, _INT4_ROTATED),
+    ("", "-seed50", 50, ",".join([*INT4_LAYOUTS[:4], INT4_LAYOUTS[7]])),
+    ("-rotated", "-seed50", 50, _INT4_ROTATED),
+)
+
 RUNS: dict[str, list[str]] = {
     "eval-default": [
         "eval",
@@ -205,6 +228,33 @@ RUNS: dict[str, list[str]] = {
         *"--task ruler --chat-template --ruler-lengths 1024 --ruler-samples 50".split(),
         *"--ruler-tasks niah_single,niah_multikey,niah_multivalue,niah_multiquery".split(),
         *["--caches", "dynamic,int4,int3"],
+    ],
+    # int4's layouts on the same four needle tasks, 8 documents answered at a time (exactly 1,024 tokens: no padding,
+    # so each answer is the one-at-a-time run's), on eval-ruler-paired's documents (seed 0) and 200 more (seed 50),
+    # pooled by report-ruler-int4.
+    **{
+        f"eval-ruler-int4{suffix}{seed_suffix}": [
+            "eval",
+            *REAL,
+            *"--task ruler --chat-template --ruler-lengths 1024 --ruler-samples 50".split(),
+            *"--ruler-tasks niah_single,niah_multikey,niah_multivalue,niah_multiquery --generate-batch 8".split(),
+            *(["--seed", str(seed)] if seed else []),
+            *["--caches", caches],
+        ]
+        for suffix, seed_suffix, seed, caches in INT4_RULER_RUNS
+    },
+    "report-ruler-int4": [
+        "report",
+        *(f"docs/results/eval-ruler-int4{suffix}{seed_suffix}.json" for suffix, seed_suffix, _, _ in INT4_RULER_RUNS),
+        *["--caches", ",".join(INT4_LAYOUTS)],
+    ],
+    # int4's layouts on the default run's documents (perplexity, copies, passkeys; joins eval-default): KIVI's, the
+    # rotation alone, with sinks, and the default (with sinks and 8-bit scales).
+    "eval-int4-layouts": [
+        "eval",
+        *REAL,
+        *"--max-tokens 2048 --context 1024 --prefill 512 --lengths 512,1024,2048 --depths 0.25,0.75".split(),
+        *["--caches", ",".join(["dynamic", INT4_LAYOUTS[1], *INT4_LAYOUTS[4:6], "int4"])],
     ],
     # Frequent-words extraction (fwe, the task added after the RULER runs above) at their lengths and sample count,
     # every default width and 3-bit keys beside int2.
@@ -459,6 +509,13 @@ RUNS: dict[str, list[str]] = {
         STREAM_CACHES,
     ],
     # Not the CLI: benchmarks/bench_cpu.py (hf_kvcache.tools.bench_cpu), decode paths and 16-token chunks on CPU.
+    # int4's rotated layout (its default) against KIVI's, side by side in one run (eval-int4-rotated's quality).
+    "bench-cpu-int4": [
+        "bench",
+        *REAL,
+        *"--new-tokens 8 --repeats 3 --contexts 1024,4096 --attn sdpa,hf_kvcache".split(),
+        *["--caches", "dynamic,int4:rotate=none:sinks=0,int4:rotate=hadamard:sinks=4:scale_dtype=e5m3"],
+    ],
     "bench-cpu-paths": ["bench-cpu", "--model", "smollm2", "--threads", "1", "--rounds", "3"],
 }
 TOOLS = {"bench-cpu": "python benchmarks/bench_cpu.py"}  # RUNS whose first word names a tool, not a CLI command

@@ -21,9 +21,10 @@ SMOKE_MODEL = dict(
     max_position_embeddings=4096,
 )
 
-# label -> make_cache spec of every kind the run measures, as a user gets it (int3 / int2: their defaults,
-# Hadamard-rotated codes with keys quantized before RoPE, 4 sinks and 8-bit scales; int2's keys smoothed). "int2 KIVI
-# layout" prices those defaults, "int2 unsmoothed" the smoothed keys' one more launch per layer (the query times the
+# label -> make_cache spec of every kind the run measures, as a user gets it (int4 / int3 / int2: their defaults,
+# Hadamard-rotated codes, 4 sinks and 8-bit scales; int3's and int2's keys quantized before RoPE, int2's smoothed).
+# "int4 KIVI layout" prices int4's rotation and sinks (KIVI's layout, int4's default before the rotation), "int2 KIVI
+# layout" int2's defaults, "int2 unsmoothed" the smoothed keys' one more launch per layer (the query times the
 # scales), "int2 16-bit scales" its 8-bit scales (a shift and a product per scale in the decode kernel), "int2 int8
 # residual" the rotated int8 residual option (read by the int8 kernel, encoded with its rotation in one launch).
 CACHE_KINDS = {
@@ -34,6 +35,7 @@ CACHE_KINDS = {
     "paged": "paged",
     "paged int8": "paged:bits=8",
     "int2 KIVI layout": "int2:rotate=none:sinks=0:pre_rope=false",
+    "int4 KIVI layout": "int4:rotate=none:sinks=0",
     "int2 unsmoothed": "int2:smooth=0",
     "int2 16-bit scales": "int2:scale_dtype=none",
     "int2 int8 residual": "int2:residual_bits=8",
