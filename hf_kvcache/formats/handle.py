@@ -97,9 +97,12 @@ def segment_inputs(
         if i < extra:  # outside the attention mask's columns: its own mask, and the given mask at its positions
             own = handle.extra[i]
             part_mask = None if own is None else own[:, None, :].expand(b, q, segment.length)
-            if given is not None and i < len(handle.extra_at):
-                at = handle.extra_at[i].clamp(0, given.shape[-1] - 1)  # a sink not held yet: masked by its own
-                seen = given[:, 0].gather(-1, at[:, None, :].expand(b, q, segment.length))
+            if given is not None and i < len(handle.extra_at):  # one gather per step once every sink is held
+                at = handle.extra_at[i]
+                if own is not None:  # a sink not held yet may sit past the mask's end: its own mask hides it
+                    at = at.clamp(0, given.shape[-1] - 1)
+                rows = given.expand(b, 1, q, given.shape[-1])[:, 0]
+                seen = rows.gather(-1, at[:, None, :].expand(b, q, segment.length))
                 part_mask = seen if part_mask is None else part_mask & seen
         else:
             part_mask = None if mask is None else mask[:, 0, :, col : col + segment.length]

@@ -37,6 +37,7 @@ class RowSinks:
         self.pads = tuple(pads)
         self.starts = torch.tensor(self.pads, device=self.k.device)  # (B,) each row's first real token
         self._kept: torch.Tensor | None = None  # columns() once every sink is held, for the positions so far
+        self._at: tuple[int, torch.Tensor] | None = None  # (first, positions(first)): one tensor for every step
 
     def complete(self, tokens: int) -> bool:
         """Every row holds all its sinks once ``tokens`` tokens are stored."""
@@ -49,6 +50,12 @@ class RowSinks:
     def slots(self, first: int) -> torch.Tensor:
         """``(B, S)``: where each row's sink ``j`` sits among positions counted from ``first``."""
         return self.starts[:, None] + torch.arange(self.count, device=self.starts.device) - first
+
+    def positions(self, first: int) -> torch.Tensor:
+        """:meth:`slots` from ``first``, kept: a decode step reads the same tensor (no launch)."""
+        if self._at is None or self._at[0] != first:
+            self._at = (first, self.slots(first))
+        return self._at[1]
 
     def filled(self, tokens: int) -> torch.Tensor:
         """``(B, S)`` bool: the sinks held after ``tokens`` tokens."""
@@ -112,7 +119,7 @@ class RowSinks:
     def to(self, device, non_blocking: bool = False) -> None:
         self.k, self.v = self.k.to(device, non_blocking=non_blocking), self.v.to(device, non_blocking=non_blocking)
         self.starts = self.starts.to(device)
-        self._kept = None
+        self._kept = self._at = None
 
     @property
     def nbytes(self) -> int:

@@ -343,7 +343,7 @@ class QuantizedLayer(KVLayer):
         elif sinks is not None and held > min(sinks.pads):  # a sink held: read exactly, the codes' copies masked out
             segments.append(DenseSegment(sinks.k, sinks.v))
             extra = (None if sinks.complete(held) else sinks.filled(held),)
-            extra_at = (sinks.slots(self.dropped + skip),)  # the mask's columns of their codes' copies
+            extra_at = (sinks.positions(self.dropped + skip),)  # the mask's columns of their codes' copies
             total = nq + self.residual.length - skip + (0 if joined else k_new.shape[-2])  # the mask's columns
             columns = sinks.columns(self.dropped + skip, total, held)
         if skip < nq:
