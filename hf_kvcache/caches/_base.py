@@ -41,7 +41,7 @@ def _difference(built: list[LayerSpec], given: list[LayerSpec]) -> str:
 # The layout of a saved cache: bumped with any change to what a cache, its layers or their storage pickle, so that
 # a file of another layout is refused by name (hf_kvcache's release number alone moves less often). The test of the
 # saved layout (tests/test_saved_cache.py) records the classes and attributes each number stands for.
-SAVED_FORMAT = 2
+SAVED_FORMAT = 3
 
 
 def _stamp() -> dict[str, object]:
