@@ -1169,6 +1169,33 @@ def test_smooth_stores_scaled_keys_and_reads_them_back():
     assert smooth.layers[0].key_scale is None  # a reset cache measures its next prompt's keys anew
 
 
+@pytest.mark.parametrize("residual_bits", [None, 8])
+def test_smoothing_scales_are_measured_on_every_token_the_layer_holds_at_its_first_encode(residual_bits):
+    """A row's scales come from the chunk a layer first encodes and the residual's tokens after it: a prompt's
+    every token, and for a short prompt, the residual and the group a decode step encodes (32 tokens here, not the
+    16 encoded), whether the residual holds them exactly or in int8 (then as it decodes them)."""
+    from hf_kvcache.formats.scaled import smoothing_scales
+    from hf_kvcache.rope import rotate_positions
+
+    config = _config(head_dim=32, layers=1)
+    pre, v = _kv(200, head_dim=32, seed=3)
+    pre[..., 6] = 40.0 + 0.05 * pre[..., 6]
+    options = dict(bits=2, group_size=16, residual_length=16, sinks=0, smooth=1, residual_bits=residual_bits)
+    rope = QuantizedKVCache(config, **options).key_ropes["full_attention"]
+    k = rotate_positions(pre, 0, rope)
+    tolerance = dict(rtol=1e-4, atol=1e-5) if residual_bits is None else dict(rtol=2e-2, atol=2e-2)
+    prompt = QuantizedKVCache(config, **options)
+    _feed(prompt, k, v)
+    assert prompt.layers[0].quantized_tokens == 176
+    torch.testing.assert_close(prompt.layers[0].key_scale, smoothing_scales(pre, 1.0, rope), **tolerance)
+    decoded = QuantizedKVCache(config, **options)
+    _feed(decoded, k[:, :, :40], v[:, :, :40], (10,) + (1,) * 30)
+    assert decoded.layers[0].quantized_tokens == 16  # the first group left when the layer held 32 tokens
+    held = smoothing_scales(pre[:, :, :32], 1.0, rope)
+    torch.testing.assert_close(decoded.layers[0].key_scale, held, **tolerance)
+    assert not torch.allclose(held, smoothing_scales(pre[:, :, :16], 1.0, rope), rtol=1e-2, atol=1e-2)
+
+
 def _offset_keys(tokens, channel, seed, head_dim=32):
     """Keys before RoPE with an offset channel (its RoPE pair's scale the largest), turned as the model hands them."""
     from hf_kvcache.rope import rotate_positions

@@ -185,8 +185,9 @@ class QuantizedKVCache(PaddingObserverMixin, KVCacheReportMixin, Cache):
             ``rotate="hadamard"``), or ``"auto"`` (default: :data:`MEASURED_DEFAULTS` by the width of each layer's
             keys, 1 for 2-bit keys, 0 for wider ones and where ``rotate`` is None; :meth:`layer_smooth`). Keys are
             stored times per-channel scales ``(E[k^2] / Var k) ** (smooth / 4)`` (one per RoPE channel pair,
-            geometric mean 1), measured per layer, batch row and KV head on the first real tokens the layer encodes
-            of the row and kept until ``reset()`` (a row's codes do not depend on the rows beside it); reads divide
+            geometric mean 1), measured per layer, batch row and KV head when the layer first encodes real tokens
+            of the row, on every token it then holds of the row (the chunk and the residual), and kept until
+            ``reset()`` (a row's codes do not depend on the rows beside it); reads divide
             them back, and the kernels read the codes with the query divided instead
             (``q . k = (q / s) . (k * s)``: scores are unchanged). A channel whose keys share a large offset and
             vary little is where queries are large; the rotation spreads the other channels' rounding error into

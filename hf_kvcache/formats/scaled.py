@@ -60,7 +60,8 @@ def smoothing_scales(keys: torch.Tensor, strength: float, rope: RotarySpec | Non
     k = torch.where(finite, k, 0.0)
     second = k.pow(2).sum(2) / count
     mean = k.sum(2) / count
-    variance = (second - mean.pow(2)).clamp_min(0)
+    # two passes: E[k^2] - mean^2 cancels in float32 on the offset channels whose scales matter most
+    variance = torch.where(finite, k - mean[:, :, None], 0.0).pow(2).sum(2) / count
     second, variance = pair_channels(second, rope), pair_channels(variance, rope)
     floor = second.mean(-1, keepdim=True) * 1e-12 + torch.finfo(torch.float32).tiny
     ratio = ((second + floor) / (variance + floor)).clamp(1.0, _MAX_RATIO)

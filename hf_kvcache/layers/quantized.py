@@ -19,6 +19,7 @@ otherwise the history is decoded into the shared workspace.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -390,7 +391,7 @@ class QuantizedLayer(KVLayer):
                 ends = [p - first for p in self._pads]
                 ke, ve = fill_front(ke, ends), fill_front(ve, ends)
             if self.smooth:
-                ke = self._smoothed(ke, first)
+                ke = self._smoothed(ke, first, lambda: self._staying(from_res, k[:, :, from_new:]))
             encode_into = getattr(self.codec, "encode_into", None)
             if encode_into is not None:  # int8, KIVI: encoded straight into the storage, one launch on CUDA
                 self.store.append_written(
@@ -403,21 +404,25 @@ class QuantizedLayer(KVLayer):
         if k.shape[-2]:
             self._residual_append(k, v)
 
-    def _smoothed(self, ke: torch.Tensor, first: int) -> torch.Tensor:
+    def _smoothed(self, ke: torch.Tensor, first: int, staying: Callable[[], torch.Tensor]) -> torch.Tensor:
         """A chunk of keys (positions ``first ..``, before :meth:`_append` encodes them) times their rows' scales. A
         row's scales are set, for good, by the first chunk holding one of its ordinary tokens (past its padding and
-        sinks), from that chunk's tokens without its padding: a short row left-padded beside long ones waits for its
-        own tokens (its codes until then are padding, never read) instead of taking scales from nothing."""
+        sinks), from that chunk's tokens and those staying in the residual (``staying()``, the keys that follow the
+        chunk), without its padding: at least ``residual_length + 1`` of the row's own tokens, where the chunk alone
+        can be a single key group (fewer tokens, noisier scales). A short row left-padded beside long ones waits for
+        its own tokens (its codes until then are padding, never read) instead of taking scales from nothing."""
         if self.key_scale is None:
             b, h, _, d = ke.shape
             self.key_scale = torch.ones((b, h, d), dtype=torch.float32, device=ke.device)
-        n = ke.shape[2]
-        ready = [r for r in self._unscaled if first + n > self._pads[r] + self.sinks]
+        ready = [r for r in self._unscaled if first + ke.shape[2] > self._pads[r] + self.sinks]
         if ready:
-            stats = ke
+            rest = staying()
+            if self.key_rope is not None:
+                rest = rotate_positions(rest, first + ke.shape[2], self.key_rope, inverse=True)
+            stats = torch.cat([ke, rest.to(ke.dtype)], dim=2)
             if any(self._pads[r] > first for r in ready):  # padding left out of the statistics
-                padding = front_mask([p - first for p in self._pads], n, ke.device)
-                stats = ke.masked_fill(padding[:, None, :, None], float("nan"))
+                padding = front_mask([p - first for p in self._pads], stats.shape[2], ke.device)
+                stats = stats.masked_fill(padding[:, None, :, None], float("nan"))
             if len(ready) < ke.shape[0]:
                 rows = torch.tensor(ready, device=ke.device)
                 self.key_scale[rows] = smoothing_scales(stats[rows], self.smooth, self.key_rope)
@@ -426,6 +431,14 @@ class QuantizedLayer(KVLayer):
             self.query_scale = self.key_scale.reciprocal().to(self.dtype)
             self._unscaled = tuple(r for r in self._unscaled if r not in ready)
         return scale_keys(ke, self.key_scale)
+
+    def _staying(self, from_res: int, new_k: torch.Tensor) -> torch.Tensor:
+        """The keys an encode leaves in the residual, as the model handed them: the residual's past its oldest
+        ``from_res`` and the forward's ``new_k`` that follow."""
+        if self.residual.length <= from_res:
+            return new_k
+        held = self._residual_front(self.residual.length)[0][:, :, from_res:]
+        return torch.cat([held, new_k.to(held.dtype)], dim=2)
 
     @property
     def reads_padding(self) -> bool:
