@@ -56,6 +56,9 @@ MAX_SMOOTH = 2.0  # the strength of the smoothed keys' scales: past 1 they over-
 # bytes at 2k tokens, but it decodes slower on the CPU (0.90x-0.94x of int2's tokens/s through SmolLM2),
 # and a forward of several tokens is not decoding's (int8 rounds each token's numbers as a longer forward's float
 # order gives them), so the harness scores it one token per forward. At 3 bits it costs KL 1.075x.
+# int3 on RULER's needles (1k tokens, 400 documents: docs/results/eval-ruler-int3*.json, report-ruler-int3) loses
+# 4.7 points; strength-1 smoothing, key groups of 32 and int8 boundary layers leave it -3.8 to -4.9, only 4-bit keys
+# (key_bits=4, 0.251x of bf16 at 8k against 0.220x) buy it back (-0.6): int3 keeps these defaults, its bytes.
 _PLAIN = {"rotate": None, "sinks": 0, "pre_rope": False, "smooth": 0.0, "scale_dtype": None, "residual_bits": None}
 _ROTATED = {"rotate": "hadamard", "sinks": 4, "pre_rope": True, "scale_dtype": "e5m3"}
 MEASURED_DEFAULTS = {

@@ -103,6 +103,8 @@ INT4_RULER_RUNS = (  # (name suffix, seed suffix, seed, caches)
     ("-rotated", "-seed50", 50, _INT4_ROTATED),
 )
 
+INT3_OPTIONS = ("int3:smooth=1", "int3:group_size=32", "int3:key_bits=4", "int3:boundary_layers=2")
+
 RUNS: dict[str, list[str]] = {
     "eval-default": [
         "eval",
@@ -247,6 +249,26 @@ RUNS: dict[str, list[str]] = {
         "report",
         *(f"docs/results/eval-ruler-int4{suffix}{seed_suffix}.json" for suffix, seed_suffix, _, _ in INT4_RULER_RUNS),
         *["--caches", ",".join(INT4_LAYOUTS)],
+    ],
+    # int3 with more bytes where RULER's needles may need them, on report-ruler-int4's documents (seeds 0 and 50, 8
+    # answered at a time), joined with its DynamicCache and int3: smoothed keys (no more bytes), key groups of 32
+    # tokens, 4-bit keys (3.5 bits an element), and the first and last two layers in int8.
+    **{
+        f"eval-ruler-int3{seed_suffix}": [
+            "eval",
+            *REAL,
+            *"--task ruler --chat-template --ruler-lengths 1024 --ruler-samples 50".split(),
+            *"--ruler-tasks niah_single,niah_multikey,niah_multivalue,niah_multiquery --generate-batch 8".split(),
+            *(["--seed", str(seed)] if seed else []),
+            *["--caches", ",".join(INT3_OPTIONS)],
+        ]
+        for seed_suffix, seed in (("", 0), ("-seed50", 50))
+    },
+    "report-ruler-int3": [
+        "report",
+        *(f"docs/results/{name}.json" for name in ("eval-ruler-int4", "eval-ruler-int4-seed50")),
+        *(f"docs/results/eval-ruler-int3{seed_suffix}.json" for seed_suffix in ("", "-seed50")),
+        *["--caches", ",".join(["dynamic", "int3", *INT3_OPTIONS])],
     ],
     # int4's layouts on the default run's documents (perplexity, copies, passkeys; joins eval-default): KIVI's, the
     # rotation alone, with sinks, and the default (with sinks and 8-bit scales).
